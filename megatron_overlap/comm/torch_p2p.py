@@ -1,0 +1,52 @@
+"""`torch_p2p`: the transport contract on torch.distributed. Batched isend/irecv
+for ring steps and torch's async collectives for the rest. NCCL runs them on its
+own communication streams (so they overlap the GEMMs on the compute stream);
+gloo runs them on its own threads on CPU. Works across nodes and any topology."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .transport import Handle, SendRecv, Transport
+
+
+class _Works(Handle):
+    def __init__(self, works: Sequence[dist.Work], timeout):
+        self._works, self._timeout = list(works), timeout
+
+    def wait(self) -> None:
+        for work in self._works:
+            if not work.wait(self._timeout):
+                raise TimeoutError(f"no completion within {self._timeout}")
+        self._works.clear()
+
+
+class TorchP2PTransport(Transport):
+    name = "torch_p2p"
+
+    def __init__(self, group: dist.ProcessGroup, timeout=None):
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout)
+        self.group = group
+        self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
+
+    def _start_exchange(self, sends: Sequence[SendRecv], recvs: Sequence[SendRecv]) -> Handle:
+        ops = [dist.P2POp(dist.isend, t, self._global[p], self.group) for t, p in sends]
+        ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group) for t, p in recvs]
+        return _Works(dist.batch_isend_irecv(ops) if ops else [], self.timeout)
+
+    def _start_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Handle:
+        return _Works([dist.all_gather_into_tensor(out, inp.contiguous(), group=self.group,
+                                                   async_op=True)], self.timeout)
+
+    def _start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Handle:
+        return _Works([dist.reduce_scatter_tensor(out, inp.contiguous(), group=self.group,
+                                                  async_op=True)], self.timeout)
+
+    def _start_all_reduce(self, tensor: torch.Tensor) -> Handle:
+        return _Works([dist.all_reduce(tensor, group=self.group, async_op=True)], self.timeout)
+
+    def describe(self) -> dict[str, object]:
+        return {**super().describe(), "dist_backend": str(dist.get_backend(self.group))}

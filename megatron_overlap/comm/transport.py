@@ -1,0 +1,119 @@
+"""The transport contract: the few ways a schedule moves chunks between the
+ranks of one tensor-parallel group. Every backend (torch_p2p, symm, nvshmem)
+implements the four `_start_*` methods; the overlap algorithms are written once
+against the public ones and run unchanged on all of them.
+
+Every call only *starts* a transfer and returns a `Handle`; the schedule puts
+GEMMs between the start and the `wait()`. The public methods record both ends
+in the trace (`comm.trace`), so tests can check what overlapped what.
+"""
+
+from __future__ import annotations
+
+import abc
+import datetime
+import os
+from typing import Sequence
+
+import torch
+
+from . import trace
+
+Peer = int  # a rank *within* the TP group
+SendRecv = tuple[torch.Tensor, Peer]
+
+
+def default_timeout() -> datetime.timedelta:
+    """How long a wait may block before it is a diagnosed failure, not a hang."""
+    return datetime.timedelta(seconds=float(os.environ.get("MEGATRON_OVERLAP_TIMEOUT_S", "300")))
+
+
+class CommError(RuntimeError):
+    """A transfer failed or timed out; the message names rank, op, chunk and peers."""
+
+
+class Handle(abc.ABC):
+    """One started transfer. `wait()` returns once its buffers may be read / reused
+    (on a GPU: once the current stream is ordered after it)."""
+
+    @abc.abstractmethod
+    def wait(self) -> None: ...
+
+
+class _TracedHandle(Handle):
+    def __init__(self, inner: Handle, transport: "Transport", op: str, chunk: int, peers: str):
+        self._inner, self._transport, self._op, self._chunk, self._peers = (
+            inner, transport, op, chunk, peers)
+
+    def wait(self) -> None:
+        try:
+            self._inner.wait()
+        except Exception as exc:  # timeouts and peer failures surface here
+            t = self._transport
+            raise CommError(
+                f"megatron_overlap[{t.name}]: rank {t.rank}/{t.world_size} waited for "
+                f"'{self._op}' chunk {self._chunk} ({self._peers}) and it failed: {exc}. "
+                f"A peer may have crashed, run a different schedule, or be slower than "
+                f"MEGATRON_OVERLAP_TIMEOUT_S={t.timeout.total_seconds():g}s."
+            ) from exc
+        trace.record("wait", self._op, self._chunk)
+
+
+class Transport(abc.ABC):
+    """Moves chunks within one TP group. `rank` and peers are group-local ranks."""
+
+    name: str = "abstract"
+
+    def __init__(self, rank: int, world_size: int, timeout: datetime.timedelta | None = None):
+        self.rank, self.world_size = rank, world_size
+        self.timeout = timeout or default_timeout()
+
+    # -- the contract: what a schedule calls -------------------------------------------
+    def exchange(self, sends: Sequence[SendRecv], recvs: Sequence[SendRecv], *,
+                 op: str, chunk: int) -> Handle:
+        """Send each tensor to its peer and receive each buffer from its peer, at once
+        (one ring step; both ring directions when `aggregate` is on)."""
+        peers = ", ".join([f"to {p}" for _, p in sends] + [f"from {p}" for _, p in recvs])
+        return self._started(self._start_exchange(sends, recvs), op, chunk, peers)
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, op: str, chunk: int = 0) -> Handle:
+        """`out` (world_size x rows of `inp`) receives every rank's `inp`, in rank order."""
+        return self._started(self._start_all_gather(out, inp), op, chunk, "all ranks")
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, op: str, chunk: int = 0) -> Handle:
+        """`out` receives the sum over ranks of this rank's row block of `inp`."""
+        return self._started(self._start_reduce_scatter(out, inp), op, chunk, "all ranks")
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str, chunk: int = 0) -> Handle:
+        """`tensor` becomes the sum over ranks, in place."""
+        return self._started(self._start_all_reduce(tensor), op, chunk, "all ranks")
+
+    # -- what a backend implements -------------------------------------------------------
+    @abc.abstractmethod
+    def _start_exchange(self, sends: Sequence[SendRecv], recvs: Sequence[SendRecv]) -> Handle: ...
+
+    @abc.abstractmethod
+    def _start_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Handle: ...
+
+    @abc.abstractmethod
+    def _start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Handle: ...
+
+    @abc.abstractmethod
+    def _start_all_reduce(self, tensor: torch.Tensor) -> Handle: ...
+
+    def describe(self) -> dict[str, object]:
+        """What telemetry logs about this transport."""
+        return {"transport": self.name, "tp_size": self.world_size}
+
+    # -- helpers -------------------------------------------------------------------------
+    def _started(self, handle: Handle, op: str, chunk: int, peers: str) -> Handle:
+        trace.record("start", op, chunk)
+        return _TracedHandle(handle, self, op, chunk, peers)
+
+    @property
+    def right(self) -> int:
+        return (self.rank + 1) % self.world_size
+
+    @property
+    def left(self) -> int:
+        return (self.rank - 1) % self.world_size

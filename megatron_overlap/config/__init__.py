@@ -1,0 +1,20 @@
+"""Per-GEMM overlap settings in Transformer Engine's ``ub_cfgs`` format.
+
+Loads TE/NeMo/Megatron userbuffers YAML (or a dict, or nothing for TE's
+defaults), validates it with TE's rules, and reports which keys a backend of
+this package ignores. Knows nothing of torch.
+
+    cfg = OverlapConfig.load("ub_cfg.yaml")
+    cfg["proj_fprop"].splits(tp_size=8)
+    print(cfg.table("torch_p2p", tp_size=8))
+"""
+
+from .errors import ConfigError, UnknownLayerError
+from .names import BACKENDS, KEYS, LAYER_NAMES, METHODS
+from .overlap import OverlapConfig
+from .settings import LayerSettings
+
+__all__ = [
+    "LAYER_NAMES", "METHODS", "BACKENDS", "KEYS",
+    "ConfigError", "UnknownLayerError", "LayerSettings", "OverlapConfig",
+]

@@ -1,0 +1,92 @@
+"""The vocabulary of a TP-overlap config and Transformer Engine's defaults for it.
+
+Everything here mirrors ``initialize_ub`` in Transformer Engine's
+``transformer_engine/pytorch/module/base.py`` (its ``methods`` table,
+``layers_all_gather_overlap`` / ``layers_reduce_scatter_overlap`` lists, the
+AG/RS pairs and ``get_default_config``), so that a TE ``ub_cfgs`` file means
+the same thing here. Pure data: no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LAYER_NAMES: tuple[str, ...] = (
+    "qkv_fprop", "qkv_dgrad", "qkv_wgrad",
+    "proj_fprop", "proj_dgrad", "proj_wgrad",
+    "fc1_fprop", "fc1_dgrad", "fc1_wgrad",
+    "fc2_fprop", "fc2_dgrad", "fc2_wgrad",
+)
+METHODS: tuple[str, ...] = ("ring_exchange", "pipeline", "bulk", "external")
+BACKENDS: tuple[str, ...] = ("torch_p2p", "symm", "nvshmem")
+
+# TE's ub_cfgs keys, in the order they are written out.
+KEYS: tuple[str, ...] = (
+    "method", "num_sm", "cga_size", "set_sm_margin", "num_splits", "atomic_gemm", "use_ce",
+    "aggregate", "fp8_buf", "comm_priority", "gemm_priority", "pipeline_rs_overlap_first_gemm",
+)
+# Keys TE's add_ub() also takes from ub_cfgs (documented in initialize_ub's docstring) but that
+# are derived here from the layer and its method; accepted only when they agree.
+DERIVED_KEYS: tuple[str, ...] = ("is_reduce_scatter",)
+
+# TE's `methods` table: the method each layer gets when ub_cfgs does not name one.
+DEFAULT_METHODS: dict[str, str] = {
+    "qkv_fprop": "ring_exchange", "fc1_fprop": "ring_exchange",
+    "proj_dgrad": "ring_exchange", "fc2_dgrad": "ring_exchange",
+    "proj_fprop": "pipeline", "fc2_fprop": "pipeline",
+    "qkv_dgrad": "bulk", "qkv_wgrad": "bulk", "fc1_dgrad": "bulk", "fc1_wgrad": "bulk",
+    "proj_wgrad": "external", "fc2_wgrad": "external",
+}
+
+# TE's layers_all_gather_overlap / layers_reduce_scatter_overlap (before the rs-dgrad switch).
+ALL_GATHER_LAYERS = frozenset({"qkv_fprop", "qkv_dgrad", "proj_dgrad", "proj_wgrad",
+                               "fc1_fprop", "fc1_dgrad", "fc2_dgrad", "fc2_wgrad"})
+REDUCE_SCATTER_LAYERS = frozenset({"proj_fprop", "fc2_fprop", "qkv_wgrad", "fc1_wgrad"})
+# TE's dgrad_reduce_scatter_overlap: a non-bulk method turns these into GEMM+RS overlaps and
+# leaves their wgrad partner unused.
+RS_DGRAD_LAYERS: tuple[str, ...] = ("qkv_dgrad", "fc1_dgrad")
+BULK_LAYERS = frozenset({"qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad"})
+# TE's ag_rs_pairs: AG and RS halves of one TP block (atomic ring-exchange must match).
+AG_RS_PAIRS: dict[str, str] = {"qkv_fprop": "proj_fprop", "fc1_fprop": "fc2_fprop"}
+# TE's external_gemm_to_overlap: these wgrads all-gather on their dgrad's ring-exchange streams.
+EXTERNAL_PAIRS: dict[str, str] = {"proj_wgrad": "proj_dgrad", "fc2_wgrad": "fc2_dgrad"}
+
+TE_PIPELINE_SPLITS = 4  # get_default_config's num_splits for every non-ring method
+MAX_CGA_SIZE = 8  # CUDA's portable thread-block-cluster limit; TE passes cga_size through
+
+
+def is_reduce_scatter(name: str, method: str) -> bool:
+    """TE's AG/RS classification: fixed per layer, except that a dgrad in
+    RS_DGRAD_LAYERS reduce-scatters as soon as its method is not bulk."""
+    if name in RS_DGRAD_LAYERS:
+        return method != "bulk"
+    return name in REDUCE_SCATTER_LAYERS
+
+
+def wgrad_of(dgrad: str) -> str:
+    return dgrad.replace("dgrad", "wgrad")
+
+
+def te_defaults(name: str, method: str | None = None) -> dict[str, Any]:
+    """get_default_config() for one layer, keyed by the method the layer ends up with.
+
+    comm_priority / gemm_priority are 0: TE asks CUDA for the stream-priority range
+    (comm highest, GEMM lowest), and TE's C++ CommOverlapCore treats 0/0 as exactly that
+    request, so 0/0 is "TE's default" without querying a device here.
+    """
+    method = method or DEFAULT_METHODS[name]
+    ring = method == "ring_exchange"
+    return {
+        "method": method,
+        "num_sm": 1 if ring else 16,
+        "cga_size": 1 if ring else 2,
+        "set_sm_margin": not ring,
+        "num_splits": None if ring else TE_PIPELINE_SPLITS,  # None: TP size
+        "atomic_gemm": False,
+        "use_ce": True,
+        "aggregate": False,
+        "fp8_buf": not is_reduce_scatter(name, method),
+        "comm_priority": 0,
+        "gemm_priority": 0,
+        "pipeline_rs_overlap_first_gemm": False,
+    }

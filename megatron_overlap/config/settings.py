@@ -1,0 +1,162 @@
+"""LayerSettings: the overlap settings of one GEMM, validated on construction so
+that no invalid combination can exist past the config layer."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from . import effects as _effects
+from .errors import bad_value, did_you_mean, listed, unknown_layer
+from .names import (
+    BULK_LAYERS, EXTERNAL_PAIRS, LAYER_NAMES, MAX_CGA_SIZE, METHODS, TE_PIPELINE_SPLITS,
+    is_reduce_scatter, te_defaults,
+)
+
+_WGRAD_BULK_ONLY = frozenset(BULK_LAYERS) - {"qkv_dgrad", "fc1_dgrad"}
+
+
+def method_error(name: str, method: str) -> str | None:
+    """Why `method` cannot drive layer `name`, or None when it can.
+
+    TE's own checks in initialize_ub: `pipeline` is refused for all-gather layers and
+    proj_wgrad/fc2_wgrad must be `external`. The others are refused here because TE accepts
+    them at init and then fails (or quietly runs another algorithm) in the first GEMM:
+    bulk/external objects cannot do a split all-gather, a ring-exchange object cannot do a
+    bulk wgrad, and a bulk or external label on a GEMM+RS layer runs TE's pipeline path.
+    """
+    if name in EXTERNAL_PAIRS and method != "external":
+        return (f"TE requires `external` for {name}: it all-gathers on "
+                f"{EXTERNAL_PAIRS[name]}'s ring-exchange streams")
+    if name in _WGRAD_BULK_ONLY and method != "bulk":
+        return f"{name} only overlaps the dgrad reduce-scatter in bulk (TE calls bulk_overlap on it)"
+    if method == "pipeline" and not is_reduce_scatter(name, method):
+        return (f"{name} is an all-gather overlap and TE rejects `pipeline` for all-gather "
+                "(\"`pipeline` overlap method is not supported for AllGather\")")
+    if method == "external" and name not in EXTERNAL_PAIRS:
+        return f"`external` is only for {listed(EXTERNAL_PAIRS)}"
+    if method == "bulk" and name not in BULK_LAYERS:
+        return f"`bulk` is only for {listed(sorted(BULK_LAYERS, key=LAYER_NAMES.index))}"
+    return None
+
+
+def allowed_methods(name: str) -> tuple[str, ...]:
+    return tuple(m for m in METHODS if method_error(name, m) is None)
+
+
+_BOOL_KEYS = frozenset({"set_sm_margin", "atomic_gemm", "use_ce", "aggregate", "fp8_buf",
+                        "pipeline_rs_overlap_first_gemm", "is_reduce_scatter"})
+_INT_RANGES = {  # key -> (lowest, highest or None, what the message says is allowed)
+    "num_sm": (1, None, "an int >= 1"),
+    "cga_size": (1, MAX_CGA_SIZE, f"an int in 1..{MAX_CGA_SIZE} (CUDA's portable cluster size)"),
+    "num_splits": (1, None, "an int >= 1, or null for TE's default"),
+    "comm_priority": (None, None, "an int (CUDA stream priority; 0 and lower)"),
+    "gemm_priority": (None, None, "an int (CUDA stream priority; 0 and lower)"),
+}
+
+
+def coerce(layer: str, key: str, value: Any) -> Any:
+    """Check one key's type and range and return it normalised (0/1 -> bool)."""
+    if key == "method":
+        if not (isinstance(value, str) and value in METHODS):
+            raise bad_value(layer, key, value, listed(METHODS), did_you_mean(value, METHODS))
+        return value
+    if key in _BOOL_KEYS:
+        if isinstance(value, int) and value in (0, 1):  # bool is an int too
+            return bool(value)
+        raise bad_value(layer, key, value, "true/false or 0/1")
+    if key == "num_splits" and value is None:
+        return None
+    low, high, what = _INT_RANGES[key]
+    if (not isinstance(value, int) or isinstance(value, bool)
+            or (low is not None and value < low) or (high is not None and value > high)):
+        raise bad_value(layer, key, value, what)
+    return value
+
+
+@dataclass(frozen=True)
+class LayerSettings:
+    """One GEMM's overlap settings, with TE's ub_cfgs keys as fields."""
+
+    name: str
+    method: str
+    num_sm: int
+    cga_size: int
+    set_sm_margin: bool
+    num_splits: int | None  # None: TE's default (TP size for ring_exchange, else 4)
+    atomic_gemm: bool
+    use_ce: bool
+    aggregate: bool
+    fp8_buf: bool
+    comm_priority: int  # 0 and gemm_priority 0: TE's default (comm highest, GEMM lowest)
+    gemm_priority: int
+    pipeline_rs_overlap_first_gemm: bool
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or self.name not in LAYER_NAMES:
+            raise unknown_layer(self.name, LAYER_NAMES)
+        for f in fields(self)[1:]:
+            object.__setattr__(self, f.name, coerce(self.name, f.name, getattr(self, f.name)))
+        why = method_error(self.name, self.method)
+        if why:
+            raise bad_value(self.name, "method", self.method,
+                            listed(allowed_methods(self.name)), f" ({why})")
+
+    @classmethod
+    def default(cls, name: str, method: str | None = None) -> "LayerSettings":
+        """TE's get_default_config() for `name`, for `method` (default: TE's method for it)."""
+        if name not in LAYER_NAMES:
+            raise unknown_layer(name, LAYER_NAMES)
+        if method is not None:
+            coerce(name, "method", method)
+        return cls(name=name, **te_defaults(name, method))
+
+    @property
+    def buffer_name(self) -> str:
+        return self.name.split("_")[0]
+
+    @property
+    def pass_name(self) -> str:
+        return self.name.split("_")[1]
+
+    @property
+    def is_reduce_scatter(self) -> bool:
+        """TE's classification: GEMM+reduce-scatter (True) or all-gather+GEMM (False)."""
+        return is_reduce_scatter(self.name, self.method)
+
+    def splits(self, tp_size: int) -> int:
+        """Chunks the GEMM and its communication are cut into: TP size for a ring exchange,
+        num_splits (TE default 4) for a pipeline, 1 for bulk/external (one whole transfer).
+        With aggregate, a ring exchange still moves tp_size chunks but runs them as GEMMs
+        on pairs."""
+        if not isinstance(tp_size, int) or isinstance(tp_size, bool) or tp_size < 1:
+            raise bad_value(self.name, "tp_size", tp_size, "an int >= 1")
+        if self.method == "ring_exchange":
+            return tp_size
+        if self.method == "pipeline":
+            return self.num_splits if self.num_splits is not None else TE_PIPELINE_SPLITS
+        return 1
+
+    def effects(self, backend: str) -> dict[str, str]:
+        """For every ub_cfgs key: "active", or why it has no effect with this method on
+        `backend` ("no effect: ...", "fallback: ...", "clamped: ...")."""
+        return _effects.layer_effects(self, backend)
+
+    def stream_priorities(self, least: int, greatest: int) -> tuple[int, int]:
+        """(comm, gemm) CUDA stream priorities given the device range (least, greatest), as
+        torch.cuda.Stream.priority_range() returns it: 0/0 means TE's default (comm gets the
+        greatest priority, the GEMM the least); other values are clamped into the range like
+        CUDA does."""
+        if self.comm_priority == 0 and self.gemm_priority == 0:
+            return greatest, least
+        lo, hi = min(least, greatest), max(least, greatest)
+        return (min(max(self.comm_priority, lo), hi), min(max(self.gemm_priority, lo), hi))
+
+    def to_dict(self) -> dict[str, Any]:
+        """This layer as a TE ub_cfgs entry (every key explicit, so TE's own defaulting
+        cannot change its meaning; num_splits left out when it is TE's default)."""
+        out = asdict(self)
+        del out["name"]
+        if out["num_splits"] is None:
+            del out["num_splits"]
+        return out

@@ -1,0 +1,104 @@
+"""The console table of an OverlapConfig: what each layer will do on one backend,
+and every key that is accepted but has no effect there, with the reason."""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING, Iterable
+
+from .effects import ACTIVE, caps_for
+from .errors import bad_value
+from .names import KEYS, LAYER_NAMES
+
+if TYPE_CHECKING:
+    from .overlap import OverlapConfig
+
+WIDTH = 160
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "no"
+
+
+def _row_notes(effects: dict[str, str], everywhere: list[str]) -> str:
+    """Keys idle on this row, less those idle for the same reason on every row."""
+    reasons = set(effects.values()) - {ACTIVE}
+    if len(reasons) == 1 and all(v != ACTIVE for v in effects.values()):
+        return reasons.pop()  # the whole layer is off (an unused wgrad)
+    idle = [k for k, v in effects.items()
+            if v != ACTIVE and not v.startswith("fallback") and k not in everywhere]
+    fallback = [k for k, v in effects.items() if v.startswith("fallback")]
+    parts = (["no effect: " + ", ".join(idle)] if idle else []) + (
+        ["fallback: " + ", ".join(fallback)] if fallback else [])
+    return "; ".join(parts) or "-"
+
+
+def _where(layers: Iterable[str]) -> str:
+    """The layers a legend line covers, said the short way round when most are."""
+    rest = [n for n in LAYER_NAMES if n not in layers]
+    if not rest:
+        return "all layers"
+    if len(rest) <= 3:
+        return "all but " + ", ".join(rest)
+    return ", ".join(layers)
+
+
+def render(config: "OverlapConfig", backend: str, tp_size: int | None = None) -> str:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    caps_for(backend)  # unknown backend -> ConfigError before any output
+    if tp_size is not None and (not isinstance(tp_size, int) or isinstance(tp_size, bool)
+                                or tp_size < 1):
+        raise bad_value("*", "tp_size", tp_size, "an int >= 1 or None")
+
+    title = f"TP comm+GEMM overlap on {backend}" + (f", TP={tp_size}" if tp_size else "")
+    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False,
+                  padding=(0, 1), collapse_padding=True)
+    for header in ("layer", "method", "AG/RS", "splits", "num_sm", "cga_size", "set_sm_margin",
+                   "use_ce", "aggregate", "atomic_gemm", "priority c/g", "notes"):
+        table.add_column(header, overflow="fold", no_wrap=header != "notes",
+                         min_width=len("pipeline_rs_overlap_first_gemm,") if header == "notes"
+                         else None)
+
+    effects = {name: config.effects(name, backend) for name in LAYER_NAMES}
+    # keys idle for one and the same reason on every layer: said once, in the legend
+    everywhere = [k for k in KEYS if len({effects[n][k] for n in LAYER_NAMES}) == 1
+                  and effects[LAYER_NAMES[0]][k] != ACTIVE]
+    for name in LAYER_NAMES:
+        s = config[name]
+        if tp_size is not None:
+            splits = str(s.splits(tp_size))
+        else:
+            splits = "TP" if s.method == "ring_exchange" else str(s.splits(1))
+        prio = ("TE default" if s.comm_priority == 0 and s.gemm_priority == 0
+                else f"{s.comm_priority}/{s.gemm_priority}")
+        table.add_row(name, s.method, "RS" if s.is_reduce_scatter else "AG", splits,
+                      str(s.num_sm), str(s.cga_size), _yes(s.set_sm_margin), _yes(s.use_ce),
+                      _yes(s.aggregate), _yes(s.atomic_gemm), prio,
+                      _row_notes(effects[name], everywhere))
+
+    # reason -> keys and layers it covers, in first-seen order
+    legend: dict[str, tuple[dict[str, None], dict[str, None]]] = {}
+    for name in LAYER_NAMES:
+        for key, why in effects[name].items():
+            if why != ACTIVE:
+                keys, layers = legend.setdefault(why, ({}, {}))
+                keys[key], layers[name] = None, None
+
+    out = io.StringIO()
+    console = Console(file=out, width=WIDTH, color_system=None, force_terminal=False,
+                      highlight=False, emoji=False, markup=False)
+    console.print(table)
+    if legend:
+        console.print("Keys without effect here, where, and why:")
+        for why, (keys, layers) in sorted(legend.items(),
+                                          key=lambda kv: len(kv[1][1]) != len(LAYER_NAMES)):
+            what = "all keys" if len(keys) == len(KEYS) else ", ".join(keys)
+            console.print(f"  {what} [{_where(layers)}]: {why}", soft_wrap=True)
+    if config.notes:
+        console.print("Notes:")
+        for note in config.notes:
+            console.print(f"  {note}", soft_wrap=True)
+    return out.getvalue()

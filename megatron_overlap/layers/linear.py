@@ -1,0 +1,127 @@
+"""Drop-in replacements for Megatron's ColumnParallelLinear / RowParallelLinear.
+
+They *are* Megatron's classes (subclasses): same constructor, parameters,
+attributes, state-dict and sharded-state-dict keys, so checkpoints move freely
+between the two. Only the forward changes: the passes the layer's plan overlaps
+run through `megatron_overlap.overlap`; a layer whose plan overlaps nothing (or a
+case we leave to Megatron: frozen weights, MoE expert comm, deferred embedding
+wgrad) runs Megatron's own forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Optional
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+
+from .. import comm
+from ..megatron import state
+from .functions import ColumnParallelMatmul, RowParallelMatmul
+from .plan import LayerPlan, build_plan
+from .wgrad import HAVE_APEX_WGRAD
+
+
+@contextlib.contextmanager
+def _without_fusion_check(config: Any):
+    """Megatron refuses gradient_accumulation_fusion without apex; we have a torch
+    fallback, so build the parent with the flag off and restore it."""
+    fuse = getattr(config, "gradient_accumulation_fusion", False)
+    if fuse and not HAVE_APEX_WGRAD:
+        config.gradient_accumulation_fusion = False
+    try:
+        yield fuse
+    finally:
+        config.gradient_accumulation_fusion = fuse
+
+
+class _OverlapMixin:
+    """Plan and transport, chosen once at construction from install() state."""
+
+    def _setup_overlap(self, kind: str, tp_comm_buffer_name: Optional[str], is_expert: bool,
+                       name: Optional[str], fuse: bool) -> None:
+        st = state.current()
+        self.gradient_accumulation_fusion = fuse
+        self.overlap_name = name
+        self.tp_comm_buffer_name = tp_comm_buffer_name
+        self.overlap_plan: LayerPlan = build_plan(
+            self.config, tp_comm_buffer_name, kind, sequence_parallel=self.sequence_parallel,
+            is_expert=is_expert, settings=st.settings, rs_dgrad_settings=st.rs_dgrad_settings,
+            layer=name)
+        self.overlap_backend = st.backend
+        self._transport = None
+
+    @property
+    def transport(self) -> comm.Transport:
+        if self._transport is None:
+            self._transport = comm.transport_for(self.tp_group, self.overlap_backend)
+        return self._transport
+
+    def _use_megatron(self, weight: torch.Tensor) -> bool:
+        fallback = (not weight.requires_grad or getattr(self, "explicit_expert_comm", False)
+                    or getattr(self.config, "defer_embedding_wgrad_compute", False))
+        missing_apex = self.gradient_accumulation_fusion and not HAVE_APEX_WGRAD
+        return (fallback or not self.overlap_plan.enabled) and not missing_apex
+
+    def overlap_rows(self) -> list[dict]:
+        """This layer's effective per-pass settings (console table, wandb)."""
+        return self.overlap_plan.rows(self.transport.world_size, self.transport.name)
+
+
+class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
+    """ColumnParallelLinear whose SP all-gather hides under the GEMM."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any,
+                 tp_comm_buffer_name: Optional[str] = None, is_expert: bool = False,
+                 name: Optional[str] = None, **kwargs: Any) -> None:
+        with _without_fusion_check(config) as fuse:
+            super().__init__(input_size, output_size, config=config,
+                             tp_comm_buffer_name=tp_comm_buffer_name, is_expert=is_expert, **kwargs)
+        self._setup_overlap("column", tp_comm_buffer_name, is_expert, name, fuse)
+
+    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                runtime_gather_output: Optional[bool] = None):
+        w = self.weight if weight is None else weight
+        if w is None or self._use_megatron(w):
+            return super().forward(input_, weight, runtime_gather_output)
+        if weight is not None and weight.shape != (self.output_size_per_partition, self.input_size):
+            raise RuntimeError(f"{self.overlap_plan.layer}: supplied weight's shape is "
+                               f"{tuple(weight.shape)}, not "
+                               f"{(self.output_size_per_partition, self.input_size)} as expected")
+        allreduce_dgrad = (self.transport.world_size > 1 and not self.sequence_parallel
+                           and not getattr(self, "disable_grad_reduce", False))
+        bias = None if self.skip_bias_add else self.bias
+        out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
+                                         self.gradient_accumulation_fusion, allreduce_dgrad)
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if gather:
+            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
+    """RowParallelLinear whose SP reduce-scatter hides under the GEMM."""
+
+    def __init__(self, input_size: int, output_size: int, *, config: Any,
+                 tp_comm_buffer_name: Optional[str] = None, is_expert: bool = False,
+                 name: Optional[str] = None, **kwargs: Any) -> None:
+        with _without_fusion_check(config) as fuse:
+            super().__init__(input_size, output_size, config=config,
+                             tp_comm_buffer_name=tp_comm_buffer_name, is_expert=is_expert, **kwargs)
+        self._setup_overlap("row", tp_comm_buffer_name, is_expert, name, fuse)
+
+    def forward(self, input_: torch.Tensor):
+        if self._use_megatron(self.weight):
+            return super().forward(input_)
+        x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(
+            input_, group=self.tp_group)
+        out = RowParallelMatmul.apply(x, self.weight, self.overlap_plan, self.transport,
+                                      self.gradient_accumulation_fusion)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None

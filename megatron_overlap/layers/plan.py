@@ -1,0 +1,97 @@
+"""Which pass of a TP linear overlaps what: Megatron's `tp_comm_*` flags (with
+Transformer Engine's meaning) applied to the per-layer settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import LayerSettings, OverlapConfig
+
+BUFFER_NAMES = ("qkv", "proj", "fc1", "fc2")
+COLUMN_BUFFERS, ROW_BUFFERS = ("qkv", "fc1"), ("proj", "fc2")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Settings per pass; None means the pass runs Megatron's plain order."""
+
+    layer: str  # for messages: buffer name and kind, or the module name
+    kind: str  # "column" | "row"
+    sequence_parallel: bool
+    fprop: LayerSettings | None = None
+    dgrad: LayerSettings | None = None
+    wgrad: LayerSettings | None = None
+    rs_dgrad: bool = False
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def enabled(self) -> bool:
+        # "external" (row wgrad) moves nothing itself; it only reuses the dgrad gather.
+        return any(s is not None and s.method != "external" for s in (self.fprop, self.dgrad, self.wgrad))
+
+    def rows(self, tp_size: int, backend: str) -> list[dict[str, Any]]:
+        """One row per overlapped pass, for the console table and wandb."""
+        out = []
+        for s in (self.fprop, self.dgrad, self.wgrad):
+            if s is None:
+                continue
+            out.append({"layer": self.layer, "settings": s.name, "method": s.method,
+                        "num_splits": s.splits(tp_size), "num_sm": s.num_sm, "use_ce": s.use_ce,
+                        "aggregate": s.aggregate, "backend": backend,
+                        "no_effect": "; ".join(f"{k}: {v}" for k, v in s.effects(backend).items()
+                                               if v != "active"),
+                        "notes": "; ".join(self.notes)})
+        return out
+
+
+def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_parallel: bool,
+               is_expert: bool, settings: OverlapConfig, rs_dgrad_settings: OverlapConfig,
+               layer: str | None = None) -> LayerPlan:
+    """Map Megatron's flags onto this layer, as Megatron's TE layers do: AG overlap
+    covers column fprop and row dgrad, RS overlap row fprop, bulk dgrad/wgrad the
+    column backward, rs_dgrad turns the column dgrad into GEMM->RS; the disable_qkv /
+    disable_fc1 flags turn off AG and rs_dgrad overlap for that layer; experts and
+    unnamed buffers are never overlapped."""
+    label = layer or f"{buffer_name or '?'} ({kind})"
+    base = LayerPlan(label, kind, sequence_parallel)
+    if not getattr(config, "tp_comm_overlap", False) or is_expert or buffer_name is None:
+        return base
+    if buffer_name not in BUFFER_NAMES:
+        raise ValueError(
+            f"megatron_overlap: layer {label} has tp_comm_buffer_name='{buffer_name}'; overlap "
+            f"settings exist for {BUFFER_NAMES}. Pass one of those or set tp_comm_overlap=False.")
+    expected = COLUMN_BUFFERS if kind == "column" else ROW_BUFFERS
+    if buffer_name not in expected:
+        raise ValueError(
+            f"megatron_overlap: layer {label} is {kind}-parallel but its buffer '{buffer_name}' "
+            f"belongs to a {'row' if kind == 'column' else 'column'}-parallel layer; "
+            f"use one of {expected}.")
+    flag = lambda name, default: bool(getattr(config, name, default))  # noqa: E731
+    get = lambda cfg, p: cfg[f"{buffer_name}_{p}"]  # noqa: E731
+    sp, notes = sequence_parallel, []
+    if kind == "column":
+        disabled = flag(f"tp_comm_overlap_disable_{buffer_name}", False)
+        rs_dgrad = sp and flag("tp_comm_overlap_rs_dgrad", False) and not disabled
+        fprop = get(settings, "fprop") if sp and flag("tp_comm_overlap_ag", True) and not disabled else None
+        if rs_dgrad:
+            dgrad, wgrad = get(rs_dgrad_settings, "dgrad"), None
+        else:
+            dgrad = get(settings, "dgrad") if sp and flag("tp_comm_bulk_dgrad", True) else None
+            if dgrad is not None and dgrad.method != "bulk":
+                raise ValueError(
+                    f"megatron_overlap: layer {label}: {dgrad.name} has method '{dgrad.method}', a "
+                    f"reduce-scatter overlap, but tp_comm_overlap_rs_dgrad is False. Set "
+                    f"tp_comm_overlap_rs_dgrad=True or give {dgrad.name} method 'bulk'.")
+            wgrad = get(settings, "wgrad") if flag("tp_comm_bulk_wgrad", True) else None
+        if not sp:
+            notes.append("no sequence parallelism: fprop has no communication; "
+                         "wgrad hides the dgrad all-reduce")
+        return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, rs_dgrad, tuple(notes))
+    fprop = get(settings, "fprop") if flag("tp_comm_overlap_rs", True) else None
+    dgrad = get(settings, "dgrad") if sp and flag("tp_comm_overlap_ag", True) else None
+    if not sp:
+        notes.append("no sequence parallelism: fprop reduces with chunked all-reduces "
+                     "(pipeline); the backward has no communication")
+    wgrad = get(settings, "wgrad") if dgrad is not None else None  # reuses dgrad's gathered grad
+    return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, False, tuple(notes))

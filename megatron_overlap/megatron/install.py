@@ -1,0 +1,37 @@
+"""install() / uninstall(): the user-facing switch."""
+
+from __future__ import annotations
+
+import logging
+
+from .. import comm
+from ..config import OverlapConfig
+from . import state
+
+log = logging.getLogger("megatron_overlap")
+_previous: list[state.State | None] = []
+
+
+def install(ub_cfgs: state.Source = None, backend: str = "auto") -> OverlapConfig:
+    """Turn the overlap on for layers built from now on.
+
+    ub_cfgs: None (Transformer Engine's defaults), a path to a TE-style
+    `--tp-comm-overlap-cfg` YAML, or the same as a dict. backend: "auto" or a
+    transport name. Returns the effective per-layer settings. Calling it again
+    replaces the settings; uninstall() restores what was there before."""
+    if backend != "auto":
+        comm.resolve_backend(backend)  # fail now, not at the first forward
+    new = state.make(ub_cfgs, backend)
+    _previous.append(state.set_state(new))
+    log.info("megatron_overlap installed (backend=%s)\n%s", backend, new.settings.table(
+        comm.resolve_backend(backend)))
+    return new.settings
+
+
+def uninstall() -> None:
+    """Restore the state before the matching install(); a no-op when not installed."""
+    if not _previous:
+        return
+    state.set_state(_previous.pop())
+    if not _previous:
+        comm.reset()

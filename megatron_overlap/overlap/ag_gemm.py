@@ -1,0 +1,88 @@
+"""AG->GEMM: `all_gather(x) @ w.T` with the gather hidden under the GEMM.
+
+`x` is this rank's row block ([rows, k]); the result has world_size row blocks in
+rank order, like Megatron's all-gather along the sequence dimension. Both schedules
+also return the gathered input, which the caller may keep (the backward of a
+row-parallel layer reuses the gathered output gradient for its wgrad).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import trace
+from ..comm.transport import Transport
+
+
+def ring_steps(rank: int, world: int, aggregate: bool) -> list[list[int]]:
+    """The row blocks a rank multiplies at each ring step.
+
+    One direction: step s holds block (rank - s); every block but the own one
+    arrives from the left neighbour one step after that neighbour used it.
+    `aggregate`: both directions at once, (rank - s) from the left and
+    (rank + s) from the right, so two blocks per step and half the steps.
+    """
+    if not aggregate:
+        return [[(rank - s) % world] for s in range(world)]
+    steps, seen = [], set()
+    for s in range(world // 2 + 1):
+        blocks = [b for b in dict.fromkeys([(rank - s) % world, (rank + s) % world]) if b not in seen]
+        seen.update(blocks)
+        if blocks:
+            steps.append(blocks)
+    return steps
+
+
+def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, op: str, chunk: int) -> None:
+    trace.record("gemm", op, chunk)
+    torch.matmul(a, w.t(), out=out)
+
+
+def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
+                  aggregate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring all-gather, one block per step, each block's GEMM run while the next
+    block is on the wire: start(i+1) -> gemm(i) -> wait(i+1)."""
+    world, rank, rows = tp.world_size, tp.rank, x.shape[0]
+    gathered = x.new_empty(world * rows, x.shape[1])
+    out = x.new_empty(world * rows, w.shape[0])
+    block = lambda t, b: t[b * rows:(b + 1) * rows]  # noqa: E731
+    block(gathered, rank).copy_(x)
+    steps = ring_steps(rank, world, aggregate)
+    for i, blocks in enumerate(steps):
+        handle = None
+        if i + 1 < len(steps):
+            sends, recvs = [], []
+            for b in steps[i + 1]:  # what arrives next, and from which side
+                from_left = b == (rank - i - 1) % world
+                src = tp.left if from_left else tp.right
+                # The block this rank forwards in the same direction is the one it holds now.
+                fwd = (rank - i) % world if from_left else (rank + i) % world
+                sends.append((block(gathered, fwd), tp.right if from_left else tp.left))
+                recvs.append((block(gathered, b), src))
+            handle = tp.exchange(sends, recvs, op=op, chunk=i + 1)
+        for b in blocks:
+            _gemm(block(gathered, b), w, block(out, b), op, i)
+        if handle is not None:
+            handle.wait()
+    return out, gathered
+
+
+def bulk(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather everything, then one GEMM: the plain path, for layers where nothing
+    else is there to hide the gather under."""
+    gathered = x.new_empty(tp.world_size * x.shape[0], x.shape[1])
+    tp.all_gather(gathered, x, op=op).wait()
+    out = x.new_empty(gathered.shape[0], w.shape[0])
+    _gemm(gathered, w, out, op, 0)
+    return out, gathered
+
+
+def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: str, *,
+                      op: str, aggregate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch on the layer's `method`; returns (output, gathered input)."""
+    if method == "ring_exchange":
+        return ring_exchange(x, w, tp, op=op, aggregate=aggregate)
+    if method == "bulk":
+        return bulk(x, w, tp, op=op)
+    raise ValueError(f"{op}: method '{method}' cannot overlap an all-gather with a GEMM; "
+                     f"use ring_exchange or bulk")

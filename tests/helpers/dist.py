@@ -1,0 +1,64 @@
+"""Run a function on N gloo ranks in fresh processes and collect what each returns."""
+
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+import time
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, env: dict, fn: Callable, args: tuple, queue) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), **env})
+    try:
+        queue.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # report, never hang the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run(fn: Callable, world: int, *args: Any, env: dict | None = None, timeout: float = 240) -> list:
+    """fn(rank, world, *args) on `world` processes; returns the per-rank results.
+    A rank that raises fails the call with its traceback; one that never reports
+    fails it after `timeout` seconds with the ranks that did not answer."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world, port, env or {}, fn, args, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            try:
+                rank, ok, value = queue.get(timeout=1.0)
+            except queue_mod.Empty:
+                missing = sorted(set(range(world)) - set(results))
+                dead = [r for r in missing if procs[r].exitcode is not None]
+                if dead:
+                    raise RuntimeError(f"ranks {dead} exited (codes "
+                                       f"{[procs[r].exitcode for r in dead]}) without reporting")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {missing} did not report within {timeout}s") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [results[r] for r in range(world)]

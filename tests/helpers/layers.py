@@ -1,0 +1,157 @@
+"""Build a Megatron TP linear and our drop-in on the same weights, run both on the
+same input and upstream gradient, and measure how far apart they land."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # column | row
+    sp: bool
+    dtype: str  # float32 | bfloat16
+    bias: bool
+    skip_bias_add: bool
+    variant: str  # which schedule, see VARIANTS
+    seq: int = 4  # local sequence length per rank under SP (full sequence otherwise)
+    batch: int = 2
+
+    @property
+    def id(self) -> str:
+        return "-".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+# name -> (ub_cfgs overrides, Megatron config flags)
+VARIANTS = {
+    "column": {
+        "ring": ({"qkv_fprop": {"method": "ring_exchange"}}, {}),
+        "ring_aggregate": ({"qkv_fprop": {"method": "ring_exchange", "aggregate": 1}}, {}),
+        "no_bulk_bwd": ({}, {"tp_comm_bulk_dgrad": False, "tp_comm_bulk_wgrad": False}),
+        "rs_dgrad_pipeline1": ({"qkv_dgrad": {"method": "pipeline", "num_splits": 1}},
+                               {"tp_comm_overlap_rs_dgrad": True}),
+        "rs_dgrad_pipeline2": ({"qkv_dgrad": {"method": "pipeline", "num_splits": 2}},
+                               {"tp_comm_overlap_rs_dgrad": True}),
+        "rs_dgrad_pipeline4": ({"qkv_dgrad": {"method": "pipeline", "num_splits": 4}},
+                               {"tp_comm_overlap_rs_dgrad": True}),
+        "rs_dgrad_ring": ({"qkv_dgrad": {"method": "ring_exchange"}},
+                          {"tp_comm_overlap_rs_dgrad": True}),
+        "ag_off": ({}, {"tp_comm_overlap_ag": False}),
+    },
+    "row": {
+        "pipeline1": ({"proj_fprop": {"method": "pipeline", "num_splits": 1}}, {}),
+        "pipeline2": ({"proj_fprop": {"method": "pipeline", "num_splits": 2}}, {}),
+        "pipeline4": ({"proj_fprop": {"method": "pipeline", "num_splits": 4}}, {}),
+        "ring": ({"proj_fprop": {"method": "ring_exchange"}}, {}),
+        "ring_dgrad_aggregate": ({"proj_dgrad": {"method": "ring_exchange", "aggregate": 1}}, {}),
+        "rs_off": ({}, {"tp_comm_overlap_rs": False, "tp_comm_overlap_ag": False}),
+    },
+}
+
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def all_cases(tp: int) -> list[Case]:
+    cases = []
+    for kind, variants in VARIANTS.items():
+        for sp, dtype, variant, (bias, skip) in itertools.product(
+                (True, False) if tp > 1 else (False,), TOL, variants,
+                [(True, False), (True, True), (False, False)]):
+            cases.append(Case(kind, sp, dtype, bias, skip, variant))
+    return cases
+
+
+def build(case: Case, tp: int, overlap: bool, ub_cfgs=None, flags=None, name_in=16, name_out=24, **cfg):
+    from megatron.core import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_overlap.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=tp, sequence_parallel=case.sp, use_cpu_initialization=True,
+        params_dtype=getattr(torch, case.dtype), tp_comm_overlap=overlap, **(flags or {}), **cfg)
+    init = lambda w: torch.nn.init.normal_(w, std=0.5)  # noqa: E731
+    if case.kind == "column":
+        cls = OverlapColumnParallelLinear if overlap else ColumnParallelLinear
+        return cls(name_in, name_out, config=config, init_method=init, bias=case.bias,
+                   gather_output=False, skip_bias_add=case.skip_bias_add, tp_comm_buffer_name="qkv")
+    cls = OverlapRowParallelLinear if overlap else RowParallelLinear
+    return cls(name_out, name_in, config=config, init_method=init, bias=case.bias,
+               input_is_parallel=True, skip_bias_add=case.skip_bias_add, tp_comm_buffer_name="proj")
+
+
+def make_input(case: Case, rank: int, tp: int, layer, seq: int | None = None, seed: int = 0):
+    """The same global tensors on every rank; each rank takes its part."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = getattr(torch, case.dtype)
+    seq = seq or case.seq
+    if case.kind == "column":
+        full = torch.randn(seq * tp if case.sp else seq, case.batch, layer.input_size, generator=g)
+        x = full.chunk(tp)[rank] if case.sp else full
+    else:
+        full = torch.randn(seq * tp if case.sp else seq, case.batch, layer.input_size, generator=g)
+        x = full.chunk(tp, dim=-1)[rank]
+    return x.to(dtype).contiguous().requires_grad_(True)
+
+
+def rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    if a is None and b is None:
+        return 0.0
+    if a is None or b is None:
+        return float("inf")
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run_pair(ref, ours, x: torch.Tensor, seed: int = 1) -> dict[str, float]:
+    """Forward + backward through both; relative errors of everything autograd produces."""
+    results = {}
+    outs = []
+    for layer in (ref, ours):
+        xi = x.detach().clone().requires_grad_(True)
+        for p in layer.parameters():
+            p.grad = None
+        y, b = layer(xi)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + y.shape[0])).to(y.dtype)
+        y.backward(dy)
+        outs.append((y.detach(), b, xi.grad, layer.weight.grad,
+                     None if layer.bias is None else layer.bias.grad))
+    for name, a, b in zip(("output", "returned_bias", "input_grad", "weight_grad", "bias_grad"), outs[1], outs[0]):
+        results[name] = rel(a, b)
+    return results
+
+
+def compare_case(case: Case, rank: int, tp: int) -> dict[str, float]:
+    import megatron_overlap as mo
+
+    overrides, flags = VARIANTS[case.kind][case.variant]
+    ref = build(case, tp, overlap=False)
+    with torch.no_grad():
+        if ref.bias is not None:
+            ref.bias.normal_()
+    mo.install(ub_cfgs=overrides)
+    try:
+        ours = build(case, tp, overlap=True, flags=flags)
+    finally:
+        mo.uninstall()
+    ours.load_state_dict(ref.state_dict())
+    # Every flag that applies off: Megatron's own forward runs.
+    expect_overlap = not (case.variant == "rs_off" or (not case.sp and case.variant == "no_bulk_bwd"))
+    assert ours.overlap_plan.enabled == expect_overlap, f"{case.id}: plan {ours.overlap_plan}"
+    errs = {}
+    # Successive micro-batches of different lengths through the same layers.
+    for seq in (case.seq, 2 * case.seq, case.seq // 2):
+        x = make_input(case, rank, tp, ref, seq=seq, seed=seq)
+        for k, v in run_pair(ref, ours, x).items():
+            errs[k] = max(errs.get(k, 0.0), v)
+    return errs
+
+
+def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, dict[str, float]]:
+    from helpers.megatron_cpu import init
+
+    init(world)
+    return {case.id: compare_case(case, rank, world) for case in cases}

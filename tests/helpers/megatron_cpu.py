@@ -1,0 +1,57 @@
+"""Megatron-core on CPU with gloo, for tests only. Megatron assumes CUDA in three
+places that matter here: `torch.cuda.current_device()` for buffers (its global
+memory buffer, the reduce-scatter output), `torch.cuda.synchronize`, and the
+CUDA RNG tracker. The shims point them at the CPU; they never enter the library."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def install_cpu_shims() -> None:
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.device_count = lambda: 0  # type: ignore[assignment]
+    from megatron.core.tensor_parallel import random as mrandom
+
+    class _CPURNGTracker(mrandom.CudaRNGStatesTracker):
+        """Megatron's tracker with torch's CPU generator standing in for CUDA's."""
+
+        def add(self, name, seed):
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+            self.seeds_.add(seed)
+
+        def fork(self, name="model-parallel-rng"):
+            import contextlib
+
+            @contextlib.contextmanager
+            def _fork():
+                saved = torch.get_rng_state()
+                torch.set_rng_state(self.states_[name])
+                try:
+                    yield
+                finally:
+                    self.states_[name] = torch.get_rng_state()
+                    torch.set_rng_state(saved)
+            return _fork()
+
+    mrandom._CUDA_RNG_STATE_TRACKER = _CPURNGTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+def init(tp: int, seed: int = 1234) -> None:
+    """gloo process group (env:// from helpers.dist) + Megatron's TP groups."""
+    install_cpu_shims()
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    torch.manual_seed(seed)
+    mrandom.get_cuda_rng_tracker().add("model-parallel-rng", seed + 2718)

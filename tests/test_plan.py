@@ -1,0 +1,71 @@
+"""Megatron's tp_comm_* flags, with TE's meaning, mapped onto each layer's passes."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_overlap.config import OverlapConfig
+from megatron_overlap.layers import build_plan
+
+CFG, CFG_RS = OverlapConfig.load(None), OverlapConfig.load(None, rs_dgrad=True)
+
+
+def flags(**kw):
+    base = dict(tp_comm_overlap=True, tp_comm_overlap_ag=True, tp_comm_overlap_rs=True,
+                tp_comm_bulk_dgrad=True, tp_comm_bulk_wgrad=True, tp_comm_overlap_rs_dgrad=False,
+                tp_comm_overlap_disable_qkv=False, tp_comm_overlap_disable_fc1=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def plan(config, buf, kind, sp=True, expert=False, settings=CFG):
+    return build_plan(config, buf, kind, sequence_parallel=sp, is_expert=expert,
+                      settings=settings, rs_dgrad_settings=CFG_RS)
+
+
+def names(p):
+    return tuple(s.name if s else None for s in (p.fprop, p.dgrad, p.wgrad))
+
+
+def test_defaults_overlap_every_pass_with_te_methods():
+    assert names(plan(flags(), "qkv", "column")) == ("qkv_fprop", "qkv_dgrad", "qkv_wgrad")
+    assert names(plan(flags(), "fc2", "row")) == ("fc2_fprop", "fc2_dgrad", "fc2_wgrad")
+    p = plan(flags(), "fc1", "column")
+    assert (p.fprop.method, p.dgrad.method, p.wgrad.method) == ("ring_exchange", "bulk", "bulk")
+
+
+def test_master_switch_off_experts_and_unnamed_buffers_run_megatron():
+    assert not plan(flags(tp_comm_overlap=False), "qkv", "column").enabled
+    assert not plan(flags(), "qkv", "column", expert=True).enabled
+    assert not plan(flags(), None, "row").enabled
+
+
+def test_each_flag_turns_off_its_passes():
+    assert names(plan(flags(tp_comm_overlap_ag=False), "qkv", "column")) == (None, "qkv_dgrad", "qkv_wgrad")
+    assert names(plan(flags(tp_comm_overlap_ag=False), "proj", "row")) == ("proj_fprop", None, None)
+    assert names(plan(flags(tp_comm_overlap_rs=False), "proj", "row")) == (None, "proj_dgrad", "proj_wgrad")
+    assert names(plan(flags(tp_comm_bulk_dgrad=False), "fc1", "column")) == ("fc1_fprop", None, "fc1_wgrad")
+    assert names(plan(flags(tp_comm_bulk_wgrad=False), "fc1", "column")) == ("fc1_fprop", "fc1_dgrad", None)
+
+
+def test_disable_qkv_and_fc1_turn_off_ag_and_rs_dgrad_only_for_that_layer():
+    f = flags(tp_comm_overlap_disable_qkv=True, tp_comm_overlap_rs_dgrad=True)
+    q = plan(f, "qkv", "column")
+    assert q.fprop is None and not q.rs_dgrad and q.dgrad.method == "bulk"
+    fc1 = plan(f, "fc1", "column")
+    assert fc1.fprop is not None and fc1.rs_dgrad and fc1.dgrad.method != "bulk" and fc1.wgrad is None
+    assert plan(flags(tp_comm_overlap_disable_fc1=True), "fc1", "column").fprop is None
+
+
+def test_without_sequence_parallel_only_the_all_reduces_overlap():
+    assert names(plan(flags(), "qkv", "column", sp=False)) == (None, None, "qkv_wgrad")
+    assert names(plan(flags(), "proj", "row", sp=False)) == ("proj_fprop", None, None)
+
+
+def test_bad_buffer_names_and_contradictory_settings_are_clear_errors():
+    with pytest.raises(ValueError, match="tp_comm_buffer_name='attn'.*qkv"):
+        plan(flags(), "attn", "column")
+    with pytest.raises(ValueError, match="column-parallel but its buffer 'proj'"):
+        plan(flags(), "proj", "column")
+    cfg = OverlapConfig.load({"qkv_dgrad": {"method": "pipeline"}, "qkv_wgrad": None})
+    with pytest.raises(ValueError, match="qkv_dgrad has method 'pipeline'.*tp_comm_overlap_rs_dgrad"):
+        plan(flags(), "qkv", "column", settings=cfg)
