@@ -22,7 +22,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 demo: $(STAMP)
-	$(BIN)/python examples/layer_demo.py
+	$(BIN)/python examples/ab_overlap.py
 
 clean:
 	rm -rf $(VENV) runs wandb

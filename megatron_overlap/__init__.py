@@ -5,7 +5,7 @@ Megatron-core models.
     megatron_overlap.install(ub_cfgs="overlap.yaml")   # or a dict, or None
 """
 
-from .megatron import install, uninstall
+from .megatron import install, overlap_layer_spec, uninstall
 
 __version__ = "0.1.0"
-__all__ = ["install", "uninstall", "__version__"]
+__all__ = ["install", "uninstall", "overlap_layer_spec", "__version__"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from .null import NullTransport
 from .torch_p2p import TorchP2PTransport
 from .transport import CommError, Handle, Transport
 
@@ -40,5 +41,5 @@ def reset() -> None:
     _cache.clear()
 
 
-__all__ = ["Transport", "Handle", "CommError", "TorchP2PTransport", "transport_for",
+__all__ = ["Transport", "Handle", "CommError", "TorchP2PTransport", "NullTransport", "transport_for",
            "resolve_backend", "reset", "AVAILABLE"]

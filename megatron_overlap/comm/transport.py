@@ -13,11 +13,12 @@ from __future__ import annotations
 import abc
 import datetime
 import os
+import time
 from typing import Sequence
 
 import torch
 
-from . import trace
+from . import stats, trace
 
 Peer = int  # a rank *within* the TP group
 SendRecv = tuple[torch.Tensor, Peer]
@@ -26,6 +27,10 @@ SendRecv = tuple[torch.Tensor, Peer]
 def default_timeout() -> datetime.timedelta:
     """How long a wait may block before it is a diagnosed failure, not a hang."""
     return datetime.timedelta(seconds=float(os.environ.get("MEGATRON_OVERLAP_TIMEOUT_S", "300")))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 class CommError(RuntimeError):
@@ -46,6 +51,7 @@ class _TracedHandle(Handle):
             inner, transport, op, chunk, peers)
 
     def wait(self) -> None:
+        t0 = time.perf_counter()
         try:
             self._inner.wait()
         except Exception as exc:  # timeouts and peer failures surface here
@@ -56,6 +62,7 @@ class _TracedHandle(Handle):
                 f"A peer may have crashed, run a different schedule, or be slower than "
                 f"MEGATRON_OVERLAP_TIMEOUT_S={t.timeout.total_seconds():g}s."
             ) from exc
+        stats.waited(self._op, time.perf_counter() - t0)
         trace.record("wait", self._op, self._chunk)
 
 
@@ -74,19 +81,21 @@ class Transport(abc.ABC):
         """Send each tensor to its peer and receive each buffer from its peer, at once
         (one ring step; both ring directions when `aggregate` is on)."""
         peers = ", ".join([f"to {p}" for _, p in sends] + [f"from {p}" for _, p in recvs])
-        return self._started(self._start_exchange(sends, recvs), op, chunk, peers)
+        nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
+        return self._started(self._start_exchange(sends, recvs), op, chunk, peers, nbytes)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, op: str, chunk: int = 0) -> Handle:
         """`out` (world_size x rows of `inp`) receives every rank's `inp`, in rank order."""
-        return self._started(self._start_all_gather(out, inp), op, chunk, "all ranks")
+        return self._started(self._start_all_gather(out, inp), op, chunk, "all ranks", _nbytes(inp))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, op: str, chunk: int = 0) -> Handle:
         """`out` receives the sum over ranks of this rank's row block of `inp`."""
-        return self._started(self._start_reduce_scatter(out, inp), op, chunk, "all ranks")
+        return self._started(self._start_reduce_scatter(out, inp), op, chunk, "all ranks",
+                             _nbytes(inp))
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str, chunk: int = 0) -> Handle:
         """`tensor` becomes the sum over ranks, in place."""
-        return self._started(self._start_all_reduce(tensor), op, chunk, "all ranks")
+        return self._started(self._start_all_reduce(tensor), op, chunk, "all ranks", _nbytes(tensor))
 
     # -- what a backend implements -------------------------------------------------------
     @abc.abstractmethod
@@ -106,7 +115,8 @@ class Transport(abc.ABC):
         return {"transport": self.name, "tp_size": self.world_size}
 
     # -- helpers -------------------------------------------------------------------------
-    def _started(self, handle: Handle, op: str, chunk: int, peers: str) -> Handle:
+    def _started(self, handle: Handle, op: str, chunk: int, peers: str, nbytes: int) -> Handle:
+        stats.started(op, nbytes)
         trace.record("start", op, chunk)
         return _TracedHandle(handle, self, op, chunk, peers)
 

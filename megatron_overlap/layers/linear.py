@@ -55,6 +55,7 @@ class _OverlapMixin:
             layer=name)
         self.overlap_backend = st.backend
         self._transport = None
+        self._max_tokens = 0  # largest [sequence x batch] seen, across the TP group
 
     @property
     def transport(self) -> comm.Transport:
@@ -68,9 +69,20 @@ class _OverlapMixin:
         missing_apex = self.gradient_accumulation_fusion and not HAVE_APEX_WGRAD
         return (fallback or not self.overlap_plan.enabled) and not missing_apex
 
+    def _note_tokens(self, x: torch.Tensor, full: bool) -> None:
+        tokens = x.shape[0] * x.shape[1] if x.dim() > 2 else x.shape[0]
+        self._max_tokens = max(self._max_tokens, tokens * (1 if full else self.transport.world_size))
+        self._elem = x.element_size()
+
     def overlap_rows(self) -> list[dict]:
-        """This layer's effective per-pass settings (console table, wandb)."""
-        return self.overlap_plan.rows(self.transport.world_size, self.transport.name)
+        """This layer's effective per-pass settings (console table, wandb), with the
+        bytes of the communication buffer each pass used at the largest token count
+        seen so far (0 before the first forward)."""
+        t, es = self._max_tokens, getattr(self, "_elem", 0)
+        width = self.input_size if isinstance(self, ColumnParallelLinear) else self.output_size
+        per_pass = {"fprop": t * width * es, "dgrad": t * width * es,
+                    "wgrad": t * width * es if isinstance(self, ColumnParallelLinear) else 0}
+        return self.overlap_plan.rows(self.transport.world_size, self.transport.name, per_pass)
 
 
 class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
@@ -93,6 +105,7 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
             raise RuntimeError(f"{self.overlap_plan.layer}: supplied weight's shape is "
                                f"{tuple(weight.shape)}, not "
                                f"{(self.output_size_per_partition, self.input_size)} as expected")
+        self._note_tokens(input_, full=not self.sequence_parallel)
         allreduce_dgrad = (self.transport.world_size > 1 and not self.sequence_parallel
                            and not getattr(self, "disable_grad_reduce", False))
         bias = None if self.skip_bias_add else self.bias
@@ -118,6 +131,7 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
     def forward(self, input_: torch.Tensor):
         if self._use_megatron(self.weight):
             return super().forward(input_)
+        self._note_tokens(input_, full=True)
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(
             input_, group=self.tp_group)
         out = RowParallelMatmul.apply(x, self.weight, self.overlap_plan, self.transport,

@@ -30,13 +30,15 @@ class LayerPlan:
         # "external" (row wgrad) moves nothing itself; it only reuses the dgrad gather.
         return any(s is not None and s.method != "external" for s in (self.fprop, self.dgrad, self.wgrad))
 
-    def rows(self, tp_size: int, backend: str) -> list[dict[str, Any]]:
+    def rows(self, tp_size: int, backend: str, buffer_bytes: dict[str, int] | None = None
+             ) -> list[dict[str, Any]]:
         """One row per overlapped pass, for the console table and wandb."""
         out = []
         for s in (self.fprop, self.dgrad, self.wgrad):
             if s is None:
                 continue
-            out.append({"layer": self.layer, "settings": s.name, "method": s.method,
+            out.append({"layer": self.layer, "settings": s.name, "pass": s.pass_name,
+                        "method": s.method, "buffer_bytes": (buffer_bytes or {}).get(s.pass_name, 0),
                         "num_splits": s.splits(tp_size), "num_sm": s.num_sm, "use_ce": s.use_ce,
                         "aggregate": s.aggregate, "backend": backend,
                         "no_effect": "; ".join(f"{k}: {v}" for k, v in s.effects(backend).items()

@@ -6,14 +6,17 @@ import logging
 
 from .. import comm
 from ..config import OverlapConfig
-from . import state
+from . import norms, state, swap
 
 log = logging.getLogger("megatron_overlap")
 _previous: list[state.State | None] = []
 
 
 def install(ub_cfgs: state.Source = None, backend: str = "auto") -> OverlapConfig:
-    """Turn the overlap on for layers built from now on.
+    """Turn the overlap on for layers built from now on: Megatron's TP linears
+    built for the 'qkv' / 'proj' / 'fc1' / 'fc2' buffers of a config with
+    `tp_comm_overlap=True` become overlapped, and torch norms accept sequence
+    parallelism.
 
     ub_cfgs: None (Transformer Engine's defaults), a path to a TE-style
     `--tp-comm-overlap-cfg` YAML, or the same as a dict. backend: "auto" or a
@@ -22,9 +25,13 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto") -> OverlapConfi
     if backend != "auto":
         comm.resolve_backend(backend)  # fail now, not at the first forward
     new = state.make(ub_cfgs, backend)
+    if not _previous:
+        swap.patch()
+        norms.patch()
     _previous.append(state.set_state(new))
-    log.info("megatron_overlap installed (backend=%s)\n%s", backend, new.settings.table(
-        comm.resolve_backend(backend)))
+    if log.isEnabledFor(logging.INFO):
+        log.info("megatron_overlap installed (backend=%s)\n%s", backend,
+                 new.settings.table(comm.resolve_backend(backend)))
     return new.settings
 
 
@@ -34,4 +41,6 @@ def uninstall() -> None:
         return
     state.set_state(_previous.pop())
     if not _previous:
+        swap.unpatch()
+        norms.unpatch()
         comm.reset()

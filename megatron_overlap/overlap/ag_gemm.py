@@ -39,11 +39,14 @@ def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, op: str, chunk: i
 
 
 def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
-                  aggregate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  aggregate: bool = False, gathered: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring all-gather, one block per step, each block's GEMM run while the next
-    block is on the wire: start(i+1) -> gemm(i) -> wait(i+1)."""
+    block is on the wire: start(i+1) -> gemm(i) -> wait(i+1). Blocks land in
+    `gathered` ([world * rows, k]; allocated when not given)."""
     world, rank, rows = tp.world_size, tp.rank, x.shape[0]
-    gathered = x.new_empty(world * rows, x.shape[1])
+    if gathered is None:
+        gathered = x.new_empty(world * rows, x.shape[1])
     out = x.new_empty(world * rows, w.shape[0])
     block = lambda t, b: t[b * rows:(b + 1) * rows]  # noqa: E731
     block(gathered, rank).copy_(x)
@@ -78,10 +81,11 @@ def bulk(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str) -> tuple[t
 
 
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: str, *,
-                      op: str, aggregate: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      op: str, aggregate: bool = False, gathered: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch on the layer's `method`; returns (output, gathered input)."""
     if method == "ring_exchange":
-        return ring_exchange(x, w, tp, op=op, aggregate=aggregate)
+        return ring_exchange(x, w, tp, op=op, aggregate=aggregate, gathered=gathered)
     if method == "bulk":
         return bulk(x, w, tp, op=op)
     raise ValueError(f"{op}: method '{method}' cannot overlap an all-gather with a GEMM; "

@@ -34,7 +34,7 @@ def run(fn: Callable, world: int, *args: Any, env: dict | None = None, timeout: 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, env or {}, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, env or {}, fn, args, queue), daemon=False)
              for r in range(world)]
     for p in procs:
         p.start()

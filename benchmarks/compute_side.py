@@ -1,0 +1,144 @@
+"""Compute side of the overlapped schedules on one GPU: each reference shape's
+schedule run on the `null` transport (the same chunk GEMMs, order and waits;
+chunks already resident; nothing moved) against one monolithic cuBLAS GEMM of
+the same size, measured side by side in one run, eager against eager and CUDA
+graph replay against replay; plus host time per call.
+
+    python benchmarks/compute_side.py [--reps 50] [--out benchmarks/results/compute_side.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from megatron_overlap.comm import NullTransport
+from megatron_overlap.overlap import all_gather_matmul, matmul_reduce_scatter
+
+# DESIGN.md's reference shapes: tokens M (sequence x micro-batch), per-rank K and N.
+SHAPES = [("70B_tp8_qkv", 8192, 8192, 1280, "ag", 8), ("70B_tp8_fc1", 8192, 8192, 7168, "ag", 8),
+          ("70B_tp8_proj", 8192, 1024, 8192, "rs", 8), ("70B_tp8_fc2", 8192, 3584, 8192, "rs", 8),
+          ("8B_tp4_fc1", 8192, 4096, 7168, "ag", 4), ("8B_tp4_fc2", 8192, 3584, 4096, "rs", 4),
+          ("8B_tp2_qkv", 4096, 4096, 3072, "ag", 2)]
+
+
+def schedules(op: str, tp: int):
+    """(name, method, num_splits) at the layer's TE-default chunking."""
+    if op == "ag":
+        return [("ring_exchange", "ring_exchange", tp)]
+    return [("pipeline4", "pipeline", 4), ("ring_exchange", "ring_exchange", tp)]
+
+
+def time_ms(fn, reps: int, warmup: int = 5) -> float:
+    """Median of per-call device times (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def host_us(fn, reps: int) -> float:
+    """Median host time to issue one call (launch cost), device drained between calls."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def graphed(fn):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def run(reps: int, dtype: torch.dtype) -> list[dict]:
+    rows = []
+    for name, m, k, n, op, tp in SHAPES:
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        w = torch.randn(n, k, device="cuda", dtype=dtype)
+        null = NullTransport(tp)
+        mono = lambda: torch.matmul(x, w.t())  # noqa: E731
+        flops = 2 * m * k * n
+        for label, method, splits in schedules(op, tp):
+            if op == "ag":
+                gathered = x.clone()
+                local = x[: m // tp]
+                sched = lambda: all_gather_matmul(local, w, null, method, op=name,  # noqa: E731
+                                                  gathered=gathered)
+            else:
+                sched = lambda: matmul_reduce_scatter(x, w, null, method, splits, op=name)  # noqa: E731
+            t_mono, t_sched = time_ms(mono, reps), time_ms(sched, reps)
+            g_mono, g_sched = graphed(mono), graphed(sched)
+            tg_mono, tg_sched = time_ms(g_mono, reps), time_ms(g_sched, reps)
+            rows.append(dict(
+                shape=name, m=m, k=k, n=n, op=op, tp=tp, schedule=label, chunks=splits,
+                mono_ms=t_mono, sched_ms=t_sched, eager_ratio=t_mono / t_sched,
+                mono_graph_ms=tg_mono, sched_graph_ms=tg_sched, graph_ratio=tg_mono / tg_sched,
+                mono_tflops=flops / t_mono / 1e9, host_us_sched=host_us(sched, reps),
+                host_us_mono=host_us(mono, reps)))
+            del g_mono, g_sched
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--repeat", type=int, default=3, help="whole-table repeats; medians reported")
+    ap.add_argument("--out", default="benchmarks/results/compute_side.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("compute_side.py needs a CUDA GPU: it times cuBLAS GEMMs and CUDA graphs")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    runs = [run(args.reps, getattr(torch, args.dtype)) for _ in range(args.repeat)]
+    keys = ("mono_ms", "sched_ms", "eager_ratio", "mono_graph_ms", "sched_graph_ms", "graph_ratio",
+            "mono_tflops", "host_us_sched", "host_us_mono")
+    table = []
+    for i, row in enumerate(runs[0]):
+        med = {k: statistics.median(r[i][k] for r in runs) for k in keys}
+        spread = {f"{k}_range": (min(r[i][k] for r in runs), max(r[i][k] for r in runs))
+                  for k in ("eager_ratio", "graph_ratio")}
+        table.append({**row, **med, **spread})
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=args.dtype,
+                reps=args.reps, repeat=args.repeat, host=platform.node(),
+                date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": table, "runs": runs}, f, indent=1)
+    print(f"{meta['device']}  torch {meta['torch']}  {args.dtype}  median of {args.repeat} runs x {args.reps} reps")
+    print(f"{'shape':14s} {'schedule':14s} {'chunks':>6s} {'mono ms':>8s} {'TFLOP/s':>8s} "
+          f"{'eager':>6s} {'graph':>6s} {'host us':>8s}")
+    for r in table:
+        print(f"{r['shape']:14s} {r['schedule']:14s} {r['chunks']:6d} {r['mono_ms']:8.3f} "
+              f"{r['mono_tflops']:8.0f} {r['eager_ratio']:6.3f} {r['graph_ratio']:6.3f} "
+              f"{r['host_us_sched']:8.0f}")
+    print(f"ratios = monolithic time / schedule time (1.0 = the schedule costs nothing extra); "
+          f"full results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

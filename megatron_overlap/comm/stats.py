@@ -1,0 +1,37 @@
+"""Per-operation communication counters: transfers started, bytes sent, and time
+the host spent blocked in `wait()` (on CPU that is the exposed communication; on
+a GPU the wait only orders streams, so it stays near zero and device-side timing
+belongs to the benchmarks). Telemetry reads and resets them once per step."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class OpStats:
+    transfers: int = 0
+    bytes: int = 0
+    wait_s: float = 0.0
+
+
+_stats: defaultdict[str, OpStats] = defaultdict(OpStats)
+
+
+def started(op: str, nbytes: int) -> None:
+    s = _stats[op]
+    s.transfers += 1
+    s.bytes += nbytes
+
+
+def waited(op: str, seconds: float) -> None:
+    _stats[op].wait_s += seconds
+
+
+def snapshot(reset: bool = True) -> dict[str, dict[str, float]]:
+    """{op: {"transfers", "bytes", "wait_s"}} since the last reset."""
+    out = {op: asdict(s) for op, s in sorted(_stats.items())}
+    if reset:
+        _stats.clear()
+    return out

@@ -1,0 +1,100 @@
+"""The swap at model construction: while installed, building Megatron's
+ColumnParallelLinear / RowParallelLinear for a TP-comm buffer ('qkv', 'proj',
+'fc1', 'fc2') with `config.tp_comm_overlap=True` builds our subclass instead.
+
+It hooks the classes' `__init__` (the instance becomes the subclass before
+anything is built), not the specs, so it holds whichever spec the
+model comes from (the local spec, a spec built before install(), a user's own),
+and however megatron-core 0.14-0.19 instantiates submodules (build_module or a
+direct call). Megatron's own output layer, MoE experts and any layer without one
+of those buffer names are left alone. Also `overlap_layer_spec(spec)`, for users
+who prefer to put the classes into their spec explicitly."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+COLUMN_BUFFERS, ROW_BUFFERS = ("qkv", "fc1"), ("proj", "fc2")
+_SLOTS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
+
+
+def _targets():
+    from ..layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+
+    return {ColumnParallelLinear: (OverlapColumnParallelLinear, COLUMN_BUFFERS),
+            RowParallelLinear: (OverlapRowParallelLinear, ROW_BUFFERS)}
+
+
+def wants_overlap(kwargs: dict[str, Any], buffers: tuple[str, ...]) -> bool:
+    config = kwargs.get("config")
+    return (bool(getattr(config, "tp_comm_overlap", False))
+            and kwargs.get("tp_comm_buffer_name") in buffers and not kwargs.get("is_expert", False))
+
+
+_original_init: dict[type, Any] = {}
+
+
+def _swapping_init(base: type):
+    original = base.__dict__["__init__"]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        target = _targets()[base]
+        if type(self) is base and wants_overlap(kwargs, target[1]):
+            # Become the subclass before anything is built, then build as it.
+            self.__class__ = target[0]
+            target[0].__init__(self, *args, **kwargs)
+        else:
+            original(self, *args, **kwargs)
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
+def patch() -> None:
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        if cls not in _original_init:
+            _original_init[cls] = cls.__dict__["__init__"]
+            cls.__init__ = _swapping_init(cls)
+
+
+def unpatch() -> None:
+    for cls, init in _original_init.items():
+        cls.__init__ = init
+    _original_init.clear()
+
+
+def overlap_layer_spec(spec: Any) -> Any:
+    """A copy of a transformer-layer (or block) ModuleSpec whose linear_qkv /
+    linear_proj / linear_fc1 / linear_fc2 are our layers wherever they were
+    Megatron's ColumnParallelLinear / RowParallelLinear."""
+    from ..layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+
+    ours = {ColumnParallelLinear: OverlapColumnParallelLinear, RowParallelLinear: OverlapRowParallelLinear}
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(n) for n in node)
+        sub = getattr(node, "submodules", None)
+        if sub is not None and hasattr(node, "module"):
+            node = copy.copy(node)
+            node.submodules = walk_submodules(sub)
+        return node
+
+    def walk_submodules(sub: Any) -> Any:
+        if not hasattr(sub, "__dict__"):
+            return sub
+        sub = copy.copy(sub)
+        for field, value in vars(sub).items():
+            if field in _SLOTS and value in ours:
+                setattr(sub, field, ours[value])
+            elif field in _SLOTS and getattr(value, "module", None) in ours:
+                setattr(sub, field, copy.copy(value))
+                getattr(sub, field).module = ours[value.module]
+            else:
+                setattr(sub, field, walk(value))
+        return sub
+
+    return walk(spec)

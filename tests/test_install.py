@@ -1,0 +1,69 @@
+"""install() patches exactly two things (the TP linears' construction and torch
+norms under SP) and uninstall() puts Megatron back as it was."""
+
+from types import SimpleNamespace
+
+import pytest
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer import torch_norm
+
+import megatron_overlap as mo
+from megatron_overlap.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+
+
+def _norm_config(sp):
+    return SimpleNamespace(layernorm_zero_centered_gamma=False, persist_layer_norm=False,
+                           sequence_parallel=sp, memory_efficient_layer_norm=False,
+                           normalization="RMSNorm")
+
+
+def _megatron_state():
+    return (ColumnParallelLinear.__dict__["__init__"], RowParallelLinear.__dict__["__init__"],
+            torch_norm.WrappedTorchNorm.__dict__["__new__"])
+
+
+def test_uninstall_restores_megatron_exactly():
+    before = _megatron_state()
+    mo.install()
+    mo.install({"fc1_fprop": {"aggregate": True}})  # nested installs
+    assert _megatron_state() != before
+    mo.uninstall()
+    assert _megatron_state() != before  # still installed once
+    mo.uninstall()
+    assert _megatron_state() == before
+    with pytest.raises(AssertionError, match="sequence parallel not supported"):
+        torch_norm.WrappedTorchNorm(_norm_config(True), 8)
+
+
+def test_installed_torch_norms_accept_sequence_parallel_and_mark_params():
+    mo.install()
+    try:
+        norm = torch_norm.WrappedTorchNorm(_norm_config(True), 8)
+        plain = torch_norm.WrappedTorchNorm(_norm_config(False), 8)
+    finally:
+        mo.uninstall()
+    assert [getattr(p, "sequence_parallel") for p in norm.parameters()] == [True]
+    assert [getattr(p, "sequence_parallel") for p in plain.parameters()] == [False]
+    cfg = _norm_config(True)
+    mo.install()
+    try:
+        torch_norm.WrappedTorchNorm(cfg, 8)
+    finally:
+        mo.uninstall()
+    assert cfg.sequence_parallel is True  # the config is handed back unchanged
+
+
+def test_overlap_layer_spec_swaps_the_four_linears_only():
+    spec = get_gpt_layer_local_spec()
+    ours = mo.overlap_layer_spec(spec)
+    attn, mlp = ours.submodules.self_attention.submodules, ours.submodules.mlp.submodules
+    assert attn.linear_qkv is OverlapColumnParallelLinear
+    assert attn.linear_proj is OverlapRowParallelLinear
+    assert mlp.linear_fc1 is OverlapColumnParallelLinear
+    assert mlp.linear_fc2 is OverlapRowParallelLinear
+    # the input spec is untouched; everything else is the same object
+    assert spec.submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear
+    assert spec.submodules.mlp.submodules.linear_fc2 is RowParallelLinear
+    assert ours.submodules.self_attention.submodules.core_attention is attn.core_attention
+    assert ours.submodules.input_layernorm is spec.submodules.input_layernorm
