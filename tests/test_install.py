@@ -54,16 +54,22 @@ def test_installed_torch_norms_accept_sequence_parallel_and_mark_params():
     assert cfg.sequence_parallel is True  # the config is handed back unchanged
 
 
+def _sub(node):
+    """A spec node's submodules: ModuleSpec.submodules, or (megatron-core 0.18+ MLPs)
+    the `submodules` keyword of a functools.partial."""
+    return node.submodules if hasattr(node, "submodules") else node.keywords["submodules"]
+
+
 def test_overlap_layer_spec_swaps_the_four_linears_only():
     spec = get_gpt_layer_local_spec()
     ours = mo.overlap_layer_spec(spec)
-    attn, mlp = ours.submodules.self_attention.submodules, ours.submodules.mlp.submodules
+    attn, mlp = _sub(ours.submodules.self_attention), _sub(ours.submodules.mlp)
     assert attn.linear_qkv is OverlapColumnParallelLinear
     assert attn.linear_proj is OverlapRowParallelLinear
     assert mlp.linear_fc1 is OverlapColumnParallelLinear
     assert mlp.linear_fc2 is OverlapRowParallelLinear
     # the input spec is untouched; everything else is the same object
-    assert spec.submodules.self_attention.submodules.linear_qkv is ColumnParallelLinear
-    assert spec.submodules.mlp.submodules.linear_fc2 is RowParallelLinear
+    assert _sub(spec.submodules.self_attention).linear_qkv is ColumnParallelLinear
+    assert _sub(spec.submodules.mlp).linear_fc2 is RowParallelLinear
     assert ours.submodules.self_attention.submodules.core_attention is attn.core_attention
     assert ours.submodules.input_layernorm is spec.submodules.input_layernorm

@@ -13,6 +13,7 @@ who prefer to put the classes into their spec explicitly."""
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -77,6 +78,10 @@ def overlap_layer_spec(spec: Any) -> Any:
     def walk(node: Any) -> Any:
         if isinstance(node, (list, tuple)):
             return type(node)(walk(n) for n in node)
+        if isinstance(node, functools.partial) and "submodules" in node.keywords:
+            # megatron-core 0.18+: MLP specs are partial(MLP.as_mlp_submodule, submodules=...)
+            return functools.partial(node.func, *node.args, **{
+                **node.keywords, "submodules": walk_submodules(node.keywords["submodules"])})
         sub = getattr(node, "submodules", None)
         if sub is not None and hasattr(node, "module"):
             node = copy.copy(node)

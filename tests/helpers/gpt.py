@@ -12,7 +12,7 @@ VARIANTS = {
                       activation_func=F.gelu, num_query_groups=None),
     # SwiGLU, GQA, no biases, RMSNorm
     "swiglu_gqa_rms": dict(add_bias_linear=False, normalization="RMSNorm", gated_linear_unit=True,
-                           activation_func=F.silu, num_query_groups=2),
+                           activation_func=F.silu, num_query_groups=4),
 }
 VOCAB, SEQ, BATCH = 64, 16, 2
 
@@ -21,7 +21,7 @@ def make_config(tp: int, variant: str, overlap: bool, **extra):
     from megatron.core.transformer import TransformerConfig
 
     return TransformerConfig(
-        num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1, tp_comm_overlap=overlap,
         use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
         attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,

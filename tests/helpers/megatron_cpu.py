@@ -1,6 +1,7 @@
-"""Megatron-core on CPU with gloo, for tests only. Megatron assumes CUDA in three
+"""Megatron-core on CPU with gloo, for tests only. Megatron assumes CUDA in a few
 places that matter here: `torch.cuda.current_device()` for buffers (its global
-memory buffer, the reduce-scatter output), `torch.cuda.synchronize`, and the
+memory buffer, the reduce-scatter output), `torch.cuda.synchronize`,
+`torch.cuda.current_stream()` (DDP's grad sync, megatron-core 0.19), and the
 CUDA RNG tracker. The shims point them at the CPU; they never enter the library."""
 
 from __future__ import annotations
@@ -11,8 +12,22 @@ import torch
 import torch.distributed as dist
 
 
+class _NoStream:
+    """Stands in for torch.cuda.current_stream(): on CPU every op is already ordered."""
+
+    def wait_event(self, *_):
+        pass
+
+    def wait_stream(self, *_):
+        pass
+
+    def synchronize(self):
+        pass
+
+
 def install_cpu_shims() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.current_stream = lambda *a, **k: _NoStream()  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
     torch.cuda.device_count = lambda: 0  # type: ignore[assignment]
     from megatron.core.tensor_parallel import random as mrandom
