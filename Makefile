@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test demo clean
+.PHONY: setup test test-gpu demo clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ setup: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+# GPU tests: ranks sharing one GPU through torch symmetric memory (skipped without a GPU).
+test-gpu: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/gpu
 
 demo: $(STAMP)
 	$(BIN)/python examples/ab_overlap.py

@@ -20,6 +20,7 @@ import torch
 
 from megatron_overlap.comm import NullTransport
 from megatron_overlap.overlap import all_gather_matmul, matmul_reduce_scatter
+from megatron_overlap.overlap.streams import ChunkStreams
 
 # DESIGN.md's reference shapes: tokens M (sequence x micro-batch), per-rank K and N.
 SHAPES = [("70B_tp8_qkv", 8192, 8192, 1280, "ag", 8), ("70B_tp8_fc1", 8192, 8192, 7168, "ag", 8),
@@ -29,10 +30,11 @@ SHAPES = [("70B_tp8_qkv", 8192, 8192, 1280, "ag", 8), ("70B_tp8_fc1", 8192, 8192
 
 
 def schedules(op: str, tp: int):
-    """(name, method, num_splits) at the layer's TE-default chunking."""
+    """(name, method, num_splits, GEMM streams) at the layer's TE-default chunking."""
     if op == "ag":
-        return [("ring_exchange", "ring_exchange", tp)]
-    return [("pipeline4", "pipeline", 4), ("ring_exchange", "ring_exchange", tp)]
+        return [("ring", "ring_exchange", tp, 1), ("ring/2s", "ring_exchange", tp, 2)]
+    return [("pipeline4", "pipeline", 4, 1), ("pipeline4/2s", "pipeline", 4, 2),
+            ("ring", "ring_exchange", tp, 1), ("ring/2s", "ring_exchange", tp, 2)]
 
 
 def time_ms(fn, reps: int, warmup: int = 5) -> float:
@@ -83,19 +85,21 @@ def run(reps: int, dtype: torch.dtype) -> list[dict]:
         null = NullTransport(tp)
         mono = lambda: torch.matmul(x, w.t())  # noqa: E731
         flops = 2 * m * k * n
-        for label, method, splits in schedules(op, tp):
+        for label, method, splits, nstreams in schedules(op, tp):
+            streams = ChunkStreams(n=nstreams)
             if op == "ag":
-                gathered = x.clone()
                 local = x[: m // tp]
                 sched = lambda: all_gather_matmul(local, w, null, method, op=name,  # noqa: E731
-                                                  gathered=gathered)
+                                                  streams=streams)
             else:
-                sched = lambda: matmul_reduce_scatter(x, w, null, method, splits, op=name)  # noqa: E731
+                sched = lambda: matmul_reduce_scatter(x, w, null, method, splits, op=name,  # noqa: E731
+                                                      streams=streams)
             t_mono, t_sched = time_ms(mono, reps), time_ms(sched, reps)
             g_mono, g_sched = graphed(mono), graphed(sched)
             tg_mono, tg_sched = time_ms(g_mono, reps), time_ms(g_sched, reps)
             rows.append(dict(
                 shape=name, m=m, k=k, n=n, op=op, tp=tp, schedule=label, chunks=splits,
+                gemm_streams=nstreams,
                 mono_ms=t_mono, sched_ms=t_sched, eager_ratio=t_mono / t_sched,
                 mono_graph_ms=tg_mono, sched_graph_ms=tg_sched, graph_ratio=tg_mono / tg_sched,
                 mono_tflops=flops / t_mono / 1e9, host_us_sched=host_us(sched, reps),

@@ -27,14 +27,15 @@ class NullTransport(Transport):
     def __init__(self, world_size: int, rank: int = 0):
         super().__init__(rank, world_size)
 
-    def _start_exchange(self, sends: Sequence[SendRecv], recvs: Sequence[SendRecv]) -> Handle:
+    def _start_exchange(self, sends, recvs: Sequence[SendRecv], op: str, chunk: int) -> Handle:
         return _DONE
 
-    def _start_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Handle:
+    def _start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int) -> Handle:
         return _DONE
 
-    def _start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Handle:
+    def _start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int
+                              ) -> Handle:
         return _DONE
 
-    def _start_all_reduce(self, tensor: torch.Tensor) -> Handle:
+    def _start_all_reduce(self, tensor: torch.Tensor, op: str, chunk: int) -> Handle:
         return _DONE

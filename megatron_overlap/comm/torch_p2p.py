@@ -32,20 +32,21 @@ class TorchP2PTransport(Transport):
         self.group = group
         self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
 
-    def _start_exchange(self, sends: Sequence[SendRecv], recvs: Sequence[SendRecv]) -> Handle:
-        ops = [dist.P2POp(dist.isend, t, self._global[p], self.group) for t, p in sends]
+    def _start_exchange(self, sends, recvs: Sequence[SendRecv], op: str, chunk: int) -> Handle:
+        ops = [dist.P2POp(dist.isend, t, self._global[p], self.group) for t, p, _ in sends]
         ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group) for t, p in recvs]
         return _Works(dist.batch_isend_irecv(ops) if ops else [], self.timeout)
 
-    def _start_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Handle:
+    def _start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int) -> Handle:
         return _Works([dist.all_gather_into_tensor(out, inp.contiguous(), group=self.group,
                                                    async_op=True)], self.timeout)
 
-    def _start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Handle:
+    def _start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int
+                              ) -> Handle:
         return _Works([dist.reduce_scatter_tensor(out, inp.contiguous(), group=self.group,
                                                   async_op=True)], self.timeout)
 
-    def _start_all_reduce(self, tensor: torch.Tensor) -> Handle:
+    def _start_all_reduce(self, tensor: torch.Tensor, op: str, chunk: int) -> Handle:
         return _Works([dist.all_reduce(tensor, group=self.group, async_op=True)], self.timeout)
 
     def describe(self) -> dict[str, object]:

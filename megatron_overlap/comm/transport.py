@@ -22,6 +22,10 @@ from . import stats, trace
 
 Peer = int  # a rank *within* the TP group
 SendRecv = tuple[torch.Tensor, Peer]
+# A send may name where it lands: a workspace tensor on *this* rank whose place in
+# the workspace is the destination on the peer (symmetric buffers have the same
+# layout on every rank). Without it the send lands where the tensor itself sits.
+Send = tuple[torch.Tensor, Peer] | tuple[torch.Tensor, Peer, torch.Tensor]
 
 
 def default_timeout() -> datetime.timedelta:
@@ -31,6 +35,14 @@ def default_timeout() -> datetime.timedelta:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _peers(peers: "str | tuple[tuple[int, ...], tuple[int, ...]]") -> str:
+    """Who a transfer involved, for messages (formatted only when one is needed)."""
+    if isinstance(peers, str):
+        return peers
+    to, frm = peers
+    return ", ".join([f"to {p}" for p in to] + [f"from {p}" for p in frm])
 
 
 class CommError(RuntimeError):
@@ -58,7 +70,7 @@ class _TracedHandle(Handle):
             t = self._transport
             raise CommError(
                 f"megatron_overlap[{t.name}]: rank {t.rank}/{t.world_size} waited for "
-                f"'{self._op}' chunk {self._chunk} ({self._peers}) and it failed: {exc}. "
+                f"'{self._op}' chunk {self._chunk} ({_peers(self._peers)}) and it failed: {exc}. "
                 f"A peer may have crashed, run a different schedule, or be slower than "
                 f"MEGATRON_OVERLAP_TIMEOUT_S={t.timeout.total_seconds():g}s."
             ) from exc
@@ -76,46 +88,70 @@ class Transport(abc.ABC):
         self.timeout = timeout or default_timeout()
 
     # -- the contract: what a schedule calls -------------------------------------------
-    def exchange(self, sends: Sequence[SendRecv], recvs: Sequence[SendRecv], *,
+    def exchange(self, sends: Sequence[Send], recvs: Sequence[SendRecv], *,
                  op: str, chunk: int) -> Handle:
         """Send each tensor to its peer and receive each buffer from its peer, at once
-        (one ring step; both ring directions when `aggregate` is on)."""
-        peers = ", ".join([f"to {p}" for _, p in sends] + [f"from {p}" for _, p in recvs])
-        nbytes = sum(t.numel() * t.element_size() for t, _ in sends)
-        return self._started(self._start_exchange(sends, recvs), op, chunk, peers, nbytes)
+        (one ring step; both ring directions when `aggregate` is on). Receive
+        buffers, and send destinations, are `workspace` tensors."""
+        self.check()
+        full = [(s[0], s[1], s[2] if len(s) > 2 else s[0]) for s in sends]
+        nbytes = sum(_nbytes(t) for t, _, _ in full)
+        return self._started(self._start_exchange(full, recvs, op, chunk), op, chunk,
+                             (tuple(p for _, p, _ in full), tuple(p for _, p in recvs)), nbytes)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *, op: str, chunk: int = 0) -> Handle:
         """`out` (world_size x rows of `inp`) receives every rank's `inp`, in rank order."""
-        return self._started(self._start_all_gather(out, inp), op, chunk, "all ranks", _nbytes(inp))
+        self.check()
+        return self._started(self._start_all_gather(out, inp, op, chunk), op, chunk, "all ranks", _nbytes(inp))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, op: str, chunk: int = 0) -> Handle:
         """`out` receives the sum over ranks of this rank's row block of `inp`."""
-        return self._started(self._start_reduce_scatter(out, inp), op, chunk, "all ranks",
+        self.check()
+        return self._started(self._start_reduce_scatter(out, inp, op, chunk), op, chunk, "all ranks",
                              _nbytes(inp))
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str, chunk: int = 0) -> Handle:
         """`tensor` becomes the sum over ranks, in place."""
-        return self._started(self._start_all_reduce(tensor), op, chunk, "all ranks", _nbytes(tensor))
+        self.check()
+        return self._started(self._start_all_reduce(tensor, op, chunk), op, chunk, "all ranks", _nbytes(tensor))
+
+    def workspace(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str
+                  ) -> torch.Tensor:
+        """A tensor peers may write into directly: receive buffers of `exchange`.
+        Valid until the next `begin_pass`; the same call sequence gives the same
+        layout on every rank. Plain memory here; symmetric memory on `symm`."""
+        return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+    def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
+        """A layer pass (one forward or backward) starts: workspaces of the previous
+        pass may be reused once every peer is done with them."""
+        self.check()
+
+    def check(self) -> None:
+        """Raise the CommError a background watchdog diagnosed, if any."""
 
     # -- what a backend implements -------------------------------------------------------
     @abc.abstractmethod
-    def _start_exchange(self, sends: Sequence[SendRecv], recvs: Sequence[SendRecv]) -> Handle: ...
+    def _start_exchange(self, sends: Sequence[tuple[torch.Tensor, Peer, torch.Tensor]],
+                        recvs: Sequence[SendRecv], op: str, chunk: int) -> Handle: ...
 
     @abc.abstractmethod
-    def _start_all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> Handle: ...
+    def _start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int
+                          ) -> Handle: ...
 
     @abc.abstractmethod
-    def _start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> Handle: ...
+    def _start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int
+                              ) -> Handle: ...
 
     @abc.abstractmethod
-    def _start_all_reduce(self, tensor: torch.Tensor) -> Handle: ...
+    def _start_all_reduce(self, tensor: torch.Tensor, op: str, chunk: int) -> Handle: ...
 
     def describe(self) -> dict[str, object]:
         """What telemetry logs about this transport."""
         return {"transport": self.name, "tp_size": self.world_size}
 
     # -- helpers -------------------------------------------------------------------------
-    def _started(self, handle: Handle, op: str, chunk: int, peers: str, nbytes: int) -> Handle:
+    def _started(self, handle: Handle, op: str, chunk: int, peers, nbytes: int) -> Handle:
         stats.started(op, nbytes)
         trace.record("start", op, chunk)
         return _TracedHandle(handle, self, op, chunk, peers)

@@ -50,9 +50,11 @@ CAPS: dict[str, BackendCaps] = {
         why_no_ce="NCCL picks its own transport",
         why_no_comm_stream="NCCL runs on ProcessGroupNCCL's internal streams"),
     "symm": BackendCaps(
-        sm_kernels=True, clusters=False, sm_margin=True, copy_engine=True,
+        sm_kernels=False, clusters=False, sm_margin=True, copy_engine=False,
         comm_stream=True, fp8=False, atomic_gemm=False,
-        why_no_clusters="its kernels launch without thread-block clusters"),
+        why_no_sm="its reductions are torch elementwise kernels, whose grid torch picks",
+        why_no_clusters="its kernels launch without thread-block clusters",
+        why_no_ce="ring_exchange chunks always move on copy engines (peer memcpy)"),
     "nvshmem": BackendCaps(
         sm_kernels=True, clusters=False, sm_margin=True, copy_engine=True,
         comm_stream=True, fp8=False, atomic_gemm=False,
@@ -81,7 +83,8 @@ def layer_effects(s: "LayerSettings", backend: str) -> dict[str, str]:
         if external:
             return external
         if not caps.sm_kernels:
-            return on_b + caps.why_no_sm
+            # Still read as the margin cuBLAS is held short by, where that exists.
+            return ACTIVE if s.set_sm_margin and caps.sm_margin else on_b + caps.why_no_sm
         if ring_ce:
             return ("no effect: use_ce moves ring_exchange chunks on copy engines"
                     + (" (set_sm_margin still holds num_sm SMs back from the GEMM)"

@@ -7,7 +7,10 @@ from __future__ import annotations
 import torch
 
 from ..comm.transport import Transport
+from ..config import LayerSettings
+from ..config.effects import CAPS
 from ..overlap import all_gather_matmul, gemm, hide, matmul_reduce_scatter
+from ..overlap.streams import ChunkStreams
 from .plan import LayerPlan
 from .wgrad import weight_grad
 
@@ -21,6 +24,21 @@ def _name(s, fallback: str) -> str:
     return s.name if s is not None else fallback
 
 
+def _begin(tp: Transport, s: LayerSettings | None, fallback: str) -> tuple[str, ChunkStreams | None]:
+    """Open the transport's pass for this layer pass; the GEMM streams its settings ask for."""
+    name = _name(s, fallback)
+    if s is None:
+        tp.begin_pass(name)
+        return name, None
+    comm_p = gemm_p = 0
+    if torch.cuda.is_available():
+        comm_p, gemm_p = s.stream_priorities(*torch.cuda.Stream.priority_range())
+    tp.begin_pass(name, comm_p)
+    caps = CAPS.get(tp.name)
+    margin = s.num_sm if s.set_sm_margin and caps is not None and caps.sm_margin else 0
+    return name, ChunkStreams(priority=gemm_p, sm_margin=margin)
+
+
 class ColumnParallelMatmul(torch.autograd.Function):
     """Y = gather_sp(X) @ W^T (+ b). X: [s/tp or s, b, k]."""
 
@@ -30,10 +48,10 @@ class ColumnParallelMatmul(torch.autograd.Function):
         ctx.use_bias = bias is not None
         ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
-        op = _name(plan.fprop, "fprop")
+        op, streams = _begin(tp, plan.fprop, "fprop")
         if plan.sequence_parallel and plan.fprop is not None:
             out, _ = all_gather_matmul(x2, weight, tp, plan.fprop.method, op=op,
-                                       aggregate=plan.fprop.aggregate)
+                                       aggregate=plan.fprop.aggregate, streams=streams)
         elif plan.sequence_parallel:
             full, start = _gather(x2, tp, op)
             start().wait()
@@ -50,7 +68,8 @@ class ColumnParallelMatmul(torch.autograd.Function):
         plan, tp = ctx.plan, ctx.tp
         g = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        dname, wname = _name(plan.dgrad, "dgrad"), _name(plan.wgrad, "wgrad")
+        dname, streams = _begin(tp, plan.dgrad, "dgrad")
+        wname = _name(plan.wgrad, "wgrad")
         wgrad = lambda inp: weight_grad(weight, g, inp, ctx.fuse_wgrad,  # noqa: E731
                                         lambda a, b: gemm(a, b, op=wname))
         if plan.sequence_parallel and plan.rs_dgrad:
@@ -58,7 +77,8 @@ class ColumnParallelMatmul(torch.autograd.Function):
             full, start = _gather(x2, tp, dname)
             handle = start()
             grad_in = matmul_reduce_scatter(g, weight.t(), tp, plan.dgrad.method,
-                                            plan.dgrad.splits(tp.world_size), op=dname)
+                                            plan.dgrad.splits(tp.world_size), op=dname,
+                                            streams=streams)
             handle.wait()
             grad_w = wgrad(full)
         elif plan.sequence_parallel:
@@ -84,11 +104,11 @@ class RowParallelMatmul(torch.autograd.Function):
         ctx.plan, ctx.tp, ctx.fuse_wgrad = plan, tp, fuse_wgrad
         ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
-        op, sp = _name(plan.fprop, "fprop"), plan.sequence_parallel
+        (op, streams), sp = _begin(tp, plan.fprop, "fprop"), plan.sequence_parallel
         if plan.fprop is not None:
             s = plan.fprop
             out = matmul_reduce_scatter(x2, weight, tp, s.method, s.splits(tp.world_size),
-                                        op=op, scatter=sp)
+                                        op=op, scatter=sp, streams=streams)
         else:
             out = matmul_reduce_scatter(x2, weight, tp, "bulk", 1, op=op, scatter=sp)
         return out.view(out.shape[0] * x.shape[0] // x2.shape[0], *x.shape[1:-1], -1)
@@ -99,10 +119,11 @@ class RowParallelMatmul(torch.autograd.Function):
         plan, tp = ctx.plan, ctx.tp
         g = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        dname = _name(plan.dgrad, "dgrad")
+        dname, streams = _begin(tp, plan.dgrad, "dgrad")
         if plan.sequence_parallel and plan.dgrad is not None:
+            # g_full is the transport's workspace: used by the wgrad below, within this pass.
             grad_in, g_full = all_gather_matmul(g, weight.t(), tp, plan.dgrad.method, op=dname,
-                                                aggregate=plan.dgrad.aggregate)
+                                                aggregate=plan.dgrad.aggregate, streams=streams)
         elif plan.sequence_parallel:
             g_full, start = _gather(g, tp, dname)
             start().wait()

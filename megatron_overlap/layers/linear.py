@@ -60,7 +60,8 @@ class _OverlapMixin:
     @property
     def transport(self) -> comm.Transport:
         if self._transport is None:
-            self._transport = comm.transport_for(self.tp_group, self.overlap_backend)
+            self._transport = comm.transport_for(self.tp_group, self.overlap_backend,
+                                                 self.weight.device)
         return self._transport
 
     def _use_megatron(self, weight: torch.Tensor) -> bool:

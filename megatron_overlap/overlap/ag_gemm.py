@@ -12,6 +12,7 @@ import torch
 
 from ..comm import trace
 from ..comm.transport import Transport
+from .streams import ChunkStreams, plain
 
 
 def ring_steps(rank: int, world: int, aggregate: bool) -> list[list[int]]:
@@ -33,40 +34,42 @@ def ring_steps(rank: int, world: int, aggregate: bool) -> list[list[int]]:
     return steps
 
 
-def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, op: str, chunk: int) -> None:
+def _gemm(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, op: str, chunk: int) -> None:
     trace.record("gemm", op, chunk)
-    torch.matmul(a, w.t(), out=out)
+    torch.matmul(a, wt, out=out)
 
 
 def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
-                  aggregate: bool = False, gathered: torch.Tensor | None = None
+                  aggregate: bool = False, streams: ChunkStreams | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring all-gather, one block per step, each block's GEMM run while the next
-    block is on the wire: start(i+1) -> gemm(i) -> wait(i+1). Blocks land in
-    `gathered` ([world * rows, k]; allocated when not given)."""
+    block is on the wire: start(i+1) -> gemm(i) -> wait(i+1), the wait enqueued on
+    the stream that runs gemm(i+1). Blocks land in a transport workspace
+    ([world * rows, k], valid until the transport's next pass), which is returned."""
     world, rank, rows = tp.world_size, tp.rank, x.shape[0]
-    if gathered is None:
-        gathered = x.new_empty(world * rows, x.shape[1])
+    gathered = tp.workspace((world * rows, x.shape[1]), x.dtype, x.device)
     out = x.new_empty(world * rows, w.shape[0])
-    block = lambda t, b: t[b * rows:(b + 1) * rows]  # noqa: E731
-    block(gathered, rank).copy_(x)
+    g_blocks, out_blocks, wt = gathered.split(rows), out.split(rows), w.t()  # views made once
+    g_blocks[rank].copy_(x)
     steps = ring_steps(rank, world, aggregate)
-    for i, blocks in enumerate(steps):
-        handle = None
-        if i + 1 < len(steps):
-            sends, recvs = [], []
-            for b in steps[i + 1]:  # what arrives next, and from which side
-                from_left = b == (rank - i - 1) % world
-                src = tp.left if from_left else tp.right
-                # The block this rank forwards in the same direction is the one it holds now.
-                fwd = (rank - i) % world if from_left else (rank + i) % world
-                sends.append((block(gathered, fwd), tp.right if from_left else tp.left))
-                recvs.append((block(gathered, b), src))
-            handle = tp.exchange(sends, recvs, op=op, chunk=i + 1)
-        for b in blocks:
-            _gemm(block(gathered, b), w, block(out, b), op, i)
-        if handle is not None:
-            handle.wait()
+    with streams or plain() as st:
+        for i, blocks in enumerate(steps):
+            handle = None
+            if i + 1 < len(steps):
+                sends, recvs = [], []
+                for b in steps[i + 1]:  # what arrives next, and from which side
+                    from_left = b == (rank - i - 1) % world
+                    # The block this rank forwards in the same direction is the one it holds now.
+                    fwd = (rank - i) % world if from_left else (rank + i) % world
+                    sends.append((g_blocks[fwd], tp.right if from_left else tp.left))
+                    recvs.append((g_blocks[b], tp.left if from_left else tp.right))
+                handle = tp.exchange(sends, recvs, op=op, chunk=i + 1)
+            with st.chunk(i):
+                for b in blocks:
+                    _gemm(g_blocks[b], wt, out_blocks[b], op, i)
+            if handle is not None:
+                with st.chunk(i + 1):
+                    handle.wait()
     return out, gathered
 
 
@@ -76,16 +79,16 @@ def bulk(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str) -> tuple[t
     gathered = x.new_empty(tp.world_size * x.shape[0], x.shape[1])
     tp.all_gather(gathered, x, op=op).wait()
     out = x.new_empty(gathered.shape[0], w.shape[0])
-    _gemm(gathered, w, out, op, 0)
+    _gemm(gathered, w.t(), out, op, 0)
     return out, gathered
 
 
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: str, *,
-                      op: str, aggregate: bool = False, gathered: torch.Tensor | None = None
+                      op: str, aggregate: bool = False, streams: ChunkStreams | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch on the layer's `method`; returns (output, gathered input)."""
     if method == "ring_exchange":
-        return ring_exchange(x, w, tp, op=op, aggregate=aggregate, gathered=gathered)
+        return ring_exchange(x, w, tp, op=op, aggregate=aggregate, streams=streams)
     if method == "bulk":
         return bulk(x, w, tp, op=op)
     raise ValueError(f"{op}: method '{method}' cannot overlap an all-gather with a GEMM; "

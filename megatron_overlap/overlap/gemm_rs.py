@@ -14,6 +14,7 @@ import torch
 
 from ..comm import trace
 from ..comm.transport import Handle, Transport
+from .streams import ChunkStreams, plain
 
 
 def _gemm(a: torch.Tensor, w: torch.Tensor, op: str, chunk: int, out: torch.Tensor | None = None):
@@ -29,60 +30,78 @@ def _check_rows(op: str, total: int, parts: int, what: str) -> int:
 
 
 def pipeline(x: torch.Tensor, w: torch.Tensor, tp: Transport, num_splits: int, *, op: str,
-             scatter: bool = True) -> torch.Tensor:
+             scatter: bool = True, streams: ChunkStreams | None = None) -> torch.Tensor:
     """num_splits GEMM chunks; each chunk's reduction starts as soon as its GEMM is
     issued and runs under the next chunk's GEMM: gemm(i) -> start(i) -> gemm(i+1) ...
     wait(all). With `scatter`, chunk i is the i-th slice of every rank's row block,
-    so its reduce-scatter hands each rank a contiguous slice of its own block."""
+    so its reduce-scatter hands each rank a contiguous slice of its own block. Chunk
+    GEMMs write into the transport's workspace, which a symmetric-memory transport
+    reduces from without a staging copy."""
     world, n = tp.world_size, w.shape[0]
     rows = _check_rows(op, x.shape[0], world, "TP ranks")
+    wt = w.t()
     if scatter:
         sub = _check_rows(op, rows, num_splits, "pipeline chunks per rank")
-        xs = x.view(world, num_splits, sub, x.shape[1])
-        out = x.new_empty(num_splits, sub, n)
+        # chunk i = [world, sub, k] strided view; one batched GEMM reads it in place
+        x_chunks = x.view(world, num_splits, sub, x.shape[1]).unbind(1)
+        wt_batch = wt.expand(world, *wt.shape)
     else:
         sub = _check_rows(op, x.shape[0], num_splits, "pipeline chunks")
-        out = x.new_empty(num_splits, sub, n)
+        x_chunks = x.split(sub)
+    out = x.new_empty(num_splits, sub, n)
+    out_chunks = out.unbind(0)
     handles: list[Handle] = []
-    for i in range(num_splits):
-        if scatter:
-            part = _gemm(xs[:, i], w, op, i).view(world * sub, n)
-            handles.append(tp.reduce_scatter(out[i], part, op=op, chunk=i))
-        else:
-            _gemm(x[i * sub:(i + 1) * sub], w, op, i, out=out[i])
-            handles.append(tp.all_reduce(out[i], op=op, chunk=i))
-    for h in handles:
-        h.wait()
+    with streams or plain() as st:
+        for i in range(num_splits):
+            with st.chunk(i):
+                if scatter:
+                    part = tp.workspace((world, sub, n), x.dtype, x.device)
+                    trace.record("gemm", op, i)
+                    torch.bmm(x_chunks[i], wt_batch, out=part)
+                    handles.append(tp.reduce_scatter(out_chunks[i], part.view(world * sub, n),
+                                                     op=op, chunk=i))
+                else:
+                    _gemm(x_chunks[i], w, op, i, out=out_chunks[i])
+                    handles.append(tp.all_reduce(out_chunks[i], op=op, chunk=i))
+        for h in handles:
+            h.wait()
     return out.view(-1, n)
 
 
-def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str) -> torch.Tensor:
+def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
+                  streams: ChunkStreams | None = None) -> torch.Tensor:
     """Ring reduce-scatter: at step s a rank computes its partial of block
     (rank - s - 1), adds the running sum that arrived from the left, and sends it
     right; the last step lands on its own block. The send of step s is in flight
     while the GEMM of step s+1 runs: gemm(s+1) -> wait(s)."""
     world, rank, n = tp.world_size, tp.rank, w.shape[0]
     rows = _check_rows(op, x.shape[0], world, "TP ranks")
-    block = lambda s: x[((rank - s - 1) % world) * rows:((rank - s - 1) % world + 1) * rows]  # noqa: E731
-    handle, incoming, acc = None, None, None
-    for s in range(world):
-        acc = _gemm(block(s), w, op, s)
-        if handle is not None:
-            handle.wait()
-            acc += incoming
-        if s + 1 < world:
-            incoming = x.new_empty(rows, n)
-            handle = tp.exchange([(acc, tp.right)], [(incoming, tp.left)], op=op, chunk=s)
-    return acc
+    blocks = x.split(rows)
+    incoming = tp.workspace((max(world - 1, 1), rows, n), x.dtype, x.device).unbind(0)
+    accs = x.new_empty(world, rows, n).unbind(0)  # on the caller's stream: safe to hand back
+    handle = None
+    with streams or plain() as st:
+        for s in range(world):
+            with st.chunk(s):
+                acc = accs[s]
+                _gemm(blocks[(rank - s - 1) % world], w, op, s, out=acc)
+                if handle is not None:
+                    handle.wait()
+                    acc += incoming[s - 1]
+                if s + 1 < world:
+                    handle = tp.exchange([(acc, tp.right, incoming[s])], [(incoming[s], tp.left)],
+                                         op=op, chunk=s)
+    return accs[world - 1]
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: str,
-                          num_splits: int, *, op: str, scatter: bool = True) -> torch.Tensor:
+                          num_splits: int, *, op: str, scatter: bool = True,
+                          streams: ChunkStreams | None = None) -> torch.Tensor:
     """Dispatch on the layer's `method`."""
     if method == "pipeline" or (method == "ring_exchange" and not scatter):
-        return pipeline(x, w, tp, num_splits, op=op, scatter=scatter)
+        return pipeline(x, w, tp, num_splits, op=op, scatter=scatter, streams=streams)
     if method == "ring_exchange":
-        return ring_exchange(x, w, tp, op=op)
+        return ring_exchange(x, w, tp, op=op, streams=streams)
     if method == "bulk":
         out = _gemm(x, w, op, 0)
         red = out.new_empty(out.shape[0] // tp.world_size, out.shape[1]) if scatter else out

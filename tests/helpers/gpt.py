@@ -1,5 +1,5 @@
 """A small megatron-core GPTModel from the local spec, trained a few steps with
-Megatron's DDP and gradient finalisation, on CPU."""
+Megatron's DDP and gradient finalisation (CPU, or a GPU with `device`)."""
 
 from __future__ import annotations
 
@@ -41,12 +41,13 @@ def make_model(config, spec=None):
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m)
 
 
-def batch(step: int):
+def batch(step: int, device: str = "cpu"):
     g = torch.Generator().manual_seed(100 + step)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
     pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
     causal = torch.triu(torch.ones(SEQ, SEQ), diagonal=1).bool()[None, None]  # True = masked
-    return tokens[:, :-1].contiguous(), pos, causal, tokens[:, 1:].contiguous()
+    out = tokens[:, :-1].contiguous(), pos, causal, tokens[:, 1:].contiguous()
+    return tuple(t.to(device) for t in out)
 
 
 def forward(model, b):
@@ -54,10 +55,10 @@ def forward(model, b):
     return model(tokens, pos, mask, labels=labels).float().mean()
 
 
-def train(ddp, steps: int = 5, lr: float = 0.05) -> list[float]:
+def train(ddp, steps: int = 5, lr: float = 0.05, device: str = "cpu") -> list[float]:
     """SGD with momentum through the A/B tool's training arm (Megatron's
     finalize_model_grads, then main_grad is the gradient)."""
     from megatron_overlap.ab import TrainArm
 
     arm = TrainArm("test", ddp, forward, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9))
-    return [arm.step(batch(step)).loss for step in range(steps)]
+    return [arm.step(batch(step, device)).loss for step in range(steps)]

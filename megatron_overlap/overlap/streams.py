@@ -1,0 +1,73 @@
+"""Where a schedule's chunk GEMMs run on a GPU (nothing changes on CPU).
+
+- More than one stream: chunk i runs on stream i % n, so the last, partly
+  filled wave of one chunk's GEMM runs beside the first wave of the next
+  (wave quantization: a chunk rarely fills all SMs evenly).
+- `priority`: the layer's `gemm_priority` (CUDA: lower is more urgent).
+- `sm_margin`: with `set_sm_margin`, cuBLAS is held `num_sm` SMs short while the
+  schedule runs, so an SM-based communication kernel is never starved.
+The streams join back into the caller's stream when the schedule ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import torch
+
+_cache: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+_NOTHING = contextlib.nullcontext()
+
+
+def default_gemm_streams() -> int:
+    """Streams for chunk GEMMs; MEGATRON_OVERLAP_GEMM_STREAMS overrides (see BENCHMARKS.md)."""
+    return int(os.environ.get("MEGATRON_OVERLAP_GEMM_STREAMS", "1"))
+
+
+class ChunkStreams:
+    def __init__(self, n: int | None = None, priority: int = 0, sm_margin: int = 0):
+        self.n = max(1, default_gemm_streams() if n is None else n)
+        self.priority, self.sm_margin = priority, sm_margin
+        self._streams: list[torch.cuda.Stream] = []
+        self._carved, self._previous = False, None
+
+    def __enter__(self) -> "ChunkStreams":
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return self
+        main = torch.cuda.current_stream()
+        if self.n > 1 or self.priority != 0:
+            dev = torch.cuda.current_device()
+            self._streams = [self._stream(dev, i) for i in range(self.n)]
+            for s in self._streams:
+                s.wait_stream(main)
+        if self.sm_margin and hasattr(torch._C, "_set_sm_carveout_experimental"):
+            self._carved, self._previous = True, torch._C._get_sm_carveout_experimental()
+            torch._C._set_sm_carveout_experimental(self.sm_margin)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        main = torch.cuda.current_stream() if self._streams else None
+        for s in self._streams:
+            main.wait_stream(s)
+        self._streams = []
+        if self._carved:
+            torch._C._set_sm_carveout_experimental(self._previous)
+            self._carved = False
+
+    def chunk(self, i: int) -> contextlib.AbstractContextManager:
+        """Run what follows (waits included) on chunk i's stream."""
+        if not self._streams:
+            return _NOTHING
+        return torch.cuda.stream(self._streams[i % len(self._streams)])
+
+    def _stream(self, device: int, i: int) -> torch.cuda.Stream:
+        key = (device, i, self.priority)
+        if key not in _cache:
+            lo, hi = torch.cuda.Stream.priority_range()
+            _cache[key] = torch.cuda.Stream(device=device, priority=min(max(self.priority, hi), lo))
+        return _cache[key]
+
+
+def plain() -> ChunkStreams:
+    """The caller's stream only (CPU, tests, or a layer without GPU settings)."""
+    return ChunkStreams(n=1)
