@@ -3,15 +3,23 @@
 # .whl/ as ../shared/device/wheels.sh fetches it). Run from the repo root:
 #   GPU_TESTS=1 BENCH=1 CPU_VERSIONS="mc019 mc014" bash benchmarks/gpu_session.sh
 # GPU_TESTS: `make test-gpu` (ranks sharing the one GPU); BENCH: compute_side.py;
-# CPU_VERSIONS: the CPU suite against those megatron-core wheels. $OUT gets the logs.
+# NVSHMEM_PROBE: benchmarks/probe_nvshmem.py with 1 and 2 PEs; CPU_VERSIONS: the CPU suite against those megatron-core wheels. $OUT gets the logs.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
-pipi /tmp/site .whl/*.whl
+ls .whl/*.whl >/dev/null 2>&1 && pipi /tmp/site .whl/*.whl
 pipi /tmp/site_mc019 .whl/mc019/*.whl
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 export PYTHONPATH=/tmp/site_mc019:/tmp/site:$PWD
+if [ -n "${NVSHMEM_PROBE:-}" ]; then
+  pipi /tmp/site_nvs .whl/nvshmem/*.whl
+  for w in 1 2; do
+    NVSHMEM_DISABLE_NVLS=1 NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo PYTHONPATH=/tmp/site_nvs:$PYTHONPATH \
+      timeout 90 python3 benchmarks/probe_nvshmem.py $w > "$OUT/probe_nvshmem_$w.log" 2>&1
+    echo "== nvshmem probe, $w PE(s): rc=$?"; grep -E "OK|FAIL" "$OUT/probe_nvshmem_$w.log" | sort | uniq | head -30
+  done
+fi
 if [ -n "${GPU_TESTS:-}" ]; then
   timeout ${GPU_TESTS_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short \
     --durations=12 ${GPU_TEST_ARGS:-tests/gpu} > "$OUT/tests_gpu.log" 2>&1
