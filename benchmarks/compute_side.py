@@ -18,9 +18,8 @@ import time
 
 import torch
 
-from megatron_overlap.comm import NullTransport
-from megatron_overlap.overlap import all_gather_matmul, matmul_reduce_scatter
-from megatron_overlap.overlap.streams import ChunkStreams
+# the timing code lives in the package, where the tuner's one-GPU mode uses it too
+from megatron_overlap.tune.measure import graphed, host_us, measure_schedule, time_ms  # noqa: F401
 
 # DESIGN.md's reference shapes: tokens M (sequence x micro-batch), per-rank K and N.
 SHAPES = [("70B_tp8_qkv", 8192, 8192, 1280, "ag", 8), ("70B_tp8_fc1", 8192, 8192, 7168, "ag", 8),
@@ -37,74 +36,15 @@ def schedules(op: str, tp: int):
             ("ring", "ring_exchange", tp, 1), ("ring/2s", "ring_exchange", tp, 2)]
 
 
-def time_ms(fn, reps: int, warmup: int = 5) -> float:
-    """Median of per-call device times (CUDA events)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def host_us(fn, reps: int) -> float:
-    """Median host time to issue one call (launch cost), device drained between calls."""
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(times)
-
-
-def graphed(fn):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
-
-
 def run(reps: int, dtype: torch.dtype) -> list[dict]:
     rows = []
     for name, m, k, n, op, tp in SHAPES:
-        x = torch.randn(m, k, device="cuda", dtype=dtype)
-        w = torch.randn(n, k, device="cuda", dtype=dtype)
-        null = NullTransport(tp)
-        mono = lambda: torch.matmul(x, w.t())  # noqa: E731
-        flops = 2 * m * k * n
         for label, method, splits, nstreams in schedules(op, tp):
-            streams = ChunkStreams(n=nstreams)
-            if op == "ag":
-                local = x[: m // tp]
-                sched = lambda: all_gather_matmul(local, w, null, method, op=name,  # noqa: E731
-                                                  streams=streams)
-            else:
-                sched = lambda: matmul_reduce_scatter(x, w, null, method, splits, op=name,  # noqa: E731
-                                                      streams=streams)
-            t_mono, t_sched = time_ms(mono, reps), time_ms(sched, reps)
-            g_mono, g_sched = graphed(mono), graphed(sched)
-            tg_mono, tg_sched = time_ms(g_mono, reps), time_ms(g_sched, reps)
             rows.append(dict(
                 shape=name, m=m, k=k, n=n, op=op, tp=tp, schedule=label, chunks=splits,
                 gemm_streams=nstreams,
-                mono_ms=t_mono, sched_ms=t_sched, eager_ratio=t_mono / t_sched,
-                mono_graph_ms=tg_mono, sched_graph_ms=tg_sched, graph_ratio=tg_mono / tg_sched,
-                mono_tflops=flops / t_mono / 1e9, host_us_sched=host_us(sched, reps),
-                host_us_mono=host_us(mono, reps)))
-            del g_mono, g_sched
+                **measure_schedule(m, k, n, op, tp, method, splits, reps=reps, dtype=dtype,
+                                   gemm_streams=nstreams, name=name)))
     return rows
 
 

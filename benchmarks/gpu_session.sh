@@ -11,19 +11,23 @@ pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-
 ls .whl/*.whl >/dev/null 2>&1 && pipi /tmp/site .whl/*.whl
 pipi /tmp/site_mc019 .whl/mc019/*.whl
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-export PYTHONPATH=/tmp/site_mc019:/tmp/site:$PWD
+# nvshmem4py and cuda-core for the nvshmem transport (tests/gpu/test_nvshmem.py)
+ls .whl/nvshmem/*.whl >/dev/null 2>&1 && pipi /tmp/site_nvs .whl/nvshmem/*.whl
+export PYTHONPATH=/tmp/site_mc019:/tmp/site:/tmp/site_nvs:$PWD
+export NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0
 if [ -n "${NVSHMEM_PROBE:-}" ]; then
-  pipi /tmp/site_nvs .whl/nvshmem/*.whl
   for w in 1 2; do
-    NVSHMEM_DISABLE_NVLS=1 NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo PYTHONPATH=/tmp/site_nvs:$PYTHONPATH \
-      timeout 90 python3 benchmarks/probe_nvshmem.py $w > "$OUT/probe_nvshmem_$w.log" 2>&1
+    NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=lo timeout 90 python3 benchmarks/probe_nvshmem.py $w > "$OUT/probe_nvshmem_$w.log" 2>&1
     echo "== nvshmem probe, $w PE(s): rc=$?"; grep -E "OK|FAIL" "$OUT/probe_nvshmem_$w.log" | sort | uniq | head -30
   done
 fi
-if [ -n "${GPU_TESTS:-}" ]; then
-  timeout ${GPU_TESTS_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short \
-    --durations=12 ${GPU_TEST_ARGS:-tests/gpu} > "$OUT/tests_gpu.log" 2>&1
-  echo "gpu tests rc=$?"; tail -25 "$OUT/tests_gpu.log"
+if [ -n "${GPU_TESTS:-}" ]; then  # one pytest per file: a hang in one keeps the others' reports
+  for f in ${GPU_TEST_FILES:-tests/gpu/test_nvshmem.py tests/gpu/test_gpt_symm.py tests/gpu/test_symm.py}; do
+    log="$OUT/tests_$(echo $f | sed "s#tests/gpu/##; s#[:/]#_#g; s#\.py##").log"
+    timeout ${GPU_TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short \
+      --durations=8 $f ${GPU_TEST_ARGS:-} > "$log" 2>&1
+    echo "== $f rc=$?"; tail -${TAIL:-15} "$log"
+  done
 fi
 if [ -n "${BENCH:-}" ]; then
   timeout ${BENCH_TIMEOUT:-240} python3 benchmarks/compute_side.py --reps ${REPS:-30} \

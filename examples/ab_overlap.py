@@ -8,7 +8,8 @@ report (markdown + PNG).
     python examples/ab_overlap.py --tp 8 --steps 50    # GPUs: NCCL, one rank per GPU
     python examples/ab_overlap.py --save ckpt/ ; python examples/ab_overlap.py --load ckpt/
 
-With GPUs it runs one process per GPU (or under torchrun, if RANK is set).
+With GPUs it runs one rank per GPU over NCCL (ranks share a GPU over gloo when TP
+exceeds the GPU count), or under torchrun if RANK is set: megatron_overlap.ab.launch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import sys
 import time
 
 import torch
+
+from megatron_overlap.ab.launch import launch, plan_layout
+from megatron_overlap.ab.model import GPTSpec, batches, build_gpt, gpt_loss, init_megatron
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -46,60 +50,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def _init(rank: int, world: int, cpu: bool, seed: int) -> torch.device:
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    if cpu:  # megatron-core assumes CUDA in a few places: the test suite's shims cover them
-        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-        from helpers.megatron_cpu import init
-
-        init(world, seed)
-        return torch.device("cpu")
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    torch.distributed.init_process_group("nccl", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    model_parallel_cuda_manual_seed(seed)
-    torch.manual_seed(seed)
-    return torch.device("cuda", torch.cuda.current_device())
+def _spec(args) -> GPTSpec:
+    return GPTSpec(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq,
+                   micro_batch=args.micro_batch, vocab=args.vocab)
 
 
-def _build(args, overlap: bool, dtype: torch.dtype, cpu: bool):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
+def _cpu_init(tp: int, seed: int) -> None:
+    """megatron-core on CPU: the test suite's shims (they never enter the library)."""
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from helpers.megatron_cpu import init
 
-    config = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-        ffn_hidden_size=4 * args.hidden, tensor_model_parallel_size=args.tp,
-        sequence_parallel=args.tp > 1, tp_comm_overlap=overlap, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, use_cpu_initialization=cpu, hidden_dropout=0.0,
-        attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False)
-    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=args.vocab,
-                     max_sequence_length=args.seq, position_embedding_type="rope")
-    if not cpu:
-        model.cuda()
-    return model, config, lambda m: DistributedDataParallel(
-        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m)
-
-
-def _batches(args, device):
-    """Micro-batches drawn from a small pool of fixed sequences: learnable, so the
-    loss curves show training, and identical in both arms."""
-    g = torch.Generator().manual_seed(args.seed)
-    pool = torch.randint(0, args.vocab, (4 * args.micro_batch, args.seq + 1), generator=g)
-    mask = torch.triu(torch.ones(args.seq, args.seq), diagonal=1).bool()[None, None].to(device)
-    pos = torch.arange(args.seq).unsqueeze(0).expand(args.micro_batch, -1).to(device)
-    for _ in range(args.steps):
-        t = pool[torch.randint(0, len(pool), (args.micro_batch,), generator=g)].to(device)
-        yield t[:, :-1].contiguous(), pos, mask, t[:, 1:].contiguous()
-
-
-def _forward(model, b):
-    tokens, pos, mask, labels = b
-    return model(tokens, pos, mask, labels=labels).float().mean()
+    init(tp, seed)
 
 
 def _checkpoint(model, path: str, load: bool) -> None:
@@ -117,8 +78,10 @@ def _checkpoint(model, path: str, load: bool) -> None:
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
-    cpu = not torch.cuda.is_available()
-    device = _init(rank, world, cpu, args.seed)
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    layout = plan_layout(world)
+    device = init_megatron(layout, rank, world, args.seed, _cpu_init)
+    cpu = device.type == "cpu"
     dtype = getattr(torch, args.dtype or ("float32" if cpu else "bfloat16"))
 
     import megatron_overlap as mo
@@ -127,14 +90,14 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     from megatron_overlap.telemetry import OverlapTelemetry
 
     mo.install(ub_cfgs=args.ub_cfgs, backend=args.backend)
-    plain, _, wrap_a = _build(args, overlap=False, dtype=dtype, cpu=cpu)
-    ours, _, wrap_b = _build(args, overlap=True, dtype=dtype, cpu=cpu)
+    plain, wrap_a = build_gpt(_spec(args), world, overlap=False, dtype=dtype, device=device)
+    ours, wrap_b = build_gpt(_spec(args), world, overlap=True, dtype=dtype, device=device)
     if args.load:
         _checkpoint(plain, args.load, load=True)
     ours.load_state_dict(plain.state_dict())  # same weights in both arms
     optim = lambda ps: torch.optim.AdamW(ps, lr=args.lr)  # noqa: E731
-    arms = {"A_megatron": TrainArm("A_megatron", wrap_a(plain), _forward, optim),
-            "B_overlap": TrainArm("B_overlap", wrap_b(ours), _forward, optim)}
+    arms = {"A_megatron": TrainArm("A_megatron", wrap_a(plain), gpt_loss, optim),
+            "B_overlap": TrainArm("B_overlap", wrap_b(ours), gpt_loss, optim)}
 
     lead = rank == 0
     runs = {}
@@ -151,7 +114,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     from rich.progress import track
 
-    steps = list(_batches(args, device))
+    steps = list(batches(_spec(args), args.steps, args.seed, device))
     it = track(range(args.steps), description="A/B steps") if lead else range(args.steps)
     for i in it:
         for name, arm in arms.items():
@@ -172,7 +135,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         run.finish()
     md, png = write_report(
         {n: a.results for n, a in arms.items()}, args.out, baseline="A_megatron",
-        title=f"A/B: Megatron TP vs megatron_overlap (TP={world}, {'CPU/gloo' if cpu else 'GPU/NCCL'})",
+        title=f"A/B: Megatron TP vs megatron_overlap (TP={world}, {layout.note.split(':')[0]})",
         details={"model": f"GPT {args.layers} layers, hidden {args.hidden}, seq {args.seq}, "
                           f"micro-batch {args.micro_batch}, {dtype}",
                  "transport": ours.decoder.layers[0].mlp.linear_fc1.transport.name,
@@ -182,25 +145,12 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     print(f"report: {md}\nplot:   {png}\nwandb:  {', '.join(r.dir for r in runs.values())}")
 
 
-def _spawn_entry(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), WANDB_MODE="offline", WANDB_SILENT="true",
-                      CUDA_DEVICE_MAX_CONNECTIONS="1")
-    worker(rank, world, args)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ:  # torchrun
-        args.tp = args.tp or int(os.environ["WORLD_SIZE"])
-        return worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
-    args.tp = args.tp or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    torch.multiprocessing.spawn(_spawn_entry, args=(args.tp, args, port), nprocs=args.tp, join=True)
+    world = args.tp or int(os.environ.get("WORLD_SIZE", 0)) or (
+        torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    args.tp = world
+    launch(worker, world, args)
 
 
 if __name__ == "__main__":

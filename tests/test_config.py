@@ -438,10 +438,10 @@ def test_effects_reasons(defaults):
     assert pipe.effects("symm")["num_splits"] == "active"
     assert pipe.effects("symm")["pipeline_rs_overlap_first_gemm"] == "active"
     assert pipe.effects("torch_p2p")["use_ce"].startswith("no effect")
-    assert ring.effects("nvshmem")["use_ce"] == "active"
-    assert ring.effects("nvshmem")["num_sm"].startswith("no effect: use_ce")
+    assert ring.effects("nvshmem")["use_ce"].startswith("no effect on nvshmem: host-initiated puts")
     no_ce = defaults.replace("qkv_fprop", use_ce=False)["qkv_fprop"]
-    assert no_ce.effects("nvshmem")["num_sm"] == "active"
+    assert no_ce.effects("nvshmem")["num_sm"].startswith("no effect")
+    assert pipe.effects("nvshmem")["num_sm"] == pipe.effects("symm")["num_sm"] == "active"
     assert defaults["proj_fprop"].effects("symm")["aggregate"].startswith("no effect")
     hot = defaults.replace("proj_fprop", comm_priority=2)["proj_fprop"]
     assert hot.effects("symm")["comm_priority"].startswith("clamped")

@@ -2,57 +2,69 @@
 
 from __future__ import annotations
 
+import logging
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
+from . import topology as _topology
+from .hierarchical import PerPeerTransport
 from .null import NullTransport
+from .topology import Topology, topology
 from .torch_p2p import TorchP2PTransport
 from .transport import CommError, Handle, Transport
 
-AVAILABLE = ("torch_p2p", "symm")
-PLANNED = ("nvshmem",)
+AVAILABLE = ("torch_p2p", "symm", "nvshmem")  # nvshmem needs nvshmem4py at run time
+# Per-peer transports: a TP group spanning nodes / P2P domains. `auto` picks it there.
+COMPOSITE = ("hierarchical",)
+PLANNED: tuple[str, ...] = ()
 _cache: dict[tuple[dist.ProcessGroup, str], Transport] = {}
-_domains: dict[dist.ProcessGroup, bool] = {}
+log = logging.getLogger("megatron_overlap")
+
+
+def inter_backend() -> str:
+    """The transport between domains of a per-peer transport: MEGATRON_OVERLAP_INTER_BACKEND
+    (torch_p2p by default; nvshmem where its transport is available)."""
+    return os.environ.get("MEGATRON_OVERLAP_INTER_BACKEND", "torch_p2p")
 
 
 def symm_domain(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether every rank of `group` can map every peer's GPU memory: one host, and
+    """Whether every rank of `group` can map every peer's GPU memory: one node, and
     devices with P2P access to each other (the same device for ranks that share one
     GPU, which torch allows with TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1).
-    Collective over `group`."""
-    if group not in _domains:
-        peers: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(peers, (socket.gethostname(), device.index), group=group)
-        devices = sorted({d for _, d in peers})
-        shared = len(devices) < len(peers)
-        _domains[group] = (
-            len({h for h, _ in peers}) == 1
-            and (not shared or os.environ.get("TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES") == "1")
-            and all(a == b or torch.cuda.can_device_access_peer(a, b) for a in devices for b in devices))
-    return _domains[group]
+    Collective over `group` (see `topology`)."""
+    return len(topology(group, device).domains) == 1
+
+
+def _per_peer_pays(topo: Topology) -> bool:
+    """Several domains, and some peers share one: two transports beat one."""
+    return topo.is_hierarchical and any(len(d) > 1 for d in topo.domains)
 
 
 def resolve_backend(backend: str, group: dist.ProcessGroup | None = None,
                     device: torch.device | None = None) -> str:
-    """`auto` -> `symm` for a GPU group inside one NVLink / P2P domain, else
-    `torch_p2p` (NCCL across nodes, gloo on CPU). Without a group: what auto means
-    where nothing is known (torch_p2p)."""
+    """`auto` -> `hierarchical` (per-peer transports) for a group spread over several
+    nodes / P2P domains, `symm` for a GPU group inside one domain, else `torch_p2p`
+    (NCCL, gloo on CPU). Without a group: what auto means where nothing is known
+    (torch_p2p). With a group of more than one rank, collective the first time."""
     if backend == "auto":
-        if (group is not None and device is not None and device.type == "cuda"
-                and dist.get_world_size(group) > 1 and symm_domain(group, device)):
+        if group is None or dist.get_world_size(group) == 1:
+            return "torch_p2p"
+        topo = topology(group, device)
+        if _per_peer_pays(topo):
+            return "hierarchical"
+        if device is not None and device.type == "cuda" and len(topo.domains) == 1:
             return "symm"
         return "torch_p2p"
-    if backend in AVAILABLE:
+    if backend in AVAILABLE or backend in COMPOSITE:
         return backend
     if backend in PLANNED:
         raise NotImplementedError(
             f"megatron_overlap: backend '{backend}' is not available in this build; "
-            f"use one of {AVAILABLE} or 'auto'")
+            f"use one of {AVAILABLE + COMPOSITE} or 'auto'")
     raise ValueError(f"megatron_overlap: unknown backend '{backend}'; "
-                     f"choose 'auto' or one of {AVAILABLE + PLANNED}")
+                     f"choose 'auto' or one of {AVAILABLE + COMPOSITE + PLANNED}")
 
 
 def transport_for(group: dist.ProcessGroup, backend: str = "auto",
@@ -62,21 +74,54 @@ def transport_for(group: dist.ProcessGroup, backend: str = "auto",
     name = resolve_backend(backend, group, device)
     key = (group, name)
     if key not in _cache:
-        if name == "symm":
+        if name == "hierarchical":
+            from .hierarchical import build
+            tp = build(group, topology(group, device), device, inter_backend())
+            log.info("megatron_overlap: TP group of %d ranks over %s: per-peer transports %s",
+                     tp.world_size, tp.topology.describe(), describe_peers(tp))
+            _cache[key] = tp
+        elif name == "symm":
             if device is None or device.type != "cuda":
                 raise ValueError(f"megatron_overlap: backend 'symm' needs CUDA tensors, got {device}")
             from .symm import SymmTransport
             _cache[key] = SymmTransport(group, device)
+        elif name == "nvshmem":
+            if device is None or device.type != "cuda":
+                raise ValueError(f"megatron_overlap: backend 'nvshmem' needs CUDA tensors, got {device}")
+            from .nvshmem import NvshmemTransport
+            _cache[key] = NvshmemTransport(group, device)
         else:
             _cache[key] = TorchP2PTransport(group)
     return _cache[key]
 
 
+def describe_peers(tp: Transport) -> str:
+    """Which transport carries each peer, as this rank sees it: 'intra:symm 1;
+    inter:torch_p2p 2-3', or the one backend's name."""
+    if not isinstance(tp, PerPeerTransport):
+        return tp.name
+    by: dict[str, list[int]] = {}
+    for p, label in tp.peer_map().items():
+        by.setdefault(label, []).append(p)
+    return "; ".join(f"{label} {_ranges(ps)}" for label, ps in by.items()) or tp.name
+
+
+def _ranges(ps: list[int]) -> str:
+    out, start = [], None
+    for i, p in enumerate(ps):
+        start = p if start is None else start
+        if i + 1 == len(ps) or ps[i + 1] != p + 1:
+            out.append(str(start) if start == p else f"{start}-{p}")
+            start = None
+    return ",".join(out)
+
+
 def reset() -> None:
-    """Forget every transport (uninstall, or a new process group)."""
+    """Forget every transport and topology (uninstall, or a new process group)."""
     _cache.clear()
-    _domains.clear()
+    _topology.reset()
 
 
-__all__ = ["Transport", "Handle", "CommError", "TorchP2PTransport", "NullTransport", "transport_for",
-           "resolve_backend", "symm_domain", "reset", "AVAILABLE"]
+__all__ = ["Transport", "Handle", "CommError", "TorchP2PTransport", "NullTransport",
+           "PerPeerTransport", "Topology", "topology", "transport_for", "resolve_backend",
+           "symm_domain", "describe_peers", "reset", "AVAILABLE", "COMPOSITE"]

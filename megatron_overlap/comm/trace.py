@@ -15,6 +15,7 @@ class Event:
     kind: str  # "start" | "wait" | "gemm"
     op: str  # what moved or computed: "ag", "rs", "ar", "ring", "fprop", "dgrad", "wgrad", ...
     chunk: int  # the schedule's step or chunk index
+    via: str = ""  # transfers: the transport that carried it ("torch_p2p", "inter:torch_p2p", ...)
 
 
 _current: ContextVar[list[Event] | None] = ContextVar("megatron_overlap_trace", default=None)
@@ -31,7 +32,7 @@ def recording() -> Iterator[list[Event]]:
         _current.reset(token)
 
 
-def record(kind: str, op: str, chunk: int) -> None:
+def record(kind: str, op: str, chunk: int, via: str = "") -> None:
     events = _current.get()
     if events is not None:
-        events.append(Event(kind, op, chunk))
+        events.append(Event(kind, op, chunk, via))

@@ -58,9 +58,10 @@ class Handle(abc.ABC):
 
 
 class _TracedHandle(Handle):
-    def __init__(self, inner: Handle, transport: "Transport", op: str, chunk: int, peers: str):
-        self._inner, self._transport, self._op, self._chunk, self._peers = (
-            inner, transport, op, chunk, peers)
+    def __init__(self, inner: Handle, transport: "Transport", op: str, chunk: int, peers: str,
+                 via: str):
+        self._inner, self._transport, self._op, self._chunk, self._peers, self._via = (
+            inner, transport, op, chunk, peers, via)
 
     def wait(self) -> None:
         t0 = time.perf_counter()
@@ -68,14 +69,15 @@ class _TracedHandle(Handle):
             self._inner.wait()
         except Exception as exc:  # timeouts and peer failures surface here
             t = self._transport
+            where = t.name if self._via == t.name else f"{t.name} via {self._via}"
             raise CommError(
-                f"megatron_overlap[{t.name}]: rank {t.rank}/{t.world_size} waited for "
+                f"megatron_overlap[{where}]: rank {t.rank}/{t.world_size} waited for "
                 f"'{self._op}' chunk {self._chunk} ({_peers(self._peers)}) and it failed: {exc}. "
                 f"A peer may have crashed, run a different schedule, or be slower than "
                 f"MEGATRON_OVERLAP_TIMEOUT_S={t.timeout.total_seconds():g}s."
             ) from exc
         stats.waited(self._op, time.perf_counter() - t0)
-        trace.record("wait", self._op, self._chunk)
+        trace.record("wait", self._op, self._chunk, self._via)
 
 
 class Transport(abc.ABC):
@@ -150,11 +152,22 @@ class Transport(abc.ABC):
         """What telemetry logs about this transport."""
         return {"transport": self.name, "tp_size": self.world_size}
 
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """The backends that move this transport's bytes (several for a per-peer one)."""
+        return (self.name,)
+
+    def via(self, peers: "str | tuple[tuple[int, ...], tuple[int, ...]]") -> str:
+        """Which transport carries a transfer with these peers ("all ranks" for a
+        collective): the trace's `via`. One transport carries everything here."""
+        return self.name
+
     # -- helpers -------------------------------------------------------------------------
     def _started(self, handle: Handle, op: str, chunk: int, peers, nbytes: int) -> Handle:
+        via = self.via(peers)
         stats.started(op, nbytes)
-        trace.record("start", op, chunk)
-        return _TracedHandle(handle, self, op, chunk, peers)
+        trace.record("start", op, chunk, via)
+        return _TracedHandle(handle, self, op, chunk, peers, via)
 
     @property
     def right(self) -> int:

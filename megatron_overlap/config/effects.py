@@ -56,9 +56,12 @@ CAPS: dict[str, BackendCaps] = {
         why_no_clusters="its kernels launch without thread-block clusters",
         why_no_ce="ring_exchange chunks always move on copy engines (peer memcpy)"),
     "nvshmem": BackendCaps(
-        sm_kernels=True, clusters=False, sm_margin=True, copy_engine=True,
+        sm_kernels=False, clusters=False, sm_margin=True, copy_engine=False,
         comm_stream=True, fp8=False, atomic_gemm=False,
-        why_no_clusters="its kernels launch without thread-block clusters"),
+        why_no_sm="its reductions are torch elementwise kernels, whose grid torch picks",
+        why_no_clusters="its kernels launch without thread-block clusters",
+        why_no_ce="host-initiated puts: NVSHMEM moves chunks on copy engines (P2P) "
+                  "or through its proxy and the NIC (remote)"),
 }
 assert tuple(CAPS) == BACKENDS
 

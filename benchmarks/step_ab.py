@@ -1,0 +1,228 @@
+"""End-to-end A/B: a megatron-core GPT training step, side by side in one run:
+Megatron's own TP path (tp_comm_overlap=False; NCCL on GPUs), the overlap on each
+backend, and compute-only (the overlap with its TP linears' transfers skipped).
+Same seed, weights and batches for every arm; arms step alternately (order
+rotated every step); loss parity of every overlap arm against Megatron's is
+checked over the whole run; step times are medians after --warmup steps.
+Hidden fraction = (megatron - overlap) / (megatron - compute_only).
+
+    python benchmarks/step_ab.py                                   # all GPUs, one rank each
+    python benchmarks/step_ab.py --tp 2                            # one GPU: shared ranks (functional)
+    python benchmarks/step_ab.py --device cpu --hidden 64 --seq 32 --steps 6   # CPU, gloo
+    torchrun --nproc-per-node 8 benchmarks/step_ab.py --layers 8 --hidden 4096 --heads 32 --seq 4096
+
+Writes step_ab_<tag>.json (every step, the machine) and .png to --out. Exit
+status 2 when loss parity failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+# Results, not megatron-core's and torch's import-time and deprecation notices.
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=None, help="ranks (default: GPU count if > 1, else 2)")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--ffn", type=int, default=None, help="default 4 x hidden")
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--vocab", type=int, default=1024)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                    help="default: bfloat16 on GPUs, float32 on CPU")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the time medians")
+    ap.add_argument("--backends", default="auto", help="auto, or a comma list of symm,torch_p2p,nvshmem")
+    ap.add_argument("--no-compute-only", action="store_true")
+    ap.add_argument("--ub-cfgs", default=None, help="TE-style overlap YAML (default: TE's defaults)")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--loss-tol", type=float, default=None,
+                    help="relative loss tolerance (default: 1e-5 float32, 1e-2 bfloat16)")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    ap.add_argument("--tag", default=None, help="file name tag (default: cpu | shared_gpu_tpN | gpu_tpN)")
+    return ap.parse_args(argv)
+
+
+def _cpu_init(tp: int, seed: int) -> None:
+    """megatron-core on CPU: the test suite's shims (they never enter the library)."""
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+    from helpers.megatron_cpu import init
+
+    init(tp, seed)
+
+
+def build_arms(args, spec, world: int, rank: int, dtype, device, backends: list[str]) -> dict:
+    """name -> (TrainArm, kind, backend); every model starts from the Megatron arm's weights."""
+    import megatron_overlap as mo
+    from megatron_overlap.ab import TrainArm
+    from megatron_overlap.ab.floor import FloorTransport
+    from megatron_overlap.ab.model import build_gpt, gpt_loss
+
+    def build(backend: str, overlap: bool):
+        # install() also lets torch norms take sequence parallelism: Megatron's arm needs it too
+        mo.install(ub_cfgs=args.ub_cfgs, backend=backend)
+        try:
+            return build_gpt(spec, world, overlap=overlap, dtype=dtype, device=device)
+        finally:
+            mo.uninstall()
+
+    plain, wrap = build("auto", overlap=False)
+    models = {"megatron": (plain, wrap, "megatron", "megatron")}
+    variants = [(f"overlap_{b}", b, "overlap") for b in backends]
+    if not args.no_compute_only:
+        variants.append(("compute_only", backends[0] if backends else "torch_p2p", "compute_only"))
+    for name, backend, kind in variants:
+        model, w = build(backend, overlap=True)
+        model.load_state_dict(plain.state_dict())
+        if kind == "compute_only":  # every overlapped linear's transfers skipped
+            floor = FloorTransport(world, rank, seed=rank)
+            for m in model.modules():
+                if hasattr(m, "overlap_plan"):
+                    m._transport = floor
+        models[name] = (model, w, kind, "null" if kind == "compute_only" else backend)
+    optim = lambda ps: torch.optim.AdamW(ps, lr=args.lr)  # noqa: E731
+    return {n: (TrainArm(n, w(m), gpt_loss, optim), kind, b) for n, (m, w, kind, b) in models.items()}
+
+
+def parity(losses: list[float], ref: list[float], tol: float) -> dict:
+    diffs = [abs(a - b) for a, b in zip(losses, ref)]
+    rels = [d / max(abs(b), 1e-12) for d, b in zip(diffs, ref)]
+    return {"max_abs_diff": max(diffs), "max_rel_diff": max(rels), "tol_rel": tol,
+            "passed": all(r <= tol for r in rels)}
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    from rich.progress import track
+
+    from megatron_overlap.ab import backends as backend_sel
+    from megatron_overlap.ab.launch import barrier, plan_layout
+    from megatron_overlap.ab.machine import machine_info
+    from megatron_overlap.ab.model import GPTSpec, batches, init_megatron
+    from megatron_overlap.ab.timing import gather_max, hidden_fraction, rotated, summary
+
+    layout = plan_layout(world, args.device)
+    device = init_megatron(layout, rank, world, args.seed, _cpu_init)
+    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    spec = GPTSpec(args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab, args.ffn)
+    backends, skipped = backend_sel.select(args.backends, layout)
+    arms = build_arms(args, spec, world, rank, dtype, device, backends)
+    data = list(batches(spec, args.steps, args.seed, device))
+    lead = rank == 0
+    for i in (track(range(args.steps), description="step_ab", transient=True) if lead else range(args.steps)):
+        for name in rotated(list(arms), i):
+            barrier(device)
+            arms[name][0].step(data[i])
+    times = {n: [r.step_time_s for r in a.results] for n, (a, _, _) in arms.items()}
+    worst, per_rank = gather_max(times)
+    if lead:
+        tol = args.loss_tol or (1e-5 if dtype == torch.float32 else 1e-2)
+        ref = [r.loss for r in arms["megatron"][0].results]
+        out = {}
+        for n, (arm, kind, backend) in arms.items():
+            losses = [r.loss for r in arm.results]
+            timed = worst[n][args.warmup:] or worst[n]
+            out[n] = {"kind": kind, "backend": backend, "losses": losses, "step_time_s": summary(timed),
+                      "step_times_s": worst[n], "per_rank_step_times_s": [p[n] for p in per_rank],
+                      "parity": parity(losses, ref, tol) if kind == "overlap" else None}
+        base = out["megatron"]["step_time_s"]["median"]
+        floor = out.get("compute_only", {}).get("step_time_s", {}).get("median")
+        for n, a in out.items():
+            if a["kind"] == "overlap":
+                a["speedup_vs_megatron"] = base / a["step_time_s"]["median"]
+                a["hidden_fraction"] = (hidden_fraction(base, a["step_time_s"]["median"], floor)
+                                        if floor is not None else None)
+        meta = machine_info(layout, device)
+        meta.update(backends=backends, skipped_backends=skipped)
+        doc = {"benchmark": "step_ab", "command": " ".join([sys.executable, *sys.argv]),
+               "config": vars(args), "model": spec.__dict__, "dtype": str(dtype).removeprefix("torch."),
+               "meta": meta, "arms": out,
+               "compute_only_note": "overlap arm with every overlapped linear's transfers skipped "
+                                    "(null transport); Megatron's other collectives still run; its "
+                                    "losses are not a model's losses",
+               "parity_passed": all(a["parity"]["passed"] for a in out.values() if a["parity"])}
+        _write(doc, args, layout)
+        _table(doc)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _table(doc: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m = doc["meta"]
+    console = Console(width=150)
+    if m["functional_only"]:
+        console.print(f"[bold red]{m['note']}[/]")
+    s = doc["model"]
+    t = Table(title=f"step_ab: GPT {s['layers']}L h{s['hidden']} heads{s['heads']} seq{s['seq']} "
+                    f"mb{s['micro_batch']} {doc['dtype']}, TP={m['ranks']}, {m['gpu_name'] or 'CPU'}, "
+                    f"torch {m['torch']}, {m['date']}", title_justify="left")
+    for col in ("arm", "median step ms", "IQR ms", "vs megatron", "hidden", "final loss",
+                "max |loss diff|", "parity"):
+        t.add_column(col, justify="left" if col in ("arm", "parity") else "right")
+    for n, a in doc["arms"].items():
+        st, p = a["step_time_s"], a["parity"]
+        t.add_row(n, f"{st['median'] * 1e3:.2f}", f"{st['q1'] * 1e3:.2f}-{st['q3'] * 1e3:.2f}",
+                  f"{a['speedup_vs_megatron']:.3f}x" if "speedup_vs_megatron" in a else "-",
+                  f"{a['hidden_fraction']:.2f}" if a.get("hidden_fraction") is not None else "-",
+                  f"{a['losses'][-1]:.6f}", f"{p['max_abs_diff']:.2e}" if p else "-",
+                  ("ok" if p["passed"] else "FAIL") + f" (rel {p['max_rel_diff']:.1e} <= {p['tol_rel']:g})"
+                  if p else ("reference" if a["kind"] == "megatron" else "n/a (compute-only)"))
+    console.print(t)
+    for b, why in doc["meta"]["skipped_backends"].items():
+        console.print(f"[dim]skipped {b}: {why}[/]")
+
+
+def _write(doc: dict, args, layout) -> None:
+    from megatron_overlap.ab.plots import plot_steps
+    from megatron_overlap.ab.results import stem, write_json
+
+    path = stem(args.out, "step_ab", layout, args.tag)
+    write_json(path + ".json", doc)
+    m, s = doc["meta"], doc["model"]
+    plot_steps(doc["arms"], path + ".png",
+               f"step_ab: GPT {s['layers']}L h{s['hidden']} seq{s['seq']} mb{s['micro_batch']} {doc['dtype']}, "
+               f"TP={m['ranks']} {m['gpu_name'] or 'CPU'} ({m['mode']}), torch {m['torch']}, {m['date'][:10]}"
+               + ("  [FUNCTIONAL ONLY]" if m["functional_only"] else ""), args.warmup)
+    print(f"results: {path}.json\nplot:    {path}.png")
+
+
+def main(argv=None) -> int:
+    from megatron_overlap.ab.launch import default_world, launch, plan_layout
+    from megatron_overlap.ab.results import read_json, stem
+
+    args = parse_args(argv)
+    world = default_world(args.tp, args.device)
+    if args.warmup >= args.steps:
+        raise SystemExit(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
+    launch(worker, world, args, device=args.device)
+    if "RANK" in os.environ and int(os.environ["RANK"]) != 0:
+        return 0
+    ok = read_json(stem(args.out, "step_ab", plan_layout(world, args.device), args.tag) + ".json")[
+        "parity_passed"]
+    if not ok:
+        print("loss parity FAILED (see the table / JSON)", file=sys.stderr)
+    return 0 if ok else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Which overlap backends a benchmark runs on this machine, and why the others not.
+
+`auto` means every backend that can work on the layout: one rank per GPU: symm,
+torch_p2p (NCCL), and nvshmem once its module is in the build
+(`megatron_overlap.comm.AVAILABLE`); ranks sharing a GPU: symm only (NCCL and
+NVSHMEM refuse several processes per GPU); CPU: torch_p2p (gloo).
+"""
+
+from __future__ import annotations
+
+from .. import comm
+from .launch import Layout
+
+ORDER = ("symm", "nvshmem", "torch_p2p")
+
+
+def select(spec: str, layout: Layout) -> tuple[list[str], dict[str, str]]:
+    """(backends to run, {backend: why it is left out}) for `spec` ('auto' or a comma list)."""
+    skipped: dict[str, str] = {}
+    if spec == "auto":
+        wanted = {"gpus": list(ORDER), "shared_gpu": ["symm"], "cpu": ["torch_p2p"]}[layout.mode]
+        if layout.mode == "shared_gpu":
+            skipped["torch_p2p"] = "ranks share a GPU: NCCL refuses it (gloo has no CUDA send/recv)"
+            skipped["nvshmem"] = "ranks share a GPU: NVSHMEM refuses several processes per GPU"
+        if layout.mode == "cpu":
+            skipped["symm"] = "needs CUDA tensors"
+    else:
+        wanted = [b.strip() for b in spec.split(",") if b.strip()]
+    out = []
+    for b in wanted:
+        if b not in comm.AVAILABLE and b not in ("symm", "torch_p2p", "nvshmem"):
+            raise SystemExit(f"unknown backend {b!r}: auto or a comma list of {ORDER}")
+        if b not in comm.AVAILABLE:
+            skipped[b] = f"not in this build (megatron_overlap.comm.AVAILABLE = {comm.AVAILABLE})"
+        elif b in ("symm", "nvshmem") and layout.mode == "cpu":
+            skipped[b] = "needs CUDA tensors"
+        elif b == "nvshmem" and layout.mode == "shared_gpu":
+            skipped[b] = "ranks share a GPU: NVSHMEM refuses several processes per GPU"
+        else:
+            out.append(b)
+    return out, skipped

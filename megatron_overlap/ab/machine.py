@@ -1,0 +1,42 @@
+"""What a result was measured on, stored with every benchmark result: a figure
+without its machine, versions and date cannot be compared with anything."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+
+import torch
+
+from .launch import SAFE_ENV, SHARED_ENV, Layout
+
+
+def machine_info(layout: Layout, device: torch.device) -> dict[str, object]:
+    info: dict[str, object] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.node(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "mode": layout.mode,
+        "ranks": layout.world,
+        "dist_backend": layout.dist_backend,
+        "functional_only": layout.functional_only,
+        "note": layout.note,
+        "env": {k: os.environ.get(k) for k in (*SAFE_ENV, *SHARED_ENV) if k in os.environ},
+    }
+    try:
+        import megatron.core
+
+        info["megatron_core"] = getattr(megatron.core, "__version__", "?")
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        info.update(gpu_name=torch.cuda.get_device_name(device), gpu_count=torch.cuda.device_count(),
+                    cuda=torch.version.cuda,
+                    nccl=".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None)
+    else:
+        info.update(gpu_name=None, gpu_count=0, cpu=platform.processor() or platform.machine())
+    return info

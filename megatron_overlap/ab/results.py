@@ -1,0 +1,38 @@
+"""Where benchmark results go and how they are written: strict JSON (a NaN, e.g.
+a compute-only arm's loss, becomes null), under a name that says where it ran."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+from .launch import Layout
+
+
+def stem(out_dir: str, benchmark: str, layout: Layout, tag: str | None = None) -> str:
+    """<out_dir>/<benchmark>_<tag>; tag defaults to cpu | shared_gpu_tpN | gpu_tpN."""
+    tag = tag or {"cpu": "cpu", "shared_gpu": f"shared_gpu_tp{layout.world}",
+                  "gpus": f"gpu_tp{layout.world}"}[layout.mode]
+    return os.path.join(out_dir, f"{benchmark}_{tag}")
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def write_json(path: str, doc: dict) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(_finite(doc), f, indent=1, allow_nan=False)
+
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,94 @@
+"""Side-by-side timing across ranks.
+
+A sample is one arm's call (or `inner` back-to-back calls) started by all ranks
+together after a barrier; its time is the slowest rank's (a collective is done
+when its last rank is). Arms are interleaved repetition by repetition, so drift
+(clocks, temperature, other tenants) hits every arm alike; figures are medians.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .launch import barrier
+
+
+def sample(fn: Callable[[], object], device: torch.device, inner: int = 1) -> tuple[float, float]:
+    """(seconds per call, host seconds per call to issue it) on this rank: CUDA events
+    on a GPU (device time from the first launch to the last kernel), wall time on CPU."""
+    barrier(device)
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        dt = (time.perf_counter() - t0) / inner
+        return dt, dt
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    for _ in range(inner):
+        fn()
+    host = (time.perf_counter() - t0) / inner
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / inner, host
+
+
+def rotated(names: Sequence[str], rep: int) -> list[str]:
+    """The arm order of repetition `rep`: each arm takes each position in turn, so none
+    always runs right after a slow one (or first, on a cold cache)."""
+    k = rep % max(len(names), 1)
+    return list(names[k:]) + list(names[:k])
+
+
+def gather_max(per_rank: dict[str, list[float]]) -> tuple[dict[str, list[float]], list[dict[str, list[float]]]]:
+    """Every rank's samples -> (per sample, the slowest rank's time; every rank's samples)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, per_rank)
+    worst = {k: [max(r[k][i] for r in everyone) for i in range(len(v))] for k, v in per_rank.items()}
+    return worst, everyone
+
+
+def summary(samples: Sequence[float]) -> dict[str, float]:
+    """Median and quartiles (seconds)."""
+    if not samples:
+        return {"median": float("nan"), "q1": float("nan"), "q3": float("nan"), "n": 0}
+    if len(samples) == 1:
+        return {"median": samples[0], "q1": samples[0], "q3": samples[0], "n": 1}
+    q = statistics.quantiles(samples, n=4, method="inclusive")
+    return {"median": statistics.median(samples), "q1": q[0], "q3": q[2], "n": len(samples)}
+
+
+def hidden_fraction(baseline: float, overlapped: float, floor: float) -> float | None:
+    """(baseline - overlapped) / (baseline - floor): 1 = all communication hidden, 0 =
+    none (as slow as not overlapping), < 0 = slower than not overlapping. None when
+    the baseline is not slower than the floor (nothing to hide was measured)."""
+    exposed = baseline - floor
+    if not exposed > 0:
+        return None
+    return (baseline - overlapped) / exposed
+
+
+def graphed(fn: Callable[[], torch.Tensor], warmup: int = 3) -> tuple[Callable[[], torch.Tensor], torch.Tensor]:
+    """fn captured in a CUDA graph: (replay, the output tensor every replay rewrites).
+    Warm-up calls run on a side stream first, as torch requires; collectives inside
+    must be capturable (NCCL, symmetric memory; not gloo)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+    return replay, out

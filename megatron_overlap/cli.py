@@ -1,0 +1,128 @@
+"""`megatron-overlap`: the command-line tools.
+
+    megatron-overlap simulate --shapes reference --tp 8 --json out.json
+    megatron-overlap tune --model 70b --tp 8 --yaml ub_cfgs.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from typing import Sequence
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    """Layout and hardware flags both tools share."""
+    p.add_argument("--tp", type=int, required=True, help="TP size")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="GPUs per node; a TP group larger than this spans nodes (default 8)")
+    p.add_argument("--mode", choices=("graph", "eager"), default="graph",
+                   help="launch mode to model: CUDA-graph replay or eager Python (default graph)")
+    p.add_argument("--backend", choices=("symm", "nvshmem", "torch_p2p"), default="symm",
+                   help="intra-node transport to model (default symm); inter-node goes over IB")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="GEMM times measured by benchmarks/compute_side.py --out (default: roofline)")
+    p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a Hardware field, e.g. --hw ib_gbs=25 (repeatable)")
+    p.add_argument("--rs-dgrad", action="store_true",
+                   help="also consider reduce-scatter dgrads for qkv/fc1 (Megatron's "
+                        "tp_comm_overlap_rs_dgrad)")
+
+
+def _machine(args: argparse.Namespace):
+    from .simulate import Calibration, Hardware, Layout
+
+    hw = Hardware(**Hardware.parse_overrides(args.hw))
+    layout = Layout(tp=args.tp, gpus_per_node=args.gpus_per_node, mode=args.mode,
+                    backend=args.backend)
+    cal = Calibration.load(args.calibration) if args.calibration else Calibration()
+    return hw, layout, cal
+
+
+def _layers(items: Sequence[str]) -> dict[str, int]:
+    out = {}
+    for item in items:
+        model, sep, n = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--layers {item!r}: expected MODEL=N")
+        out[model] = int(n)
+    return out
+
+
+def cmd_simulate(args: argparse.Namespace, command: str) -> int:
+    from .config import OverlapConfig
+    from .simulate import parse_shapes, simulate
+    from .simulate import report as rep
+
+    hw, layout, cal = _machine(args)
+    cfg = OverlapConfig.load(args.cfg, rs_dgrad=args.rs_dgrad) if args.cfg else None
+    report = simulate(parse_shapes(args.shapes, args.tp), hw, layout, cal, cfg,
+                      ring_order=args.ring_order, rs_dgrad=args.rs_dgrad,
+                      layers=_layers(args.layers), micro_batches=args.micro_batches)
+    print(rep.console(report), end="")
+    if args.json:
+        rep.write_json(report, args.json, command)
+        print(f"full results: {args.json}")
+    if args.md:
+        with open(args.md, "w", encoding="utf-8") as f:
+            f.write(rep.markdown(report, command))
+        print(f"markdown: {args.md}")
+    if args.yaml:
+        for path, model in _yaml_paths(args.yaml, [s.model for s in report.models]):
+            report.picked_config(model).to_yaml(path)
+            print(f"picked settings for {model}: {path}")
+    return 0
+
+
+def _yaml_paths(path: str, models: list[str]) -> list[tuple[str, str]]:
+    """One YAML per model: the path itself for one model, PATH_<model>.yaml for several."""
+    if len(models) == 1:
+        return [(path, models[0])]
+    stem, dot, ext = path.rpartition(".")
+    stem, ext = (stem, ext) if dot else (path, "yaml")
+    return [(f"{stem}_{m}.{ext}", m) for m in models]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="megatron-overlap", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    sim = sub.add_parser("simulate", help="predict overlapped times with the cost model",
+                         description="Predict each TP layer pass's overlapped time, exposed "
+                                     "communication and a step estimate, and pick settings.")
+    sim.add_argument("--shapes", default="reference",
+                     help="comma-separated: reference | a reference name (70B_tp8_qkv) | a preset "
+                          "(70b, 8b) | MODEL_BUFFER=MxKxN; all are re-cut to --tp (default reference)")
+    _common(sim)
+    sim.add_argument("--cfg", metavar="YAML", help="ub_cfgs to predict (default: TE's defaults)")
+    sim.add_argument("--ring-order", choices=("flat", "hierarchical"), default="hierarchical",
+                     help="ring order of --cfg's ring exchanges when TP spans nodes")
+    sim.add_argument("--layers", action="append", default=[], metavar="MODEL=N",
+                     help="transformer layers per model for the step estimate (70B=80, 8B=32 known)")
+    sim.add_argument("--micro-batches", type=int, default=1)
+    sim.add_argument("--json", metavar="OUT", help="write the full results as JSON")
+    sim.add_argument("--md", metavar="OUT", help="write the table as Markdown")
+    sim.add_argument("--yaml", metavar="OUT", help="write the picked settings as ub_cfgs YAML")
+    sim.set_defaults(func=cmd_simulate)
+
+    from .tune.cli import add_parser as add_tune
+
+    add_tune(sub, _common)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    command = "megatron-overlap " + shlex.join(argv)
+    try:
+        return args.func(args, command)
+    except (ValueError, OSError) as e:
+        print(f"megatron-overlap {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

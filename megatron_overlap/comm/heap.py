@@ -1,0 +1,160 @@
+"""What the symmetric-heap transports (`symm`, `nvshmem`) share: workspaces carved
+from symmetric allocations, the per-pass bookkeeping, the communication streams and
+the watchdog that turns a wait that never ends into a diagnosis.
+
+- Workspaces: a bump allocator over the newest symmetric allocation, restarted at
+  every `begin_pass`; the same call sequence gives the same layout on every rank, so
+  a send's destination is "the same place in the peer's heap". It grows
+  (collectively: every rank sees the same shapes) to the largest pass seen, so
+  shorter sequences need no new allocation; outgrown allocations are kept, never
+  freed under a peer's copy. Growth inside CUDA-graph capture is an error.
+- Device waits are watched by a host thread (`watchdog`); a peer that never signals
+  becomes a CommError naming rank, pass, chunk and peer.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .transport import CommError, Handle, Transport
+from .watchdog import Watchdog
+
+ALIGN = 256
+
+
+@dataclass
+class Buffer:
+    local: torch.Tensor  # uint8: this rank's part of one symmetric allocation
+    handle: object = None  # backend-specific (torch's _SymmetricMemory; None for nvshmem)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        start = self.local.data_ptr()
+        return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + self.local.numel()
+
+
+class EventHandle(Handle):
+    """A transfer enqueued on a communication stream: waiting orders the caller's
+    stream after it, then surfaces any failure the watchdog diagnosed."""
+
+    def __init__(self, event: torch.cuda.Event, transport: "HeapTransport"):
+        self._event, self._transport = event, transport
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self._event)
+        self._transport.check()
+
+
+class HeapTransport(Transport):
+    """Base of the transports whose peers write into each other's symmetric heap."""
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout=None):
+        super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout)
+        self.group, self.device = group, torch.device(device)
+        self._failure: str | None = None
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._priority = 0
+        self._bufs: list[Buffer] = []
+        self._offset = 0  # bump pointer into the newest allocation
+        self._pass, self._pass_bytes = "", 0
+        self.pass_bytes: dict[str, int] = {}  # high-water workspace bytes per layer pass
+        self._watchdog = Watchdog(self.timeout.total_seconds(), self._fail)
+
+    # -- what a heap backend provides ------------------------------------------------------
+    @abc.abstractmethod
+    def _alloc(self, nbytes: int) -> Buffer:
+        """A new symmetric allocation of `nbytes` (collective over the group), zeroed."""
+
+    # -- contract extras ---------------------------------------------------------------------
+    def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
+        self.check()
+        self._offset, self._pass, self._pass_bytes = 0, name, 0
+        self._priority = comm_priority
+
+    def workspace(self, shape: Sequence[int], dtype: torch.dtype, device=None) -> torch.Tensor:
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = -(-nbytes // ALIGN) * ALIGN
+        buf = self._bufs[-1]
+        if self._offset + size > buf.local.numel():
+            if torch.cuda.is_current_stream_capturing():
+                raise CommError(
+                    f"megatron_overlap[{self.name}]: rank {self.rank}: '{self._pass}' needs "
+                    f"{self._pass_bytes + size} workspace bytes, more than the "
+                    f"{buf.local.numel()} held, during CUDA-graph capture; run the layer "
+                    f"once eagerly with the largest token count before capturing")
+            buf = self._alloc(1 << max(self._pass_bytes + size - 1, 1).bit_length())
+            self._bufs.append(buf)
+            self._offset = 0
+        view = buf.local[self._offset:self._offset + nbytes].view(dtype).view(tuple(shape))
+        self._offset += size
+        self._pass_bytes += size
+        self.pass_bytes[self._pass] = max(self.pass_bytes.get(self._pass, 0), self._pass_bytes)
+        return view
+
+    def check(self) -> None:
+        if self._failure is not None:
+            raise CommError(f"megatron_overlap[{self.name}]: {self._failure}. A peer may have "
+                            f"crashed, run a different schedule, or be slower than "
+                            f"MEGATRON_OVERLAP_TIMEOUT_S={self.timeout.total_seconds():g}s")
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(b.local.numel() for b in self._bufs)
+
+    def describe(self) -> dict[str, object]:
+        return {**super().describe(), "buffer_bytes": self.bytes_held, "device": str(self.device)}
+
+    # -- helpers for backends ----------------------------------------------------------------
+    def _in_heap(self, t: torch.Tensor) -> bool:
+        return t.is_contiguous() and any(b.holds(t) for b in self._bufs)
+
+    def _stage_for(self, inp: torch.Tensor) -> torch.Tensor:
+        """Where peers find `inp`: itself when a schedule already wrote it into the
+        heap (a pipeline's chunk GEMM output: no staging copy), else a new slot."""
+        return inp if self._in_heap(inp) else self.workspace(inp.shape, inp.dtype)
+
+    def _locate(self, t: torch.Tensor, op: str, what: str) -> tuple[Buffer, int]:
+        for buf in self._bufs:
+            if buf.holds(t):
+                if not t.is_contiguous():
+                    break
+                return buf, t.data_ptr() - buf.local.data_ptr()
+        raise CommError(f"megatron_overlap[{self.name}]: '{op}': the {what} is not a contiguous "
+                        f"workspace tensor; schedules must take it from transport.workspace()")
+
+    def _comm_stream(self) -> torch.cuda.Stream:
+        lo, hi = torch.cuda.Stream.priority_range()  # numerically lower = more urgent
+        prio = min(max(self._priority, hi), lo)
+        if prio not in self._streams:
+            self._streams[prio] = torch.cuda.Stream(device=self.device, priority=prio)
+        return self._streams[prio]
+
+    @contextlib.contextmanager
+    def _on_comm_stream(self) -> Iterator[torch.cuda.Stream]:
+        """Enqueue on the communication stream, after what the caller's stream has so far."""
+        stream = self._comm_stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            yield stream
+
+    def _event(self, stream: torch.cuda.Stream) -> Handle:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return EventHandle(event, self)
+
+    @staticmethod
+    def _sum_into(out: torch.Tensor, part, world: int) -> None:
+        """Sum in rank order on every rank, so all ranks get bit-identical results."""
+        out.copy_(part(0))
+        for p in range(1, world):
+            out.add_(part(p))
+
+    def _fail(self, message: str) -> None:
+        if self._failure is None:
+            self._failure = message

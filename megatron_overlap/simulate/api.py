@@ -1,0 +1,130 @@
+"""simulate(): every pass of every shape under the given settings, the best
+settings the model finds for each, and a step-time estimate per model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from ..config import OverlapConfig
+from .calibration import Calibration
+from .gemm import GemmModel
+from .hardware import Hardware, Layout
+from .passes import PassResult, layer_passes, simulate_pass
+from .shapes import BUFFERS, MODEL_LAYERS, Shape
+from .space import Trial, choose, trials, ub_cfgs
+
+
+@dataclass
+class ShapeResult:
+    shape: Shape
+    given: list[PassResult]  # the passes under the given settings
+    best: list[PassResult]  # the passes under the chosen settings
+    chosen: dict[str, Trial]  # pass -> trial
+    tried: int = 0
+
+
+@dataclass
+class ModelSummary:
+    """Sums over one transformer layer's TP linears (times in us), and the step estimate."""
+
+    model: str
+    buffers: list[str]
+    layers: int
+    micro_batches: int
+    gemm_us: float = 0.0
+    baseline_us: float = 0.0
+    given_us: float = 0.0
+    best_us: float = 0.0
+    ub_cfgs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ring_orders: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return set(self.buffers) == set(BUFFERS)
+
+    def step_ms(self, per_layer_us: float) -> float:
+        return per_layer_us * self.layers * self.micro_batches / 1e3
+
+    def to_dict(self) -> dict[str, Any]:
+        per = {"gemm": self.gemm_us, "baseline": self.baseline_us, "overlapped": self.given_us,
+               "best": self.best_us}
+        return {"model": self.model, "buffers": self.buffers, "complete": self.complete,
+                "layers": self.layers, "micro_batches": self.micro_batches,
+                "per_layer_ms": {k: v / 1e3 for k, v in per.items()},
+                "step_ms": {k: self.step_ms(v) for k, v in per.items()},
+                "picked_ub_cfgs": self.ub_cfgs, "picked_ring_orders": self.ring_orders}
+
+
+@dataclass
+class Report:
+    hw: Hardware
+    layout: Layout
+    calibration: Calibration
+    shapes: list[ShapeResult]
+    models: list[ModelSummary]
+    rs_dgrad: bool = False
+
+    def picked_config(self, model: str) -> OverlapConfig:
+        """The chosen settings of `model` as a validated OverlapConfig (TE defaults for
+        layers its shapes do not cover)."""
+        summary = next(s for s in self.models if s.model == model)
+        return OverlapConfig.load(summary.ub_cfgs)
+
+
+def _given(cfg: OverlapConfig, shape: Shape, hw: Hardware, layout: Layout, gemm: GemmModel,
+           ring_order: str) -> list[PassResult]:
+    moved = shape.column and cfg[f"{shape.buffer}_dgrad"].is_reduce_scatter
+    return [simulate_pass(spec, cfg[spec.name], hw, layout, gemm, ring_order,
+                          comm_moved=moved and spec.pass_name == "wgrad")
+            for spec in layer_passes(shape)]
+
+
+def model_score(hw: Hardware, layout: Layout, gemm: GemmModel) -> Callable[[Trial], PassResult]:
+    def score(t: Trial) -> PassResult:
+        return simulate_pass(t.spec, t.candidate.settings, hw, layout, gemm,
+                             t.candidate.ring_order, t.comm_moved)
+    return score
+
+
+def simulate(shapes: Sequence[Shape], hw: Hardware, layout: Layout,
+             calibration: Calibration | None = None, cfg: OverlapConfig | None = None, *,
+             ring_order: str = "hierarchical", rs_dgrad: bool = False,
+             layers: dict[str, int] | None = None, micro_batches: int = 1) -> Report:
+    """Predict every pass of `shapes` (each at TP=layout.tp) under `cfg` (TE defaults when
+    None), search the valid settings for each pass, and sum per model."""
+    calibration = calibration or Calibration()
+    cfg = cfg or OverlapConfig.load(None)
+    gemm = GemmModel(hw, calibration)
+    score = model_score(hw, layout, gemm)
+    results: list[ShapeResult] = []
+    for shape in shapes:
+        if shape.tp != layout.tp:
+            raise ValueError(f"{shape.name} is at TP={shape.tp}; the layout is TP={layout.tp}")
+        scored = {t: score(t) for t in trials(shape, layout, rs_dgrad=rs_dgrad)}
+        chosen = choose(shape, {t: r.overlapped_us for t, r in scored.items()})
+        results.append(ShapeResult(shape, _given(cfg, shape, hw, layout, gemm, ring_order),
+                                   [scored[chosen[p]] for p in ("fprop", "dgrad", "wgrad")],
+                                   chosen, len(scored)))
+    return Report(hw, layout, calibration, results, summarize(results, layers, micro_batches),
+                  rs_dgrad)
+
+
+def summarize(results: Sequence[ShapeResult], layers: dict[str, int] | None,
+              micro_batches: int) -> list[ModelSummary]:
+    layers = {**MODEL_LAYERS, **(layers or {})}
+    out: dict[str, ModelSummary] = {}
+    for r in results:
+        m = r.shape.model
+        s = out.setdefault(m, ModelSummary(m, [], layers.get(m, 1), micro_batches))
+        if r.shape.buffer in s.buffers:
+            raise ValueError(f"model {m}: two shapes for {r.shape.buffer}")
+        s.buffers.append(r.shape.buffer)
+        s.gemm_us += sum(p.gemm_us for p in r.given)
+        s.baseline_us += sum(p.baseline_us for p in r.given)
+        s.given_us += sum(p.overlapped_us for p in r.given)
+        s.best_us += sum(p.overlapped_us for p in r.best)
+        cfg, orders = ub_cfgs(r.chosen.values())
+        s.ub_cfgs.update(cfg)
+        s.ring_orders.update(orders)
+    return list(out.values())

@@ -1,0 +1,103 @@
+"""GEMM device time: measured where the calibration has the shape, a roofline
+with wave quantization otherwise.
+
+Why wave quantization: an overlapped schedule cuts one GEMM into row chunks,
+and a chunk's grid of output tiles rarely fills the SMs in whole waves; the
+last, partial wave costs a full wave's time. cuBLAS softens this with other
+tile shapes and split-K, so the roofline takes the best of a few tile shapes
+(smaller ones slightly less efficient) and splits K when the grid underfills
+the chip. Measured chunked/monolithic ratios override all of it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from .calibration import Calibration
+from .hardware import Hardware
+
+# (tile M, tile N, relative mainloop efficiency)
+TILES = ((128, 256, 1.0), (256, 128, 1.0), (128, 128, 0.92), (64, 128, 0.8))
+MIN_SPLIT_K_DEPTH = 512
+
+
+def roofline_us(hw: Hardware, m: int, k: int, n: int, sms: int | None = None) -> float:
+    """Best-tile roofline time of one [m,k]x[k,n] GEMM on `sms` SMs (default: all)."""
+    sms = hw.sms if sms is None else sms
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    flops, peak = 2.0 * m * k * n, hw.peak_tflops * 1e6 * sms / hw.sms  # flop per us
+    mem_us = (m * k + k * n + m * n) * hw.dtype_bytes / (hw.hbm_gbs * 1e3)
+    best = math.inf
+    for tm, tn, tile_eff in TILES:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn)
+        split = 1
+        if tiles < sms:  # split-K fills an underfilled chip
+            split = max(1, min(sms // tiles, k // MIN_SPLIT_K_DEPTH))
+        units = tiles * split
+        wave_eff = units / (math.ceil(units / sms) * sms)
+        depth = k / split
+        eff = hw.gemm_efficiency * tile_eff * wave_eff * depth / (depth + hw.gemm_k_half)
+        best = min(best, max(flops / (peak * eff), mem_us))
+    return best + hw.kernel_us
+
+
+def fit_efficiency(hw: Hardware, cal: Calibration) -> float:
+    """gemm_efficiency that makes the roofline match the measured monolithic GEMMs
+    (median over shapes); the hardware's own value without measurements."""
+    if not cal.mono:
+        return hw.gemm_efficiency
+    unit = hw.replace(gemm_efficiency=1.0, kernel_us=0.0)
+    return statistics.median(roofline_us(unit, *d) / max(t - hw.kernel_us, 1e-9)
+                             for d, t in cal.mono.items())
+
+
+@dataclass
+class GemmModel:
+    """GEMM times for the schedules. `calibration` may be empty (pure roofline)."""
+
+    hw: Hardware
+    calibration: Calibration | None = None
+
+    def __post_init__(self) -> None:
+        self.calibration = self.calibration or Calibration()
+        self.fitted = self.hw.replace(gemm_efficiency=fit_efficiency(self.hw, self.calibration))
+
+    def _sm_factor(self, m: int, k: int, n: int, sms: int | None) -> float:
+        if sms is None or sms >= self.hw.sms:
+            return 1.0
+        return roofline_us(self.fitted, m, k, n, sms) / roofline_us(self.fitted, m, k, n)
+
+    def mono_us(self, m: int, k: int, n: int, sms: int | None = None) -> float:
+        """One GEMM of the whole shape: measured when calibrated, else the fitted roofline."""
+        measured = self.calibration.mono.get((m, k, n))
+        base = measured if measured is not None else roofline_us(self.fitted, m, k, n)
+        return base * self._sm_factor(m, k, n, sms)
+
+    def chunk_us(self, m: int, k: int, n: int, chunks: int, kind: str | None = None,
+                 sms: int | None = None, extra_us: float = 0.0) -> float:
+        """One of `chunks` row chunks ([m/chunks, k] x [k, n]). `kind` names the measured
+        schedule (ag_ring, rs_ring, rs_pipeline) whose chunked/monolithic ratio applies;
+        `extra_us`: device time that schedule's measurement holds besides its GEMMs
+        (the ring reduce-scatter's adds), taken out before dividing."""
+        rows = m // chunks
+        if chunks == 1:
+            return self.mono_us(m, k, n, sms)
+        measured = self.calibration.chunked.get((m, k, n, kind, chunks)) if kind else None
+        if measured is not None:
+            base = max(measured - extra_us, 0.0) / chunks
+        elif (m, k, n) in self.calibration.mono:  # measured whole, roofline ratio for the cut
+            base = (self.calibration.mono[(m, k, n)] * roofline_us(self.fitted, rows, k, n)
+                    / roofline_us(self.fitted, m, k, n))
+        else:
+            base = roofline_us(self.fitted, rows, k, n)
+        return base * self._sm_factor(rows, k, n, sms)
+
+    def add_us(self, nbytes: float) -> float:
+        """An elementwise `acc += incoming` of nbytes: two reads and a write."""
+        return 3 * nbytes / (self.hw.hbm_gbs * 1e3) + self.hw.kernel_us
+
+    def source(self, m: int, k: int, n: int) -> str:
+        return "measured" if (m, k, n) in self.calibration.mono else "roofline"

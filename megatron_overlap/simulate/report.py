@@ -1,0 +1,120 @@
+"""A simulate() Report as a console table, Markdown, and JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+from typing import Any
+
+from .api import Report
+
+WIDTH = 160
+COLUMNS = ("shape", "pass", "settings", "GEMM ms", "non-overlapped ms", "overlapped ms",
+           "exposed ms", "hidden", "best settings", "best ms")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def rows(report: Report) -> list[list[str]]:
+    backend = report.layout.backend
+    out = []
+    for sr in report.shapes:
+        for given, best in zip(sr.given, sr.best):
+            trial = sr.chosen[given.name.split("_")[1]]
+            label = trial.candidate.label_for(backend) + (" (wgrad alone)" if trial.comm_moved else "")
+            settings = given.settings.get("method", "none")
+            if given.ring_order == "hierarchical":
+                settings += " hierarchical"
+            out.append([sr.shape.name, given.name.split("_")[1], settings,
+                        f"{given.gemm_us / 1e3:.3f}", f"{given.baseline_us / 1e3:.3f}",
+                        f"{given.overlapped_us / 1e3:.3f}", f"{given.exposed_us / 1e3:.3f}",
+                        _pct(given.hidden), label, f"{best.overlapped_us / 1e3:.3f}"])
+    return out
+
+
+def headline(report: Report) -> str:
+    cal = report.calibration
+    gemm = (f"GEMMs calibrated from {cal.describe()}" if cal.mono
+            else "GEMMs from the roofline (no calibration file)")
+    hw = report.hw
+    return (f"{hw.name}, {report.layout.describe()}; NVLink {hw.nvlink_gbs:g} GB/s "
+            f"{hw.nvlink_latency_us:g} us, IB {hw.ib_gbs:g} GB/s {hw.ib_latency_us:g} us; {gemm}")
+
+
+def summary_lines(report: Report) -> list[str]:
+    out = []
+    for s in report.models:
+        d = s.to_dict()
+        per, step = d["per_layer_ms"], d["step_ms"]
+        what = "" if s.complete else f" (only {', '.join(s.buffers)}: a partial layer)"
+        out.append(f"{s.model}{what}: per layer {per['gemm']:.3f} ms GEMMs, non-overlapped "
+                   f"{per['baseline']:.3f}, overlapped {per['overlapped']:.3f}, best "
+                   f"{per['best']:.3f} ms; x {s.layers} layers x {s.micro_batches} micro-batch(es): "
+                   f"{step['baseline']:.1f} -> {step['overlapped']:.1f} -> {step['best']:.1f} ms")
+    return out
+
+
+def console(report: Report) -> str:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=headline(report), box=box.SIMPLE_HEAD, title_justify="left",
+                  pad_edge=False, padding=(0, 1), collapse_padding=True)
+    for c in COLUMNS:
+        table.add_column(c, justify="right" if "ms" in c or c == "hidden" else "left",
+                         overflow="fold")
+    for r in rows(report):
+        table.add_row(*r, end_section=r[1] == "wgrad")
+    buf = io.StringIO()
+    con = Console(file=buf, width=WIDTH, color_system=None, force_terminal=False,
+                  highlight=False, emoji=False, markup=False)
+    con.print(table)
+    for line in summary_lines(report):
+        con.print(line, soft_wrap=True)
+    con.print("Step estimate: the TP linears only (4 per layer x fprop/dgrad/wgrad); hidden = "
+              "(non-overlapped - overlapped) / (non-overlapped - compute-only).", soft_wrap=True)
+    return buf.getvalue()
+
+
+def markdown(report: Report, command: str) -> str:
+    lines = [f"Command: `{command}`", "", headline(report) + ".", "",
+             "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows(report)]
+    lines += [""] + [f"- {line}" for line in summary_lines(report)]
+    for s in report.models:
+        orders = ", ".join(f"{k}: {v}" for k, v in s.ring_orders.items())
+        lines += ["", f"Settings picked for {s.model} (ub_cfgs; ring orders: {orders or '-'}):", "",
+                  "```yaml", report.picked_config(s.model).to_yaml().rstrip(), "```"]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(report: Report, command: str) -> dict[str, Any]:
+    passes = []
+    for sr in report.shapes:
+        for given, best in zip(sr.given, sr.best):
+            trial = sr.chosen[given.name.split("_")[1]]
+            passes.append({**given.to_dict(), "shape_source": sr.shape.source,
+                           "m": sr.shape.m, "k": sr.shape.k, "n": sr.shape.n,
+                           "best": {**best.to_dict(), "label": trial.candidate.label_for(
+                               report.layout.backend), "comm_moved": trial.comm_moved},
+                           "candidates_tried": sr.tried})
+    cal = report.calibration
+    return {"command": command,
+            "meta": {"hardware": dataclasses.asdict(report.hw),
+                     "layout": {**dataclasses.asdict(report.layout), "nodes": report.layout.nodes,
+                                "local": report.layout.local},
+                     "calibration": cal.source or None, "calibration_meta": cal.meta,
+                     "gemm_times": "measured where calibrated, fitted roofline otherwise"
+                     if cal.mono else "roofline (no calibration)", "rs_dgrad": report.rs_dgrad},
+            "passes": passes, "models": [s.to_dict() for s in report.models]}
+
+
+def write_json(report: Report, path: str, command: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(to_json(report, command), f, indent=1)

@@ -1,0 +1,162 @@
+"""The search space: every valid setting of each layer pass, and nothing else.
+
+Valid means what megatron_overlap.config accepts (TE's rules: allowed methods
+per layer, rs-dgrad only when asked for), and a key is varied only where it
+takes effect for that method on that backend (LayerSettings.effects), so two
+candidates never differ only in a key that changes nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ..config import KEYS, LayerSettings
+from ..config.names import RS_DGRAD_LAYERS
+from ..config.settings import allowed_methods
+from .hardware import Layout
+from .passes import PassSpec, layer_passes
+from .shapes import Shape
+
+SPLITS = (1, 2, 4, 8, 16)
+NUM_SMS = (4, 8, 16, 24, 32)
+ACTIVE = "active"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One pass's settings plus the ring order (a ring over TP groups that span nodes)."""
+
+    settings: LayerSettings
+    ring_order: str = "flat"
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**self.settings.to_dict(), "ring_order": self.ring_order}
+
+    def label(self) -> str:
+        s = self.settings
+        parts = [{"ring_exchange": "ring", "pipeline": f"pipeline x{s.num_splits}"}.get(
+            s.method, s.method)]
+        if s.method == "ring_exchange":
+            parts += (["aggregate"] if s.aggregate and not s.is_reduce_scatter else [])
+            parts += (["hierarchical"] if self.ring_order == "hierarchical" else [])
+        return " ".join(parts)
+
+    def label_for(self, backend: str) -> str:
+        """label() plus the SM / copy-engine keys that take effect on `backend`."""
+        eff, s, extra = self.settings.effects(backend), self.settings, []
+        if s.method == "ring_exchange" and eff["use_ce"] == ACTIVE:
+            extra.append("ce" if s.use_ce else "sm")
+        if eff["num_sm"] == ACTIVE and s.method != "external":
+            extra.append(f"num_sm={s.num_sm}")
+        return " ".join([self.label()] + extra)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One thing to time: a pass with a candidate. comm_moved: a column wgrad whose
+    reduce-scatter an rs_dgrad dgrad took over (its GEMM runs alone)."""
+
+    spec: PassSpec
+    candidate: Candidate
+    comm_moved: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+def _vary(variants: list[LayerSettings], key: str, values: Iterable[Any], backend: str
+          ) -> list[LayerSettings]:
+    out: list[LayerSettings] = []
+    for v in variants:
+        if v.effects(backend)[key] != ACTIVE:
+            out.append(v)
+            continue
+        for value in dict.fromkeys([getattr(v, key), *values]):
+            out.append(dataclasses.replace(v, **{key: value}))
+    return list(dict.fromkeys(out))
+
+
+def candidates(name: str, layout: Layout, rows_per_rank: int, *, rs_dgrad: bool = False
+               ) -> list[Candidate]:
+    """Every valid candidate for layer pass `name` (e.g. 'proj_fprop'). Pipeline splits
+    must divide a rank's rows; RS-dgrad methods for qkv/fc1 dgrad only with rs_dgrad."""
+    out: list[Candidate] = []
+    for method in allowed_methods(name):
+        if name in RS_DGRAD_LAYERS and method != "bulk" and not rs_dgrad:
+            continue
+        variants = [LayerSettings.default(name, method)]
+        if method == "pipeline":
+            variants = [dataclasses.replace(variants[0], num_splits=k)
+                        for k in SPLITS if rows_per_rank % k == 0]
+        variants = _vary(variants, "aggregate", (False, True), layout.backend)
+        variants = _vary(variants, "use_ce", (True, False), layout.backend)
+        variants = _vary(variants, "num_sm", NUM_SMS, layout.backend)
+        orders = (("flat", "hierarchical") if method == "ring_exchange" and layout.nodes > 1
+                  else ("flat",))
+        out += [Candidate(v, o) for v in variants for o in orders]
+    return out
+
+
+def trials(shape: Shape, layout: Layout, *, rs_dgrad: bool = False) -> list[Trial]:
+    """Everything to time for one TP linear: each pass's candidates; a column layer's
+    wgrad also alone (for when its dgrad reduce-scatters)."""
+    rows = shape.m // layout.tp
+    out: list[Trial] = []
+    for spec in layer_passes(shape):
+        for cand in candidates(spec.name, layout, rows, rs_dgrad=rs_dgrad):
+            out.append(Trial(spec, cand))
+        if spec.pass_name == "wgrad" and shape.column and rs_dgrad:
+            out.append(Trial(spec, Candidate(LayerSettings.default(spec.name)), comm_moved=True))
+    return out
+
+
+def choose(shape: Shape, scores: dict[Trial, float]) -> dict[str, Trial]:
+    """The fastest trial per pass of `shape`; a column layer's dgrad and wgrad are chosen
+    together (bulk dgrad + bulk wgrad, or an rs_dgrad dgrad + the wgrad alone)."""
+    mine = {t: v for t, v in scores.items() if t.spec.shape == shape}
+
+    def best(pred) -> tuple[Trial, float] | None:
+        found = [(v, i, t) for i, (t, v) in enumerate(mine.items()) if pred(t)]
+        if not found:
+            return None
+        v, _, t = min(found, key=lambda x: (x[0], x[1]))
+        return t, v
+
+    out: dict[str, Trial] = {}
+    for p in ("fprop", "dgrad", "wgrad"):
+        hit = best(lambda t: t.spec.pass_name == p and not t.comm_moved
+                   and not (p == "dgrad" and shape.column and t.candidate.settings.is_reduce_scatter))
+        if hit:
+            out[p] = hit[0]
+    if shape.column:
+        rs = best(lambda t: t.spec.pass_name == "dgrad" and t.candidate.settings.is_reduce_scatter)
+        moved = best(lambda t: t.spec.pass_name == "wgrad" and t.comm_moved)
+        bulk_total = mine.get(out.get("dgrad"), float("inf")) + mine.get(out.get("wgrad"), float("inf"))
+        if rs and moved and rs[1] + moved[1] < bulk_total:
+            out["dgrad"], out["wgrad"] = rs[0], moved[0]
+    return out
+
+
+def ub_cfgs(chosen: Iterable[Trial]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    """(TE ub_cfgs entries, ring order per layer) of chosen trials; a wgrad left unused by
+    an rs_dgrad dgrad is left out, as TE wants. ring_order goes into the YAML only once
+    megatron_overlap.config knows the key."""
+    cfg: dict[str, dict[str, Any]] = {}
+    orders: dict[str, str] = {}
+    for t in chosen:
+        if t.comm_moved:
+            continue
+        entry = t.candidate.settings.to_dict()
+        if t.candidate.settings.method == "ring_exchange":
+            orders[t.name] = t.candidate.ring_order
+            if "ring_order" in KEYS:
+                entry["ring_order"] = t.candidate.ring_order
+        cfg[t.name] = entry
+    return cfg, orders

@@ -1,0 +1,113 @@
+"""A small in-order event model of one layer pass on every rank of the TP group.
+
+Each GPU has one compute stream; each rank has an egress and an ingress per link
+kind (NVLink, InfiniBand); a task starts when its inputs are ready, its
+resources are free (in submission order, like CUDA streams) and, in eager mode,
+when the host has launched it. Transfers between two ranks of one node use
+NVLink, others InfiniBand. Ranks are simulated individually because a flat ring
+across nodes is not symmetric: the ranks behind the IB hop wait on it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable
+
+from .hardware import Hardware, Layout
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What moves a pass's intra-node bytes: copy engines (no SMs) or SM kernels
+    holding `sms` SMs from the GEMM. `free`: the compute-only floor, nothing moves."""
+
+    kind: str = "ce"  # ce | sm
+    sms: int = 0
+    free: bool = False
+
+
+class Sim:
+    def __init__(self, hw: Hardware, layout: Layout, engine: Engine) -> None:
+        self.hw, self.layout, self.engine = hw, layout, engine
+        self.free: dict[tuple, float] = defaultdict(float)
+        self.host = [0.0] * layout.tp
+        self.transfers = 0
+
+    # -- what the GEMM gets ---------------------------------------------------------------
+    @property
+    def gemm_sms(self) -> int | None:
+        """SMs left to the GEMM while this pass's communication runs (None: all)."""
+        if self.engine.free or self.engine.kind == "ce" or self.engine.sms <= 0:
+            return None
+        return max(self.hw.sms - self.engine.sms, 1)
+
+    # -- host -------------------------------------------------------------------------------
+    def launch(self, rank: int, us: float) -> float:
+        """Host time to launch something eagerly on `rank` (nothing under a CUDA graph)."""
+        if self.layout.mode == "eager":
+            self.host[rank] += us
+        return self.host[rank]
+
+    def launch_comm(self, rank: int) -> float:
+        return self.launch(rank, self.hw.eager_comm_us)
+
+    # -- device -----------------------------------------------------------------------------
+    def run(self, resources: Iterable[tuple], duration: float, after: float = 0.0) -> float:
+        resources = list(resources)
+        start = max([after] + [self.free[r] for r in resources])
+        end = start + duration
+        for r in resources:
+            self.free[r] = end
+        return end
+
+    def compute(self, rank: int, duration: float, after: float = 0.0) -> float:
+        return self.run([("gpu", rank)], duration, max(after, self.host[rank]))
+
+    def link(self, src: int, dst: int) -> str:
+        return "nvlink" if self.layout.node(src) == self.layout.node(dst) else "ib"
+
+    def transfer_us(self, link: str, nbytes: float) -> float:
+        if self.engine.free or nbytes <= 0:
+            return 0.0
+        if link == "ib":  # the NIC moves it: no SMs, whatever the intra-node engine
+            return self.hw.ib_latency_us + nbytes / (self.hw.ib_gbs * 1e3)
+        bw = self.hw.nvlink_gbs
+        if self.engine.kind == "sm":
+            bw = min(bw, self.engine.sms * self.hw.sm_copy_gbs)
+        return self.hw.nvlink_latency_us + nbytes / (bw * 1e3)
+
+    def transfer(self, src: int, dst: int, nbytes: float, after: float = 0.0) -> float:
+        """A put from src to dst (both ranks' launches are in: a p2p rendezvous)."""
+        link = self.link(src, dst)
+        self.transfers += 1
+        return self.run([("out", link, src), ("in", link, dst)], self.transfer_us(link, nbytes),
+                        max(after, self.host[src], self.host[dst]))
+
+    def collective_us(self, block_bytes: float, sms: int | None = None) -> float:
+        """A ring all-gather / reduce-scatter of one `block_bytes` block per rank, as NCCL
+        runs it: intra-node at NVLink speed; across nodes one ring per NIC, so the bus
+        bandwidth is min(NVLink, IB x GPUs per node). `sms` caps an SM-driven copy."""
+        tp = self.layout.tp
+        if tp == 1 or self.engine.free or block_bytes <= 0:
+            return 0.0
+        hw = self.hw
+        if self.layout.nodes == 1:
+            bw, lat = hw.nvlink_gbs, hw.nccl_latency_us
+        else:
+            bw = hw.nccl_inter_gbs or min(hw.nvlink_gbs, hw.ib_gbs * self.layout.local)
+            lat = hw.nccl_latency_us + hw.ib_latency_us
+        if sms:
+            bw = min(bw, sms * hw.sm_copy_gbs)
+        return lat + (tp - 1) * block_bytes / (bw * 1e3)
+
+    def collective(self, block_bytes: float, after: float = 0.0, sms: int | None = None) -> float:
+        """A collective over the whole group: every rank's links are busy for its duration."""
+        links = ("nvlink",) if self.layout.nodes == 1 else ("nvlink", "ib")
+        res = [(d, link, r) for r in range(self.layout.tp) for d in ("out", "in") for link in links]
+        self.transfers += 1
+        return self.run(res, self.collective_us(block_bytes, sms), max([after] + self.host))
+
+    def end(self) -> float:
+        """When the last thing of the pass finishes, on any rank."""
+        return max(self.free.values(), default=0.0)

@@ -1,0 +1,59 @@
+"""The tuner's measurement cache: one JSON line per measurement, keyed by
+(shape, settings, hardware), appended and flushed as each one finishes, so a
+search that is interrupted resumes without measuring anything twice."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+
+def cache_key(job: dict[str, Any], hardware: dict[str, Any]) -> str:
+    """Stable hash of what was measured and where."""
+    blob = json.dumps({"job": job, "hardware": hardware}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+class Cache:
+    """key -> result dict, backed by a JSONL file (None: in memory only). A torn last
+    line (a run killed mid-write) is ignored."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = os.fspath(path) if path is not None else None
+        self._data: dict[str, dict[str, Any]] = {}
+        self._torn = False  # the file ends mid-line: start the next entry on a new one
+        if self.path and os.path.exists(self.path):
+            with open(self.path, "rb") as f:
+                text = f.read()
+            self._torn = bool(text) and not text.endswith(b"\n")
+            with open(self.path, encoding="utf-8") as f:
+                for line in f:
+                    try:
+                        entry = json.loads(line)
+                        self._data[entry["key"]] = entry["result"]
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        continue
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        return self._data.get(key)
+
+    def put(self, key: str, job: dict[str, Any], hardware: dict[str, Any],
+            result: dict[str, Any]) -> None:
+        self._data[key] = result
+        if self.path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                if self._torn:
+                    f.write("\n")
+                    self._torn = False
+                f.write(json.dumps({"key": key, "job": job, "hardware": hardware,
+                                    "result": result}, default=str) + "\n")
+                f.flush()

@@ -1,0 +1,174 @@
+"""`megatron-overlap tune`: flags, picking how to measure on the machine at hand,
+and the files it writes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable
+
+from ..simulate import PRESETS, ModelDims
+
+MEASURES = ("auto", "model", "compute", "real")
+NOTES = {
+    "model": "No GPU measurement: every time below is the cost model's prediction (roofline or "
+             "--calibration GEMMs, modelled links), not a measurement.",
+    "compute": "One GPU: the GEMM side of every candidate is measured here; the communication "
+               "side is the cost model's.",
+    "real": "Several GPUs: every candidate ran for real, overlapped, on the TP group.",
+}
+
+
+def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
+    p = sub.add_parser("tune", help="search per-layer overlap settings and write ub_cfgs YAML",
+                       description="Search method x num_splits x num_sm x use_ce x aggregate "
+                                   "(x ring order) per layer pass, measure on the hardware at hand "
+                                   "and write a TE ub_cfgs YAML.")
+    p.add_argument("--model", choices=sorted(PRESETS), help="a preset (Llama 3 dimensions)")
+    p.add_argument("--hidden-size", type=int)
+    p.add_argument("--ffn-hidden-size", type=int)
+    p.add_argument("--num-attention-heads", type=int)
+    p.add_argument("--num-query-groups", type=int)
+    p.add_argument("--seq-length", type=int)
+    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--no-swiglu", action="store_true", help="fc1 is not a gated (2x) projection")
+    p.add_argument("--name", help="model name in the outputs (default: the preset, or 'custom')")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
+    common(p)
+    p.add_argument("--measure", choices=MEASURES, default="auto",
+                   help="auto: several GPUs under torchrun -> real, one GPU -> compute, CPU -> model")
+    p.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement")
+    p.add_argument("--yaml", default="overlap_tuned.yaml", help="ub_cfgs YAML to write")
+    p.add_argument("--json", help="the whole search as JSON (default: YAML path + .json)")
+    p.add_argument("--cache", help="measurement cache (default: YAML path + .cache.jsonl)")
+    p.add_argument("--no-cache", action="store_true")
+    p.add_argument("--wandb", choices=("off", "offline", "online"), default="offline")
+    p.add_argument("--wandb-project", default="megatron-overlap-tune")
+    p.add_argument("--wandb-dir", default="runs")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_tune)
+
+
+def model_dims(args: argparse.Namespace) -> tuple[str, ModelDims]:
+    """The preset, with any dimension flag overriding it; or all flags given."""
+    flags = {"hidden": args.hidden_size, "ffn_hidden": args.ffn_hidden_size,
+             "heads": args.num_attention_heads, "query_groups": args.num_query_groups,
+             "seq_length": args.seq_length, "micro_batch": args.micro_batch_size}
+    given = {k: v for k, v in flags.items() if v is not None}
+    if args.no_swiglu:
+        given["swiglu"] = False
+    if args.model:
+        import dataclasses
+
+        return args.name or args.model.upper(), dataclasses.replace(PRESETS[args.model], **given)
+    missing = [k for k in ("hidden", "ffn_hidden", "heads") if k not in given]
+    if missing:
+        raise ValueError("give --model, or --hidden-size, --ffn-hidden-size and "
+                         "--num-attention-heads (missing: " + ", ".join(missing) + ")")
+    given.setdefault("query_groups", given["heads"])
+    return args.name or "custom", ModelDims(**given)
+
+
+def pick_measure(kind: str) -> str:
+    if kind != "auto":
+        return kind
+    try:
+        import torch
+    except ImportError:
+        return "model"
+    if not torch.cuda.is_available():
+        return "model"
+    return "real" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "compute"
+
+
+def _wandb_run(args: argparse.Namespace, config: dict[str, Any]):
+    if args.wandb == "off":
+        return None
+    import wandb
+
+    os.makedirs(args.wandb_dir, exist_ok=True)
+    return wandb.init(mode=args.wandb, project=args.wandb_project, dir=args.wandb_dir,
+                      job_type="tune", config=config,
+                      settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
+
+
+def cmd_tune(args: argparse.Namespace, command: str) -> int:
+    from .. import cli
+    from .cache import Cache
+    from .tuner import tune
+
+    name, dims = model_dims(args)
+    hw, layout, cal = cli._machine(args)
+    if args.dtype == "fp32":
+        hw = hw.replace(dtype_bytes=4, peak_tflops=hw.peak_tflops / 2)  # TF32
+    shapes = dims.shapes(name, args.tp)
+    kind = pick_measure(args.measure)
+    rank, agree = 0, None
+    if kind == "model":
+        from .hooks import ModelMeasure
+
+        measure = ModelMeasure(hw, layout, cal)
+    elif kind == "compute":
+        from .hooks import ComputeSideMeasure
+
+        measure = ComputeSideMeasure(hw, layout, reps=args.reps)
+    else:
+        measure, rank, agree = _distributed(args, layout)
+    print(f"megatron-overlap tune: {NOTES[kind]}", flush=True)
+    writer = rank == 0
+    cache_path = None if args.no_cache or not writer else (args.cache or args.yaml + ".cache.jsonl")
+    run = _wandb_run(args, {"command": command, "model": name, **vars(dims)}) if writer else None
+    try:
+        result = tune(shapes, layout, measure, cache=Cache(cache_path), rs_dgrad=args.rs_dgrad,
+                      progress=writer and not args.no_progress, run=run, agree=agree,
+                      note=NOTES[kind], command=command)
+    finally:
+        if run is not None:
+            run.finish()
+    if writer:
+        result.write_yaml(args.yaml)
+        json_path = args.json or args.yaml + ".json"
+        result.write_json(json_path)
+        print(summary(result))
+        print(f"measured {result.measured}, from cache {result.cached}; "
+              f"ub_cfgs: {args.yaml}; search: {json_path}"
+              + (f"; cache: {cache_path}" if cache_path else ""))
+        if any(t.candidate.settings.is_reduce_scatter and t.spec.pass_name == "dgrad"
+               and t.spec.shape.column for c in result.chosen.values() for t in c.values()):
+            print("note: the chosen qkv/fc1 dgrad reduce-scatters: run Megatron with "
+                  "tp_comm_overlap_rs_dgrad=True")
+    return 0
+
+
+def summary(result) -> str:
+    """The choice per pass, as a plain table."""
+    lines = [f"{'shape':16s} {'pass':11s} {'chosen':40s} {'time ms':>9s} {'non-ovl ms':>10s}"]
+    for r in result.choice_rows:
+        base = r.get("baseline_ms")
+        lines.append(f"{r['shape']:16s} {r['pass']:11s} {r['label'][:40]:40s} "
+                     f"{r['time_ms']:9.3f} {base if base is None else f'{base:10.3f}'}")
+    return "\n".join(lines)
+
+
+def _distributed(args: argparse.Namespace, layout):
+    """Several GPUs under torchrun: NCCL, the whole world as the TP group."""
+    import torch
+    import torch.distributed as dist
+
+    from .hooks import DistributedMeasure
+
+    if not dist.is_initialized():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    if dist.get_world_size() != layout.tp:
+        sys.exit(f"--measure real: the TP group is the whole job ({dist.get_world_size()} ranks); "
+                 f"--tp is {layout.tp}")
+    rank = dist.get_rank()
+
+    def agree(hit):
+        box = [hit]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    return DistributedMeasure(backend=args.backend, reps=args.reps), rank, agree

@@ -1,0 +1,235 @@
+"""Measurement callables, one per kind of machine. Each takes a Trial (a layer
+pass and one candidate setting) and returns {"time_ms": ..., ...}; the tuner
+only ever picks by time_ms.
+
+- ModelMeasure (CPU, or anywhere): the cost model alone. Nothing is measured.
+- ComputeSideMeasure (one GPU): the pass's GEMM side timed on this GPU (the
+  schedule on the null transport, and the monolithic GEMM), the communication
+  from the cost model.
+- DistributedMeasure (several GPUs, one rank per GPU, the TP group spanning
+  them): the real overlapped pass, timed on every rank. Its timer is a
+  callable, so the same code runs on gloo CPU ranks in tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+from ..simulate import Calibration, GemmModel, Hardware, Layout, Trial, simulate_pass
+from ..simulate.passes import PassResult
+
+
+def job_of(trial: Trial) -> dict[str, Any]:
+    """What a trial measures, as plain data (cache key, JSON, wandb)."""
+    s = trial.spec.shape
+    return {"pass": trial.name, "model": s.model, "m": s.m, "k": s.k, "n": s.n, "tp": s.tp,
+            "gemm": list(trial.spec.gemm), "settings": trial.candidate.to_dict(),
+            "comm_moved": trial.comm_moved}
+
+
+def _result(r: PassResult, source: str) -> dict[str, Any]:
+    return {"time_ms": r.overlapped_us / 1e3, "baseline_ms": r.baseline_us / 1e3,
+            "compute_only_ms": r.compute_only_us / 1e3, "exposed_ms": r.exposed_us / 1e3,
+            "hidden_fraction": r.hidden, "source": source}
+
+
+def _machine(hw: Hardware, layout: Layout) -> dict[str, Any]:
+    return {"hw": dataclasses.asdict(hw), "layout": dataclasses.asdict(layout)}
+
+
+class ModelMeasure:
+    """The cost model only: predictions, not measurements."""
+
+    mode = "model"
+
+    def __init__(self, hw: Hardware, layout: Layout, calibration: Calibration | None = None) -> None:
+        self.hw, self.layout = hw, layout
+        self.gemm = GemmModel(hw, calibration)
+        self.hardware = {"kind": "cost-model", **_machine(hw, layout),
+                         "calibration": self.gemm.calibration.source or None}
+
+    def __call__(self, trial: Trial) -> dict[str, Any]:
+        c = trial.candidate
+        r = simulate_pass(trial.spec, c.settings, self.hw, self.layout, self.gemm, c.ring_order,
+                          trial.comm_moved)
+        return _result(r, "model")
+
+
+def _chunking(trial: Trial, tp: int) -> tuple[str, str, int] | None:
+    """(op, kind, chunks) of the trial's chunked GEMM schedule, None when it runs one GEMM."""
+    s = trial.candidate.settings
+    if trial.comm_moved or trial.spec.comm == "none" or tp == 1 or s.method in ("bulk", "external"):
+        return None
+    if s.method == "pipeline":
+        return "rs", "rs_pipeline", s.splits(tp)
+    return ("rs", "rs_ring", tp) if s.is_reduce_scatter else ("ag", "ag_ring", tp)
+
+
+class ComputeSideMeasure:
+    """One GPU: GEMMs and chunked schedules timed here (each shape once), fed to the
+    cost model as its calibration; the communication is the model's."""
+
+    mode = "compute"
+
+    def __init__(self, hw: Hardware, layout: Layout, *, reps: int = 20, dtype: Any = None) -> None:
+        import torch
+
+        from .measure import device_name
+
+        self.hw, self.layout, self.reps = hw, layout, reps
+        self.dtype = dtype or torch.bfloat16
+        self.calibration = Calibration(source=f"measured on this GPU ({device_name()})")
+        self.hardware = {"kind": "compute-side", "device": device_name(),
+                         "torch": torch.__version__, **_machine(hw, layout)}
+
+    def __call__(self, trial: Trial) -> dict[str, Any]:
+        from .measure import measure_gemm, measure_schedule
+
+        m, k, n = trial.spec.gemm
+        cal, tp = self.calibration, self.layout.tp
+        measured: dict[str, Any] = {}
+        if (m, k, n) not in cal.mono:
+            measured = measure_gemm(m, k, n, reps=self.reps, dtype=self.dtype)
+            cal.add((m, k, n), measured["mono_graph_ms"] * 1e3)
+        chunking = _chunking(trial, tp)
+        if chunking and (m, k, n, chunking[1], chunking[2]) not in cal.chunked:
+            op, kind, chunks = chunking
+            s = trial.candidate.settings
+            method = "pipeline" if kind == "rs_pipeline" else "ring_exchange"
+            measured = measure_schedule(m, k, n, op, tp, method, chunks, reps=self.reps,
+                                        dtype=self.dtype, aggregate=s.aggregate, name=trial.name)
+            cal.add((m, k, n), measured["mono_graph_ms"] * 1e3, kind, chunks,
+                    measured["sched_graph_ms"] * 1e3, measured["host_us_sched"])
+        c = trial.candidate
+        r = simulate_pass(trial.spec, c.settings, self.hw, self.layout, GemmModel(self.hw, cal),
+                          c.ring_order, trial.comm_moved)
+        return {**_result(r, "compute-side measured + modelled communication"),
+                **{f"measured_{k}": v for k, v in measured.items()}}
+
+
+Timer = Callable[[Callable[[], Any]], float]
+
+
+class DistributedMeasure:
+    """The real thing, on every rank of `group` at once (every rank must call it with the
+    same trials in the same order). time_ms is the slowest rank's; the non-overlapped
+    path and the compute-only floor (null transport) are timed beside it.
+
+    timer(fn) -> ms per call: CUDA events on GPUs (default), anything on CPU."""
+
+    mode = "real"
+
+    def __init__(self, group: Any = None, backend: str = "auto", *, timer: Timer | None = None,
+                 dtype: Any = None, device: Any = None, reps: int = 20) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from .. import comm
+
+        self.group = group or dist.group.WORLD
+        self.device = device or (torch.device("cuda", torch.cuda.current_device())
+                                 if torch.cuda.is_available() else torch.device("cpu"))
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.transport = comm.transport_for(self.group, backend, self.device)
+        if timer is None:
+            from .measure import time_ms
+
+            timer = lambda fn: time_ms(fn, reps)  # noqa: E731
+        self.timer = timer
+        self.hardware = {"kind": "distributed", "transport": self.transport.name,
+                         "world": dist.get_world_size(self.group),
+                         "device": torch.cuda.get_device_name() if self.device.type == "cuda"
+                         else "cpu"}
+
+    def _slowest(self, ms: float) -> float:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([ms], dtype=torch.float64, device=self.device if
+                         dist.get_backend(self.group) == "nccl" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return float(t.item())
+
+    def __call__(self, trial: Trial) -> dict[str, Any]:
+        from ..comm import NullTransport
+
+        c = trial.candidate
+        if c.ring_order == "hierarchical" and not hasattr(self.transport, "ring_order"):
+            return {"time_ms": math.inf, "source": "skipped: this transport has no "
+                    "hierarchical ring order yet"}
+        tp = self.transport
+        over = self._slowest(self.timer(run_pass(trial, tp, self.device, self.dtype)))
+        base = self._slowest(self.timer(run_pass(trial, tp, self.device, self.dtype, overlap=False)))
+        floor = self._slowest(self.timer(run_pass(
+            trial, NullTransport(tp.world_size, tp.rank), self.device, self.dtype)))
+        room = base - floor
+        return {"time_ms": over, "baseline_ms": base, "compute_only_ms": floor,
+                "exposed_ms": over - floor, "hidden_fraction": (base - over) / room if room > 0
+                else None, "source": f"measured ({tp.name})"}
+
+
+def run_pass(trial: Trial, tp: Any, device: Any, dtype: Any, overlap: bool = True
+             ) -> Callable[[], Any]:
+    """A closure that runs the trial's pass once on transport `tp` (one rank's part):
+    the overlapped schedule, or with overlap=False the GEMM then the collective."""
+    import torch
+
+    from ..overlap.streams import ChunkStreams
+
+    spec, s = trial.spec, trial.candidate.settings
+    m, k, n = spec.gemm
+    world = tp.world_size
+    g = torch.Generator(device="cpu").manual_seed(1234 + tp.rank)
+    x = torch.randn(m, k, generator=g, dtype=torch.float32).to(device, dtype)
+    w = torch.randn(n, k, generator=g, dtype=torch.float32).to(device, dtype)
+    block = spec.shape.m // world  # rows of one rank's block of the communicated tensor
+    width = spec.shape.k if spec.shape.column else spec.shape.n
+    comm_full = torch.zeros(block * world, width, device=device, dtype=dtype)
+    comm_part = torch.zeros(block, width, device=device, dtype=dtype)
+    comm_p = gemm_p = 0
+    if device.type == "cuda":
+        comm_p, gemm_p = s.stream_priorities(*torch.cuda.Stream.priority_range())
+    streams = ChunkStreams(priority=gemm_p, sm_margin=s.num_sm if s.set_sm_margin else 0)
+    name = trial.name
+    fn = _pass_fn(trial, tp, x, w, comm_full, comm_part, streams, overlap)
+
+    def run():
+        tp.begin_pass(name, comm_p)  # workspaces of the previous call may be reused
+        return fn()
+    return run
+
+
+def _pass_fn(trial: Trial, tp: Any, x: Any, w: Any, comm_full: Any, comm_part: Any,
+             streams: Any, overlap: bool) -> Callable[[], Any]:
+    from ..overlap import all_gather_matmul, gemm, hide, matmul_reduce_scatter
+
+    spec, s, name = trial.spec, trial.candidate.settings, trial.name
+    m, world = x.shape[0], tp.world_size
+    # a wgrad whose reduce-scatter moved into its rs_dgrad dgrad runs alone; its
+    # non-overlapped path still has the reduce-scatter (as the cost model counts it)
+    kind = "none" if trial.comm_moved and overlap else spec.comm
+
+    def collective():
+        if kind == "ag":
+            return tp.all_gather(comm_full, comm_part, op=name)
+        return tp.reduce_scatter(comm_part, comm_full, op=name)
+
+    if kind == "none" or world == 1:
+        return lambda: gemm(x, w.t(), op=name)
+    if not overlap or s.method == "bulk":
+        return lambda: hide(collective, lambda: gemm(x, w.t(), op=name), op=name, overlap=overlap)
+    if not s.is_reduce_scatter:
+        local = x[: m // world]
+        return lambda: all_gather_matmul(local, w, tp, s.method, op=name, aggregate=s.aggregate,
+                                         streams=streams)
+    splits = s.splits(world)
+    if spec.pass_name == "dgrad" and spec.shape.column:  # rs_dgrad: the input gather alongside
+        def dgrad_rs():
+            h = tp.all_gather(comm_full, comm_part, op=name)
+            out = matmul_reduce_scatter(x, w, tp, s.method, splits, op=name, streams=streams)
+            h.wait()
+            return out
+        return dgrad_rs
+    return lambda: matmul_reduce_scatter(x, w, tp, s.method, splits, op=name, streams=streams)

@@ -1,0 +1,106 @@
+"""Timing on one GPU: the compute side of an overlapped schedule (its chunk
+GEMMs, order and waits, on the null transport: chunks already resident,
+nothing moved) against one monolithic cuBLAS GEMM of the same size, eager
+against eager and CUDA-graph replay against replay, plus host time per call.
+
+benchmarks/compute_side.py and the tuner's one-GPU mode both time through here.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from ..comm import NullTransport
+from ..overlap import all_gather_matmul, matmul_reduce_scatter
+from ..overlap.streams import ChunkStreams
+
+
+def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 5) -> float:
+    """Median of per-call device times (CUDA events)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def host_us(fn: Callable[[], Any], reps: int) -> float:
+    """Median host time to issue one call (launch cost), device drained between calls."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
+    """`fn` captured in a CUDA graph (after a warm-up on a side stream); returns replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def schedule_fn(x: torch.Tensor, w: torch.Tensor, op: str, tp: int, method: str, splits: int,
+                streams: ChunkStreams, aggregate: bool = False, name: str = "schedule"
+                ) -> Callable[[], Any]:
+    """The overlapped schedule of one GEMM on the null transport. op 'ag': x is all the
+    rows, the schedule gathers a 1/tp block of them; 'rs': x is all the rows."""
+    null = NullTransport(tp)
+    if op == "ag":
+        local = x[: x.shape[0] // tp]
+        return lambda: all_gather_matmul(local, w, null, method, op=name, aggregate=aggregate,
+                                         streams=streams)
+    return lambda: matmul_reduce_scatter(x, w, null, method, splits, op=name, streams=streams)
+
+
+def measure_schedule(m: int, k: int, n: int, op: str, tp: int, method: str, splits: int, *,
+                     reps: int = 50, dtype: torch.dtype = torch.bfloat16, gemm_streams: int = 1,
+                     aggregate: bool = False, name: str = "schedule") -> dict[str, float]:
+    """Monolithic GEMM and the schedule's compute side, eager and graphed, side by side.
+    Times in ms, host times in us; ratios = monolithic / schedule."""
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    mono = lambda: torch.matmul(x, w.t())  # noqa: E731
+    sched = schedule_fn(x, w, op, tp, method, splits, ChunkStreams(n=gemm_streams), aggregate, name)
+    t_mono, t_sched = time_ms(mono, reps), time_ms(sched, reps)
+    g_mono, g_sched = graphed(mono), graphed(sched)
+    tg_mono, tg_sched = time_ms(g_mono, reps), time_ms(g_sched, reps)
+    out = dict(mono_ms=t_mono, sched_ms=t_sched, eager_ratio=t_mono / t_sched,
+               mono_graph_ms=tg_mono, sched_graph_ms=tg_sched, graph_ratio=tg_mono / tg_sched,
+               mono_tflops=2 * m * k * n / t_mono / 1e9, host_us_sched=host_us(sched, reps),
+               host_us_mono=host_us(mono, reps))
+    del g_mono, g_sched
+    return out
+
+
+def measure_gemm(m: int, k: int, n: int, *, reps: int = 50,
+                 dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """One monolithic GEMM, graphed (device time) and eager."""
+    x = torch.randn(m, k, device="cuda", dtype=dtype)
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    mono = lambda: torch.matmul(x, w.t())  # noqa: E731
+    return dict(mono_ms=time_ms(mono, reps), mono_graph_ms=time_ms(graphed(mono), reps))
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,117 @@
+"""The benchmark suite runs end to end on CPU (2 gloo ranks, tiny shapes) and
+writes what BENCHMARKS.md is built from: JSON of the expected structure, with
+every output check / loss parity passed, and a PNG. Timings are never asserted."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_overlap.ab.launch import Layout
+from megatron_overlap.ab.layer_arms import Method, parse_methods
+from megatron_overlap.ab.shapes import BY_NAME, parse, scaled
+from megatron_overlap.ab.timing import hidden_fraction, rotated, summary
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script: str, *args: str, out) -> dict:
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--device", "cpu",
+                           "--out", str(out), "--tag", "test", *args],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "FUNCTIONAL ONLY" in proc.stdout  # CPU numbers say what they are
+    stem = out / script.replace(".py", "_test")
+    assert stem.with_suffix(".png").stat().st_size > 10_000
+    return json.loads(stem.with_suffix(".json").read_text())
+
+
+def test_layer_overlap_cpu(tmp_path):
+    doc = _run("layer_overlap.py", "--shapes", "70B_tp8_fc1,8B_tp4_fc2,tiny:64:24:40:rs",
+               "--scale", "64", "--kn-scale", "64", "--reps", "2", "--warmup", "1",
+               "--methods", "ring_exchange,pipeline:2,pipeline:4/2s", out=tmp_path)
+    assert doc["benchmark"] == "layer_overlap" and doc["all_checks_passed"]
+    meta = doc["meta"]
+    assert meta["mode"] == "cpu" and meta["functional_only"] and meta["ranks"] == 2
+    assert meta["backends"] == ["torch_p2p"] and "symm" in meta["skipped_backends"]
+    for key in ("torch", "date", "gpu_count", "dist_backend"):
+        assert key in meta
+    assert [s["shape"]["name"] for s in doc["shapes"]] == ["70B_tp8_fc1", "8B_tp4_fc2", "tiny"]
+    expected = {"ag": {"baseline", "gemm", "floor/ring_exchange", "torch_p2p/ring_exchange"},
+                "rs": {"baseline", "gemm", "floor/ring_exchange", "torch_p2p/ring_exchange",
+                       "floor/pipeline:2", "torch_p2p/pipeline:2", "floor/pipeline:4/2s",
+                       "torch_p2p/pipeline:4/2s"}}
+    for s in doc["shapes"]:
+        arms = s["arms"]
+        assert set(arms) == expected[s["shape"]["op"]], set(arms)
+        assert "torch_async_tp" in s["skipped"]  # CUDA-only ops
+        for name, a in arms.items():
+            assert a["error"] is None, (name, a["error"])
+            assert len(a["samples_s"]) == 2 and len(a["per_rank_samples_s"]) == 2
+            assert a["time_s"]["median"] > 0
+            if a["kind"] == "overlap":
+                assert a["check"]["passed"] and a["check"]["max_rel_err"] <= 1e-5
+                assert a["floor"] == "floor/" + a["method"] and "hidden_fraction" in a
+            else:
+                assert a["check"] is None
+    assert doc["shapes"][0]["shape"]["m"] == 8192 // 64  # --scale shrank M
+
+
+def test_step_ab_cpu(tmp_path):
+    doc = _run("step_ab.py", "--layers", "1", "--hidden", "64", "--heads", "4", "--seq", "32",
+               "--vocab", "128", "--steps", "3", "--warmup", "1", out=tmp_path)
+    assert doc["benchmark"] == "step_ab" and doc["parity_passed"]
+    assert doc["meta"]["mode"] == "cpu" and doc["model"]["hidden"] == 64
+    arms = doc["arms"]
+    assert set(arms) == {"megatron", "overlap_torch_p2p", "compute_only"}
+    assert arms["overlap_torch_p2p"]["parity"]["passed"]
+    assert arms["overlap_torch_p2p"]["losses"] == pytest.approx(arms["megatron"]["losses"], rel=1e-5)
+    assert arms["compute_only"]["parity"] is None and arms["compute_only"]["backend"] == "null"
+    for a in arms.values():
+        assert len(a["losses"]) == 3 and len(a["step_times_s"]) == 3
+        assert a["step_time_s"]["n"] == 2  # warmup left out of the medians
+    assert "hidden_fraction" in arms["overlap_torch_p2p"]
+
+
+# -- the pieces, in process -------------------------------------------------------------------
+
+def test_hidden_fraction_and_summary():
+    assert hidden_fraction(10.0, 6.0, 5.0) == pytest.approx(0.8)
+    assert hidden_fraction(10.0, 12.0, 5.0) == pytest.approx(-0.4)
+    assert hidden_fraction(5.0, 5.0, 5.0) is None  # nothing measured to hide
+    s = summary([3.0, 1.0, 2.0, 4.0])
+    assert s["median"] == 2.5 and s["q1"] <= s["median"] <= s["q3"] and s["n"] == 4
+
+
+def test_rotation_gives_every_arm_every_position():
+    names = ["a", "b", "c"]
+    firsts = {rotated(names, r)[0] for r in range(3)}
+    assert firsts == set(names) and all(sorted(rotated(names, r)) == names for r in range(5))
+
+
+def test_methods_and_shapes():
+    ms = parse_methods("ring_exchange,ring_exchange+agg,pipeline,pipeline:8/2s,bulk")
+    assert [m.label for m in ms] == ["ring_exchange", "ring_exchange+agg", "pipeline:4",
+                                     "pipeline:8/2s", "bulk"]
+    assert Method("pipeline", 4).applies("ag", 8, 1024) == "n/a"
+    assert Method("ring_exchange", aggregate=True).applies("ag", 2, 1024)  # nothing to aggregate
+    assert Method("pipeline", 3).applies("rs", 2, 1024)  # rows do not split
+    assert Method("pipeline", 4).applies("rs", 2, 1024) is None
+    with pytest.raises(SystemExit):
+        parse_methods("nope")
+    assert len(parse("all")) == 7 and parse("x:64:8:8:ag")[0].op == "ag"
+    s = scaled(BY_NAME["70B_tp8_fc1"], 8, 1000, 4)
+    assert s.m == 64 and s.k == 2048 and s.n == 1792  # M stays a multiple of tp x 8
+
+
+def test_backend_selection_by_layout():
+    from megatron_overlap.ab.backends import select
+
+    assert select("auto", Layout("cpu", 2, 0))[0] == ["torch_p2p"]
+    assert select("auto", Layout("shared_gpu", 2, 1))[0] == ["symm"]
+    run, skipped = select("auto", Layout("gpus", 8, 8))
+    assert "symm" in run and "torch_p2p" in run
+    assert ("nvshmem" in run) != ("nvshmem" in skipped)
+    assert select("symm,torch_p2p", Layout("cpu", 2, 0)) == (["torch_p2p"], {"symm": "needs CUDA tensors"})
