@@ -31,11 +31,11 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
 
 from megatron_overlap.ab import async_tp, backends as backend_sel
 from megatron_overlap.ab.launch import default_world, init_dist, launch, plan_layout
-from megatron_overlap.ab.layer_arms import (Arm, baseline_arms, inputs, overlap_arms, parse_methods,
-                                            torch_arm)
+from megatron_overlap.ab.layer_arms import (Arm, Method, baseline_arms, inputs, overlap_arms,
+                                            parse_methods, torch_arm)
 from megatron_overlap.ab.machine import machine_info
 from megatron_overlap.ab.results import read_json, stem, write_json
-from megatron_overlap.ab.shapes import parse as parse_shapes, scaled
+from megatron_overlap.ab.shapes import Shape, parse as parse_shapes, scaled
 from megatron_overlap.ab.timing import gather_max, graphed, hidden_fraction, rotated, sample, summary
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -117,7 +117,45 @@ def _capture(arms: list[Arm], status: dict, ref: torch.Tensor) -> None:
         status[a.name] = replayed[a.name]
 
 
-def bench_shape(shape, args, dtype, device, group, backends, methods, async_reason) -> dict:
+def _time(active: list[Arm], args: argparse.Namespace, device: torch.device
+          ) -> tuple[dict[str, list[float]], list[dict], dict[str, list[float]]]:
+    """Warm-up, then `reps` interleaved repetitions: (slowest rank per sample, every
+    rank's samples, slowest rank's host issue time per sample), per arm."""
+    for _ in range(args.warmup):
+        for a in active:
+            a.fn()
+    times: dict[str, list[float]] = {a.name: [] for a in active}
+    host: dict[str, list[float]] = {a.name: [] for a in active}
+    fns = {a.name: a.fn for a in active}
+    for rep in range(args.reps):
+        for name in rotated(list(fns), rep):
+            t, h = sample(fns[name], device, args.inner)
+            times[name].append(t)
+            host[name].append(h)
+    worst, per_rank = gather_max(times)
+    return worst, per_rank, gather_max(host)[0]
+
+
+def _arm_result(a: Arm, shape: Shape, stats: dict, worst: dict, per_rank: list, host: dict) -> dict:
+    """An arm's samples and medians, and how it compares with the baseline, its
+    compute-only floor and torch's async-TP ops."""
+    t = stats[a.name]
+    r = {"time_s": t, "samples_s": worst[a.name], "per_rank_samples_s": [p[a.name] for p in per_rank],
+         "host_s": summary(host[a.name]), "tflops": shape.flops / t["median"] / 1e12}
+    base = stats.get("baseline")
+    if base and a.kind != "baseline":
+        r["speedup_vs_baseline"] = base["median"] / t["median"]
+        if a.floor in stats:
+            r["hidden_fraction"] = hidden_fraction(base["median"], t["median"], stats[a.floor]["median"])
+    if "torch_async_tp" in stats and a.kind == "overlap":
+        r["speedup_vs_torch_async_tp"] = stats["torch_async_tp"]["median"] / t["median"]
+    return r
+
+
+def bench_shape(shape: Shape, args: argparse.Namespace, dtype: torch.dtype, device: torch.device,
+                group: dist.ProcessGroup, backends: list[str], methods: list[Method],
+                async_reason: str | None) -> dict:
+    """Every arm of one shape: built, checked against the baseline, timed side by side."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     x, w = inputs(shape, world, rank, dtype, device, args.seed)
     skipped: dict[str, str] = {}
@@ -130,77 +168,63 @@ def bench_shape(shape, args, dtype, device, group, backends, methods, async_reas
     status = _agree({a.name: _try(a, ref) for a in arms})
     if args.graphs:
         _capture(arms, status, ref)
+    del ref
     tol = TOL[dtype]
     checks = {a.name: {"max_rel_err": status[a.name][0], "tol": tol,
                        "passed": status[a.name][0] is not None and status[a.name][0] <= tol}
               for a in arms if a.check and status[a.name][1] is None}
     active = [a for a in arms if status[a.name][1] is None and (not a.check or checks[a.name]["passed"])]
-    del ref
-    for _ in range(args.warmup):
-        for a in active:
-            a.fn()
-    times: dict[str, list[float]] = {a.name: [] for a in active}
-    host: dict[str, list[float]] = {a.name: [] for a in active}
-    names, fns = [a.name for a in active], {a.name: a.fn for a in active}
-    for rep in range(args.reps):
-        for name in rotated(names, rep):
-            t, h = sample(fns[name], device, args.inner)
-            times[name].append(t)
-            host[name].append(h)
-    worst, per_rank = gather_max(times)
-    host_worst, _ = gather_max(host)
+    worst, per_rank, host = _time(active, args, device)
     stats = {n: summary(v) for n, v in worst.items()}
     out_arms = {}
     for a in arms:
-        r: dict = {"kind": a.kind, "backend": a.backend, "method": a.method, "floor": a.floor,
-                   "check": checks.get(a.name), "error": status[a.name][1], **a.info}
-        if a.name in stats:
-            t = stats[a.name]
-            r.update(time_s=t, samples_s=worst[a.name], per_rank_samples_s=[p[a.name] for p in per_rank],
-                     host_s=summary(host_worst[a.name]), tflops=shape.flops / t["median"] / 1e12)
-            base = stats.get("baseline")
-            if base and a.name != "baseline":
-                r["speedup_vs_baseline"] = base["median"] / t["median"]
-            if base and a.floor in stats and a.kind != "baseline":
-                r["hidden_fraction"] = hidden_fraction(base["median"], t["median"], stats[a.floor]["median"])
-            if "torch_async_tp" in stats and a.kind == "overlap":
-                r["speedup_vs_torch_async_tp"] = stats["torch_async_tp"]["median"] / t["median"]
-        elif status[a.name][1] is None and a.check:
-            r["error"] = "output check failed: not timed"
-        out_arms[a.name] = r
+        error = status[a.name][1] or (None if a.name in stats else "output check failed: not timed")
+        out_arms[a.name] = {"kind": a.kind, "backend": a.backend, "method": a.method, "floor": a.floor,
+                            "check": checks.get(a.name), "error": error, **a.info,
+                            **(_arm_result(a, shape, stats, worst, per_rank, host) if a.name in stats else {})}
     return {"shape": asdict(shape), "tp": world, "dtype": str(dtype).removeprefix("torch."),
             "arms": out_arms, "skipped": skipped,
             "checks_passed": all(c["passed"] for c in checks.values())}
 
 
 def _table(results: list[dict], meta: dict) -> None:
+    """One compact table: a section per shape, a row per arm; skip reasons below it."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(width=150)
-    console.print(f"[bold]layer_overlap[/]: {meta['gpu_name'] or meta['cpu']} x{meta['ranks']} ranks, "
-                  f"{meta['dist_backend']}, torch {meta['torch']}, {meta['date']}")
+    console = Console(width=140)
+    console.print(f"[bold]layer_overlap[/]: {meta['gpu_name'] or meta['cpu']}, {meta['ranks']} ranks, "
+                  f"{meta['dist_backend']}, torch {meta['torch']}, {results[0]['dtype']}, {meta['date']}")
     if meta["functional_only"]:
         console.print(f"[bold red]{meta['note']}[/]")
+    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("shape (M K N)", "arm", "ms", "IQR ms", "vs base", "hidden", "vs torch", "check"):
+        t.add_column(col, justify="left" if col in ("shape (M K N)", "arm", "check") else "right")
+    notes: dict[str, set[str]] = {}
     for res in results:
         s = res["shape"]
-        t = Table(title=f"{s['name']}  {'AG->GEMM' if s['op'] == 'ag' else 'GEMM->RS'}  M={s['m']} "
-                        f"K={s['k']} N={s['n']}  TP={res['tp']}  {res['dtype']}", title_justify="left")
-        for col in ("arm", "median ms", "IQR ms", "vs baseline", "hidden", "vs torch", "check", "note"):
-            t.add_column(col, justify="left" if col in ("arm", "note", "check") else "right")
-        for name, r in res["arms"].items():
-            ts = r.get("time_s")
-            ck = r.get("check")
+        label = f"{s['name']} {s['op'].upper()} ({s['m']} {s['k']} {s['n']})"
+        rows = list(res["arms"].items())
+        for i, (name, r) in enumerate(rows):
+            ts, ck = r.get("time_s"), r.get("check")
             fmt = lambda k, f="{:.2f}": f.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
-            t.add_row(name, f"{ts['median'] * 1e3:.3f}" if ts else "-",
+            check = "-" if not ck else f"{'ok' if ck['passed'] else 'FAIL'} {ck['max_rel_err']:.0e}"
+            if r.get("error"):
+                check = f"[red]{r['error'][:48]}[/]"
+            t.add_row(label if i == 0 else "", name, f"{ts['median'] * 1e3:.3f}" if ts else "-",
                       f"{ts['q1'] * 1e3:.3f}-{ts['q3'] * 1e3:.3f}" if ts else "-",
-                      fmt("speedup_vs_baseline", "{:.3f}x"), fmt("hidden_fraction"),
-                      fmt("speedup_vs_torch_async_tp", "{:.3f}x"),
-                      "-" if not ck else f"{'ok' if ck['passed'] else 'FAIL'} {ck['max_rel_err']:.1e}",
-                      (r.get("error") or "")[:60])
+                      fmt("speedup_vs_baseline", "{:.2f}x"), fmt("hidden_fraction"),
+                      fmt("speedup_vs_torch_async_tp", "{:.2f}x"), check, end_section=i == len(rows) - 1)
         for k, why in res["skipped"].items():
-            t.add_row(f"[dim]{k}[/]", "-", "-", "-", "-", "-", "-", f"[dim]skipped: {why[:60]}[/]")
-        console.print(t)
+            notes.setdefault(f"{k}: {why}", set()).add(s["name"])
+    console.print(t)
+    for note, where in notes.items():
+        console.print(f"[dim]skipped {note} ({len(where)} shape(s))[/]")
+    for b, why in meta["skipped_backends"].items():
+        console.print(f"[dim]backend {b} left out: {why}[/]")
+    console.print("vs base / vs torch: the other arm's median time over this arm's (> 1: faster); "
+                  "hidden: (baseline - arm) / (baseline - its compute-only floor)")
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -213,6 +237,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         raise SystemExit("--graphs needs one rank per GPU: gloo collectives cannot be captured")
     group = dist.group.WORLD
     backends, skipped_backends = backend_sel.select(args.backends, layout)
+    backends, failed = backend_sel.usable(backends, group, device)
+    skipped_backends.update(failed)
     methods = parse_methods(args.methods)
     async_reason = "left out (--no-torch-async-tp)" if args.no_torch_async_tp else async_tp.unavailable_reason(device)
     shapes = [scaled(s, world, args.scale, args.kn_scale) for s in parse_shapes(args.shapes)]
@@ -220,19 +246,22 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     results = []
     from rich.progress import track
 
+    meta = machine_info(layout, device) if lead else {}
+    meta.update(backends=backends, skipped_backends=skipped_backends,
+                methods=[m.label for m in methods], scaled=args.scale > 1 or args.kn_scale > 1,
+                timing=("CUDA events, slowest rank per sample" if device.type == "cuda"
+                        else "wall clock, slowest rank per sample") + (", CUDA-graph replays" if args.graphs else ""))
+    doc = {"benchmark": "layer_overlap", "command": " ".join([sys.executable, *sys.argv]),
+           "config": vars(args), "meta": meta, "shapes": results, "complete": False}
     for shape in (track(shapes, description="layer_overlap", transient=True) if lead else shapes):
         results.append(bench_shape(shape, args, dtype, device, group, backends, methods, async_reason))
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if lead:  # shape by shape: a run cut short (a timeout) keeps what it measured
+            doc["all_checks_passed"] = all(r["checks_passed"] for r in results)
+            write_json(stem(args.out, "layer_overlap", layout, args.tag) + ".json", doc)
     if lead:
-        meta = machine_info(layout, device)
-        meta.update(backends=backends, skipped_backends=skipped_backends,
-                    methods=[m.label for m in methods], scaled=args.scale > 1 or args.kn_scale > 1,
-                    timing=("CUDA events, slowest rank per sample" if device.type == "cuda"
-                            else "wall clock, slowest rank per sample") + (", CUDA-graph replays" if args.graphs else ""))
-        doc = {"benchmark": "layer_overlap", "command": " ".join([sys.executable, *sys.argv]),
-               "config": vars(args), "meta": meta, "shapes": results,
-               "all_checks_passed": all(r["checks_passed"] for r in results)}
+        doc["complete"] = True
         write(doc, args, layout)
         _table(results, meta)
     dist.barrier()

@@ -67,8 +67,11 @@ def _cpu_init(tp: int, seed: int) -> None:
     init(tp, seed)
 
 
-def build_arms(args, spec, world: int, rank: int, dtype, device, backends: list[str]) -> dict:
-    """name -> (TrainArm, kind, backend); every model starts from the Megatron arm's weights."""
+def build_arms(args: argparse.Namespace, spec, world: int, rank: int, dtype: torch.dtype,
+               device: torch.device, backends: list[str]) -> dict[str, tuple]:
+    """name -> (TrainArm, kind, backend); every model starts from the Megatron arm's weights.
+    compute_only: an overlap model whose layers get the null transport in place of the one
+    they would build lazily (their cached `_transport`), so every TP-linear transfer is skipped."""
     import megatron_overlap as mo
     from megatron_overlap.ab import TrainArm
     from megatron_overlap.ab.floor import FloorTransport
@@ -101,62 +104,76 @@ def build_arms(args, spec, world: int, rank: int, dtype, device, backends: list[
 
 
 def parity(losses: list[float], ref: list[float], tol: float) -> dict:
+    """Losses step by step against the reference arm's: equal within `tol` (relative)."""
     diffs = [abs(a - b) for a, b in zip(losses, ref)]
     rels = [d / max(abs(b), 1e-12) for d, b in zip(diffs, ref)]
     return {"max_abs_diff": max(diffs), "max_rel_diff": max(rels), "tol_rel": tol,
             "passed": all(r <= tol for r in rels)}
 
 
+def summarize(arms: dict, worst: dict[str, list[float]], per_rank: list[dict], warmup: int,
+              tol: float) -> dict[str, dict]:
+    """Per arm: losses, step times (slowest rank; medians after `warmup`), loss parity
+    against Megatron's arm, speedup and hidden fraction."""
+    from megatron_overlap.ab.timing import hidden_fraction, summary
+
+    ref = [r.loss for r in arms["megatron"][0].results]
+    out = {}
+    for n, (arm, kind, backend) in arms.items():
+        losses = [r.loss for r in arm.results]
+        out[n] = {"kind": kind, "backend": backend, "losses": losses,
+                  "step_time_s": summary(worst[n][warmup:] or worst[n]), "step_times_s": worst[n],
+                  "per_rank_step_times_s": [p[n] for p in per_rank],
+                  "parity": parity(losses, ref, tol) if kind == "overlap" else None}
+    base = out["megatron"]["step_time_s"]["median"]
+    floor = out.get("compute_only", {}).get("step_time_s", {}).get("median")
+    for a in out.values():
+        if a["kind"] == "overlap":
+            t = a["step_time_s"]["median"]
+            a["speedup_vs_megatron"] = base / t
+            a["hidden_fraction"] = hidden_fraction(base, t, floor) if floor is not None else None
+    return out
+
+
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    from megatron.core import parallel_state
     from rich.progress import track
 
     from megatron_overlap.ab import backends as backend_sel
     from megatron_overlap.ab.launch import barrier, plan_layout
     from megatron_overlap.ab.machine import machine_info
     from megatron_overlap.ab.model import GPTSpec, batches, init_megatron
-    from megatron_overlap.ab.timing import gather_max, hidden_fraction, rotated, summary
+    from megatron_overlap.ab.timing import gather_max, rotated
 
     layout = plan_layout(world, args.device)
     device = init_megatron(layout, rank, world, args.seed, _cpu_init)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
-    if device.type == "cuda":
+    if device.type == "cuda":  # fp32 parity at 1e-5 needs full-precision GEMMs
         torch.backends.cuda.matmul.allow_tf32 = False
     spec = GPTSpec(args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab, args.ffn)
     backends, skipped = backend_sel.select(args.backends, layout)
+    backends, failed = backend_sel.usable(backends, parallel_state.get_tensor_model_parallel_group(), device)
+    skipped.update(failed)
     arms = build_arms(args, spec, world, rank, dtype, device, backends)
     data = list(batches(spec, args.steps, args.seed, device))
     lead = rank == 0
     for i in (track(range(args.steps), description="step_ab", transient=True) if lead else range(args.steps)):
-        for name in rotated(list(arms), i):
+        for name in rotated(list(arms), i):  # side by side, each arm first in turn
             barrier(device)
             arms[name][0].step(data[i])
-    times = {n: [r.step_time_s for r in a.results] for n, (a, _, _) in arms.items()}
-    worst, per_rank = gather_max(times)
+    worst, per_rank = gather_max({n: [r.step_time_s for r in a.results] for n, (a, _, _) in arms.items()})
     if lead:
         tol = args.loss_tol or (1e-5 if dtype == torch.float32 else 1e-2)
-        ref = [r.loss for r in arms["megatron"][0].results]
-        out = {}
-        for n, (arm, kind, backend) in arms.items():
-            losses = [r.loss for r in arm.results]
-            timed = worst[n][args.warmup:] or worst[n]
-            out[n] = {"kind": kind, "backend": backend, "losses": losses, "step_time_s": summary(timed),
-                      "step_times_s": worst[n], "per_rank_step_times_s": [p[n] for p in per_rank],
-                      "parity": parity(losses, ref, tol) if kind == "overlap" else None}
-        base = out["megatron"]["step_time_s"]["median"]
-        floor = out.get("compute_only", {}).get("step_time_s", {}).get("median")
-        for n, a in out.items():
-            if a["kind"] == "overlap":
-                a["speedup_vs_megatron"] = base / a["step_time_s"]["median"]
-                a["hidden_fraction"] = (hidden_fraction(base, a["step_time_s"]["median"], floor)
-                                        if floor is not None else None)
+        out = summarize(arms, worst, per_rank, args.warmup, tol)
         meta = machine_info(layout, device)
         meta.update(backends=backends, skipped_backends=skipped)
         doc = {"benchmark": "step_ab", "command": " ".join([sys.executable, *sys.argv]),
                "config": vars(args), "model": spec.__dict__, "dtype": str(dtype).removeprefix("torch."),
                "meta": meta, "arms": out,
                "compute_only_note": "overlap arm with every overlapped linear's transfers skipped "
-                                    "(null transport); Megatron's other collectives still run; its "
-                                    "losses are not a model's losses",
+                                    "(null transport); Megatron's other collectives (embedding, "
+                                    "cross-entropy, norm-grad reductions) still run; its losses are "
+                                    "not a model's losses",
                "parity_passed": all(a["parity"]["passed"] for a in out.values() if a["parity"])}
         _write(doc, args, layout)
         _table(doc)
@@ -165,6 +182,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def _table(doc: dict) -> None:
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
@@ -175,7 +193,7 @@ def _table(doc: dict) -> None:
     s = doc["model"]
     t = Table(title=f"step_ab: GPT {s['layers']}L h{s['hidden']} heads{s['heads']} seq{s['seq']} "
                     f"mb{s['micro_batch']} {doc['dtype']}, TP={m['ranks']}, {m['gpu_name'] or 'CPU'}, "
-                    f"torch {m['torch']}, {m['date']}", title_justify="left")
+                    f"torch {m['torch']}, {m['date']}", title_justify="left", box=box.SIMPLE_HEAD)
     for col in ("arm", "median step ms", "IQR ms", "vs megatron", "hidden", "final loss",
                 "max |loss diff|", "parity"):
         t.add_column(col, justify="left" if col in ("arm", "parity") else "right")

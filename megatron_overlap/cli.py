@@ -58,7 +58,7 @@ def cmd_simulate(args: argparse.Namespace, command: str) -> int:
     hw, layout, cal = _machine(args)
     cfg = OverlapConfig.load(args.cfg, rs_dgrad=args.rs_dgrad) if args.cfg else None
     report = simulate(parse_shapes(args.shapes, args.tp), hw, layout, cal, cfg,
-                      ring_order=args.ring_order, rs_dgrad=args.rs_dgrad,
+                      rs_dgrad=args.rs_dgrad,
                       layers=_layers(args.layers), micro_batches=args.micro_batches)
     print(rep.console(report), end="")
     if args.json:
@@ -97,8 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
                           "(70b, 8b) | MODEL_BUFFER=MxKxN; all are re-cut to --tp (default reference)")
     _common(sim)
     sim.add_argument("--cfg", metavar="YAML", help="ub_cfgs to predict (default: TE's defaults)")
-    sim.add_argument("--ring-order", choices=("flat", "hierarchical"), default="hierarchical",
-                     help="ring order of --cfg's ring exchanges when TP spans nodes")
     sim.add_argument("--layers", action="append", default=[], metavar="MODEL=N",
                      help="transformer layers per model for the step estimate (70B=80, 8B=32 known)")
     sim.add_argument("--micro-batches", type=int, default=1)

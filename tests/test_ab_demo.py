@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from megatron_overlap.telemetry import read_offline_run
+from megatron_overlap.telemetry import read_offline_run, wait_for_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,6 +27,8 @@ def test_ab_overlap_writes_report_and_wandb_runs(tmp_path):
     assert (out / "report.png").stat().st_size > 10_000
     runs = sorted(glob.glob(str(out / "wandb" / "offline-run-*")))
     assert len(runs) == 2
+    for r in runs:
+        wait_for_exit(r)
     read = [read_offline_run(r) for r in runs]
     assert {r["config"]["arm"] for r in read} == {"A_megatron", "B_overlap"}
     for r in read:

@@ -201,7 +201,8 @@ def test_log_step_without_run(model):
 def test_wandb_offline_round_trip(model, tmp_path, monkeypatch):
     import wandb
 
-    from megatron_overlap.telemetry import OverlapTelemetry, layer_settings, read_offline_run
+    from megatron_overlap.telemetry import (OverlapTelemetry, layer_settings, read_offline_run,
+                                            wait_for_exit)
 
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
@@ -219,6 +220,7 @@ def test_wandb_offline_round_trip(model, tmp_path, monkeypatch):
     finally:
         run.finish()
 
+    wait_for_exit(run.dir)
     got = read_offline_run(run.dir)
     assert read_offline_run(str(tmp_path))["history"] == got["history"]  # the wandb.init dir works too
 
@@ -226,7 +228,7 @@ def test_wandb_offline_round_trip(model, tmp_path, monkeypatch):
     assert sorted(cfg["layers"]) == sorted(f"{m}/{p}" for _, m, p, _ in EXPECTED)
     proj = cfg["layers"][f"{MODULES[1]}/fprop"]
     assert proj == {k: rows[0][k] for k in ("method", "num_splits", "num_sm", "use_ce", "aggregate",
-                                            "backend", "buffer_bytes")}
+                                            "backend", "ring_order", "transport", "buffer_bytes")}
     assert (proj["method"], proj["num_splits"]) == ("pipeline", 2)
     assert cfg["ub_cfgs"]["proj_fprop"]["num_splits"] == 2
     assert cfg["ub_cfgs"]["fc1_fprop"]["method"] == "ring_exchange"  # TE's default, filled in
@@ -251,7 +253,7 @@ def test_read_offline_run_torn_tail(tmp_path, monkeypatch):
     """A run killed mid-write: every whole record before the tear still reads."""
     import wandb
 
-    from megatron_overlap.telemetry import read_offline_run
+    from megatron_overlap.telemetry import read_offline_run, wait_for_exit
 
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
@@ -260,6 +262,7 @@ def test_read_offline_run_torn_tail(tmp_path, monkeypatch):
     for step in range(5):
         run.log({"x": step * 1.5}, step=step)
     run.finish()
+    wait_for_exit(run.dir)
     folder = os.path.dirname(run.dir)
     log = os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".wandb")))
     full = read_offline_run(folder)["history"]

@@ -1,5 +1,12 @@
-"""A/B runs: the same model, seed and batches on Megatron's plain TP path and on
-the overlap, stepped side by side, with a report of loss parity and step times."""
+"""A/B runs and benchmarks: the same model, seed and batches (or the same layer
+inputs) on Megatron's plain TP path, on the overlap per backend and on the
+compute-only floor, run side by side, with loss / output parity and medians.
+
+- `train`, `report`: the A/B main job's training arm and report.
+- `launch`, `machine`: ranks on any machine (GPUs, a shared GPU, CPU) and what ran.
+- `model`: the GPT of the end-to-end runs; `shapes`, `layer_arms`, `async_tp`, `floor`:
+  the per-layer benchmark's arms; `timing`, `results`, `plots`: measuring and writing.
+"""
 
 from .report import write_report
 from .train import StepResult, TrainArm

@@ -1,9 +1,10 @@
 """torch's async-TP ops, the comparison point: `torch.ops.symm_mem.fused_all_gather_matmul`
 and `fused_matmul_reduce_scatter` (micro-pipelined over symmetric memory, CUDA only).
 
-torch < 2.11 needs `enable_symm_mem_for_group` before they run on a group;
-2.11 deprecated it (the store comes from the process group) and calling it
-stays harmless, so it is called whenever it exists, its FutureWarning silenced.
+torch < 2.11 needs `enable_symm_mem_for_group` before they run on a group.
+2.11 deprecated it (the store comes from the process group) and there it is not
+called: it still registers the group with a check that the group is new, which
+fails once a symmetric-memory rendezvous (our symm transport's) registered it.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ def unavailable_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
         return "torch's async-TP ops have CUDA kernels only"
     try:
+        import torch.distributed._symmetric_memory  # noqa: F401  (defines the ops)
+
         torch.ops.symm_mem.fused_all_gather_matmul  # noqa: B018
         torch.ops.symm_mem.fused_matmul_reduce_scatter  # noqa: B018
-    except (AttributeError, RuntimeError) as exc:
+    except (ImportError, AttributeError, RuntimeError) as exc:
         return f"torch {torch.__version__} lacks them: {exc}"
     return None
 
@@ -31,10 +34,16 @@ def enable(group: dist.ProcessGroup) -> str:
     import torch.distributed._symmetric_memory as symm_mem
 
     name = group.group_name
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+    fn = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if fn is None or getattr(fn, "__deprecated__", None):
+        return name
+    if not symm_mem.is_symm_mem_enabled_for_group(name):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            symm_mem.enable_symm_mem_for_group(name)
+            try:
+                fn(name)
+            except RuntimeError:  # already registered (by a rendezvous on this group)
+                pass
     return name
 
 

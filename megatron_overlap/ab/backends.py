@@ -27,10 +27,13 @@ def select(spec: str, layout: Layout) -> tuple[list[str], dict[str, str]]:
     else:
         wanted = [b.strip() for b in spec.split(",") if b.strip()]
     out = []
+    composite = tuple(getattr(comm, "COMPOSITE", ()))  # per-peer transports (hierarchical)
     for b in wanted:
-        if b not in comm.AVAILABLE and b not in ("symm", "torch_p2p", "nvshmem"):
-            raise SystemExit(f"unknown backend {b!r}: auto or a comma list of {ORDER}")
-        if b not in comm.AVAILABLE:
+        if b not in comm.AVAILABLE + composite and b not in ORDER:
+            raise SystemExit(f"unknown backend {b!r}: auto or a comma list of {ORDER + composite}")
+        if b in composite:
+            out.append(b)
+        elif b not in comm.AVAILABLE:
             skipped[b] = f"not in this build (megatron_overlap.comm.AVAILABLE = {comm.AVAILABLE})"
         elif b in ("symm", "nvshmem") and layout.mode == "cpu":
             skipped[b] = "needs CUDA tensors"
@@ -39,3 +42,23 @@ def select(spec: str, layout: Layout) -> tuple[list[str], dict[str, str]]:
         else:
             out.append(b)
     return out, skipped
+
+
+def usable(names: list[str], group, device) -> tuple[list[str], dict[str, str]]:
+    """Build each backend's transport on `group` once (it is cached for the layers and
+    schedules that follow); a backend that fails on any rank is left out, with the
+    first failure as the reason (e.g. nvshmem without nvshmem4py). Collective."""
+    import torch.distributed as dist
+
+    local: dict[str, str | None] = {}
+    for b in names:
+        try:
+            comm.transport_for(group, b, device)
+            local[b] = None
+        except Exception as exc:  # reported in the results, not fatal
+            local[b] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, local, group=group)
+    failed = {b: next(f"rank {r}: {e[b]}" for r, e in enumerate(everyone) if e[b])
+              for b in names if any(e[b] for e in everyone)}
+    return [b for b in names if b not in failed], failed

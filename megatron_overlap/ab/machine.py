@@ -13,6 +13,14 @@ import torch
 from .launch import SAFE_ENV, SHARED_ENV, Layout
 
 
+def _nccl() -> str | None:
+    try:
+        v = torch.cuda.nccl.version()
+        return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    except Exception:  # no NCCL in this build
+        return None
+
+
 def machine_info(layout: Layout, device: torch.device) -> dict[str, object]:
     info: dict[str, object] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -35,8 +43,7 @@ def machine_info(layout: Layout, device: torch.device) -> dict[str, object]:
         pass
     if device.type == "cuda":
         info.update(gpu_name=torch.cuda.get_device_name(device), gpu_count=torch.cuda.device_count(),
-                    cuda=torch.version.cuda,
-                    nccl=".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else None)
+                    cuda=torch.version.cuda, nccl=_nccl())
     else:
         info.update(gpu_name=None, gpu_count=0, cpu=platform.processor() or platform.machine())
     return info

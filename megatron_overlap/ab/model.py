@@ -68,6 +68,11 @@ def build_gpt(spec: GPTSpec, tp: int, overlap: bool, dtype: torch.dtype, device:
                      max_sequence_length=spec.seq, position_embedding_type="rope")
     if not cpu:
         model.cuda(device)
+    if dtype != torch.float32:
+        # as Megatron's training does for bf16 / fp16: the module casts every parameter
+        # (the local spec's torch norms too) and the first stage's inputs
+        from megatron.core.transformer.module import Float16Module
+        model = Float16Module(config, model)
     return model, lambda m: DistributedDataParallel(
         config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), m)
 

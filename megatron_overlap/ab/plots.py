@@ -34,10 +34,15 @@ def plot_layers(shapes: Sequence[Mapping], path: str, title: str) -> str:
     ax_t.axhline(1.0, color="k", lw=0.8)
     ax_t.set(ylabel="median time / baseline", title="time relative to the non-overlapped path")
     width_h = 0.8 / max(len(hidden), 1)
+    low = -1.0  # below: slower than not overlapping by more than the communication; clipped, labelled
     for i, arm in enumerate(hidden):
         ys = [s["arms"].get(arm, {}).get("hidden_fraction") for s in shapes]
-        ax_h.bar([j + i * width_h for j in range(len(names))],
-                 [float("nan") if y is None else y for y in ys], width_h, label=arm)
+        xs = [j + i * width_h for j in range(len(names))]
+        ax_h.bar(xs, [float("nan") if y is None else max(y, low) for y in ys], width_h, label=arm)
+        for x, y in zip(xs, ys):
+            if y is not None and y < low:
+                ax_h.text(x, low, f"{y:.1f}", rotation=90, va="bottom", ha="center", fontsize=6)
+    ax_h.set_ylim(low - 0.05, 1.1)
     ax_h.axhline(1.0, color="k", lw=0.8, ls="--")
     ax_h.axhline(0.0, color="k", lw=0.8)
     ax_h.set(ylabel="(baseline - arm) / (baseline - floor)", title="hidden fraction of the communication")
@@ -59,8 +64,10 @@ def plot_steps(arms: Mapping[str, Mapping], path: str, title: str, warmup: int) 
     plt = _plt()
     fig, (ax_l, ax_t) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, a in arms.items():
-        ls = "--" if a.get("kind") == "compute_only" else "-"
-        ax_l.plot(range(len(a["losses"])), a["losses"], ls, marker="o", markersize=3, label=name)
+        if a.get("kind") == "compute_only":  # transfers skipped: not a model's loss
+            continue
+        ax_l.plot(range(len(a["losses"])), a["losses"], marker="o", markersize=3, label=name)
+    ax_l.xaxis.get_major_locator().set_params(integer=True)
     ax_l.set(xlabel="step", ylabel="loss", title="loss (same seed, weights, batches)")
     names = list(arms)
     med = [arms[n]["step_time_s"]["median"] * 1e3 for n in names]

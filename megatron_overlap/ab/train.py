@@ -34,6 +34,7 @@ class TrainArm:
         self.optimizer = optimizer(self.params)
         self.device = self.params[0].device
         self.results: list[StepResult] = []
+        _identity_grad_sync_on_gloo_cuda(ddp_model, self.device)
 
     def step(self, batch: object) -> StepResult:
         from megatron.core.distributed import finalize_model_grads
@@ -52,3 +53,19 @@ class TrainArm:
         result = StepResult(len(self.results), loss.item(), time.perf_counter() - t0)
         self.results.append(result)
         return result
+
+
+def _identity_grad_sync_on_gloo_cuda(ddp_model: torch.nn.Module, device: torch.device) -> None:
+    """Ranks sharing one GPU run over gloo, which cannot do the coalesced all-reduce
+    Megatron's DDP issues for CUDA grads. With one data-parallel rank that all-reduce
+    is the identity, so it is skipped there (finalize_model_grads' other reductions,
+    such as the sequence-parallel norm grads over TP, still run)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if (device.type == "cuda" and hasattr(ddp_model, "finish_grad_sync")
+            and parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1
+            and dist.get_backend(parallel_state.get_data_parallel_group(with_context_parallel=True))
+            == "gloo"):
+        ddp_model.finish_grad_sync = lambda *args, **kwargs: None
+

@@ -4,8 +4,8 @@ A TP group that spans nodes (or NVLink / P2P domains) moves bytes two ways: peer
 in this rank's domain through an intra-domain transport (`symm` on GPUs,
 `torch_p2p` over a domain-local process group otherwise), the others through an
 inter-node transport over the whole TP group (`torch_p2p`: NCCL on GPUs, gloo on
-CPU; `nvshmem` slots in through `inter_backend`). Every `exchange` is split by
-peer; bulk collectives go through the inter transport. Each transfer is traced
+CPU; or `nvshmem`, through `inter_backend`). Every `exchange` is split by peer;
+bulk collectives go through the inter transport. Each transfer is traced
 with the transport that carried it (`intra:<backend>` / `inter:<backend>`), so
 tests and telemetry can tell the links apart.
 
@@ -30,12 +30,36 @@ INTER_BACKENDS = ("torch_p2p", "nvshmem")
 _subgroups: dict[tuple[object, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
+def _groups_held() -> int | None:
+    """How many process groups this rank belongs to (torch's count; None if unknown)."""
+    try:
+        return len(dist.distributed_c10d._world.pg_names)
+    except AttributeError:
+        return None
+
+
 def domain_group(global_ranks: Sequence[int]) -> dist.ProcessGroup:
     """A process group of one domain's ranks; only its members call this (all of them)."""
     key = (dist.group.WORLD, tuple(sorted(global_ranks)))
     if key not in _subgroups:
         _subgroups[key] = dist.new_group(list(key[1]), use_local_synchronization=True)
     return _subgroups[key]
+
+
+def _check_groups_held(group: dist.ProcessGroup, topo: Topology) -> None:
+    """torch names a group made with use_local_synchronization from its ranks and how many
+    groups each member already belongs to; members that differ would wait for each other
+    forever under different names. Collective over `group`: say so instead of hanging."""
+    held: list = [None] * topo.world_size
+    dist.all_gather_object(held, _groups_held(), group=group)
+    mine = topo.domains[topo.domain[topo.rank]]
+    if None not in held and len({held[p] for p in mine}) > 1:
+        counts = ", ".join(f"rank {dist.get_global_rank(group, p)}: {held[p]}" for p in mine)
+        raise RuntimeError(
+            f"megatron_overlap: the ranks of one node belong to different numbers of process "
+            f"groups ({counts}), so torch cannot name their node-local group alike. Create "
+            f"process groups on every rank alike (Megatron's parallel_state does), or pick "
+            f"backend='torch_p2p' (one transport, no node-local group).")
 
 
 class _All(Handle):
@@ -50,9 +74,9 @@ class _All(Handle):
 class PerPeerTransport(Transport):
     """Routes each peer to the transport its place in the topology calls for.
 
-    intra: a transport over this rank's domain (its ranks in `intra_peers` order,
-    group ranks), or None when the domain is this rank alone. inter: a transport
-    over the whole TP group."""
+    intra: a transport reaching this rank's domain, whose rank i is group rank
+    `intra_peers[i]` (None when the domain is this rank alone). inter: a transport
+    over the whole TP group (it may also serve as `intra`, with group ranks)."""
 
     name = "hierarchical"
 
@@ -60,16 +84,20 @@ class PerPeerTransport(Transport):
                  inter: Transport):
         super().__init__(topo.rank, topo.world_size, inter.timeout)
         self.topology, self.intra, self.inter = topo, intra, inter
-        self._intra_rank = {p: i for i, p in enumerate(intra_peers)} if intra is not None else {}
+        domain = set(topo.domains[topo.domain[topo.rank]]) if intra is not None else set()
+        # peer -> (role, transport, the peer's rank in that transport)
+        local = {p: i for i, p in enumerate(intra_peers)}
+        self._route = {p: ("intra", intra, local[p]) if p in domain else ("inter", inter, p)
+                       for p in range(self.world_size)}
         self._labels = {"intra": f"intra:{intra.name}" if intra is not None else "",
                         "inter": f"inter:{inter.name}"}
 
     # -- who carries what --------------------------------------------------------------------
     def transport_for_peer(self, peer: Peer) -> Transport:
-        return self.intra if peer in self._intra_rank and peer != self.rank else self.inter
+        return self._route[peer][1]
 
     def via_for_peer(self, peer: Peer) -> str:
-        return self._labels["intra" if self.transport_for_peer(peer) is self.intra else "inter"]
+        return self._labels[self._route[peer][0]]
 
     def via(self, peers) -> str:
         if isinstance(peers, str):  # a collective over the group
@@ -81,6 +109,9 @@ class PerPeerTransport(Transport):
     def backends(self) -> tuple[str, ...]:
         parts = ([self.intra.name] if self.intra is not None else []) + [self.inter.name]
         return tuple(dict.fromkeys(parts))
+
+    def _parts(self) -> list[Transport]:
+        return [t for t in dict.fromkeys([self.intra, self.inter]) if t is not None]
 
     def peer_map(self) -> dict[Peer, str]:
         """{group rank: transport label} for every peer of this rank."""
@@ -95,31 +126,29 @@ class PerPeerTransport(Transport):
 
     # -- contract extras ---------------------------------------------------------------------
     def workspace(self, shape, dtype, device=None) -> torch.Tensor:
-        # Receive buffers must suit the intra transport (symmetric memory for symm); the
-        # inter transport writes into any tensor. An inter transport that needs its own
-        # symmetric heap (nvshmem) would provide the workspace here instead.
+        # Receive buffers must suit the intra transport (symmetric memory for symm);
+        # torch_p2p writes into any tensor. An inter transport with its own symmetric
+        # heap (nvshmem) also serves the domain, so its workspace is the one (`build`).
         return (self.intra or self.inter).workspace(shape, dtype, device)
 
     def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
         self.check()
-        if self.intra is not None:
-            self.intra.begin_pass(name, comm_priority)
-        self.inter.begin_pass(name, comm_priority)
+        for t in self._parts():
+            t.begin_pass(name, comm_priority)
 
     def check(self) -> None:
-        if self.intra is not None:
-            self.intra.check()
-        self.inter.check()
+        for t in self._parts():
+            t.check()
 
     # -- the four transfers ------------------------------------------------------------------
     def _start_exchange(self, sends, recvs: Sequence[SendRecv], op: str, chunk: int) -> Handle:
-        parts: dict[int, tuple[Transport, list, list]] = {}
+        parts: dict[str, tuple[Transport, list, list]] = {}
         for t, p, dst in sends:
-            tp = self.transport_for_peer(p)
-            parts.setdefault(id(tp), (tp, [], []))[1].append((t, self._local(tp, p), dst))
+            role, tp, local = self._route[p]
+            parts.setdefault(role, (tp, [], []))[1].append((t, local, dst))
         for t, p in recvs:
-            tp = self.transport_for_peer(p)
-            parts.setdefault(id(tp), (tp, [], []))[2].append((t, self._local(tp, p)))
+            role, tp, local = self._route[p]
+            parts.setdefault(role, (tp, [], []))[2].append((t, local))
         handles = []
         for tp, s, r in parts.values():
             tp.check()
@@ -135,20 +164,23 @@ class PerPeerTransport(Transport):
     def _start_all_reduce(self, tensor, op, chunk) -> Handle:
         return self.inter._start_all_reduce(tensor, op, chunk)
 
-    def _local(self, tp: Transport, peer: Peer) -> int:
-        return self._intra_rank[peer] if tp is self.intra else peer
-
 
 def build(group: dist.ProcessGroup, topo: Topology, device: torch.device | None,
           inter_backend: str = "torch_p2p") -> PerPeerTransport:
     """The per-peer transport of `group` (every rank of it calls this at once): symm
     inside a GPU domain where device is CUDA, torch_p2p inside it otherwise;
-    `inter_backend` across domains."""
+    `inter_backend` across domains. nvshmem reaches every peer through one symmetric
+    heap (NVLink inside a node, the NIC across), so it serves the domain too."""
     if inter_backend not in INTER_BACKENDS:
         raise ValueError(f"megatron_overlap: inter-node backend '{inter_backend}' is not one of "
-                         f"{INTER_BACKENDS}")
+                         f"{INTER_BACKENDS}; set MEGATRON_OVERLAP_INTER_BACKEND to one of them")
+    if inter_backend == "nvshmem":  # its own transport (comm/nvshmem.py), one heap for all
+        from .nvshmem import NvshmemTransport
+        shared = NvshmemTransport(group, device)
+        return PerPeerTransport(topo, shared, range(topo.world_size), shared)
     mine = topo.domains[topo.domain[topo.rank]]
     intra: Transport | None = None
+    _check_groups_held(group, topo)
     if len(mine) > 1:
         sub = domain_group([dist.get_global_rank(group, p) for p in mine])
         if device is not None and device.type == "cuda":
@@ -159,9 +191,4 @@ def build(group: dist.ProcessGroup, topo: Topology, device: torch.device | None,
         # the subgroup orders its ranks by global rank; map group ranks onto that order
         order = sorted(mine, key=lambda p: dist.get_global_rank(group, p))
         mine = tuple(order)
-    if inter_backend == "nvshmem":  # another engineer's transport, same constructor shape
-        from .nvshmem import NvshmemTransport
-        inter: Transport = NvshmemTransport(group, device)
-    else:
-        inter = TorchP2PTransport(group)
-    return PerPeerTransport(topo, intra, mine, inter)
+    return PerPeerTransport(topo, intra, mine, TorchP2PTransport(group))

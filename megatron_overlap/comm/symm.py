@@ -41,9 +41,11 @@ class SymmTransport(HeapTransport):
         # fired traps. The watchdog's release cannot reach a stuck stream when
         # CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's setting: one hardware queue, blocked
         # behind the wait), so then the trap turns the hang into a CUDA error, after the
-        # watchdog printed the diagnosis. torch reads this argument as microseconds.
+        # watchdog printed the diagnosis. In milliseconds: torch's signal kernels turn the
+        # argument into nanoseconds with `timeout_ms * 1e6`.
         timeout_s = self.timeout.total_seconds()
-        self._device_timeout_ms = int((timeout_s + max(2.0, 0.5 * timeout_s)) * 1e6)
+        self._device_timeout_ms = int((timeout_s + max(2.0, 0.5 * timeout_s)) * 1e3)
+        self._watchdog.abort_after_s = max(2.0, 0.5 * timeout_s) + 5.0  # if even the trap fails
         self._signals = self._alloc(ALIGN)  # signal pads and barriers live here
         self._bufs.append(self._alloc(initial_bytes))
 

@@ -7,12 +7,12 @@ behind every such wait; one still pending after the timeout is reported (rank,
 layer pass, chunk, peer), its signal slots are released so the stream moves on,
 and the transport raises `CommError` at its next call.
 
-Where the release cannot reach the stuck stream (CUDA_DEVICE_MAX_CONNECTIONS=1:
-one hardware queue, blocked behind the wait), `symm`'s device-side timeout traps
-shortly after: the caller gets a CUDA error and `check()` the diagnosis. A backend
-without a device-side timeout (`nvshmem`) passes `abort_after_s`: a wait still
-stuck that long after its release ends the process with the diagnosis, as NCCL's
-own watchdog does, rather than hang.
+The release cannot reach the stuck stream under CUDA_DEVICE_MAX_CONNECTIONS=1
+(Megatron's setting: one hardware queue, blocked behind the wait), so there it is
+not tried: `symm`'s device-side timeout traps shortly after (the caller gets a
+CUDA error, `check()` the diagnosis). Last resort, for every backend: a wait still
+stuck `abort_after_s` after the diagnosis ends the process (exit code 124) with
+the diagnosis, as NCCL's own watchdog does, rather than hang.
 """
 
 from __future__ import annotations
@@ -25,6 +25,22 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+
+_capture_seen = False  # a transport was called inside CUDA-graph capture, and no eager call since
+
+
+def _relaxed_capture_mode() -> None:
+    """Let this thread query events while another thread captures a CUDA graph in
+    torch's default "global" mode (which otherwise forbids such calls from every
+    thread and invalidates the capture). Needs cuda-python's runtime bindings; without
+    them the pause on `_capture_seen` is the only guard."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        return
+    cudart.cudaThreadExchangeStreamCaptureMode(
+        cudart.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed)
 
 
 @dataclass
@@ -41,6 +57,8 @@ class Watchdog:
                  abort_after_s: float | None = None):
         self.timeout_s, self._on_failure, self._poll_s = timeout_s, on_failure, poll_s
         self.abort_after_s = abort_after_s
+        # one hardware queue: a release enqueued on any stream waits behind the stuck wait
+        self.can_release = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1"
         self._pending: list[_Pending] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -49,8 +67,11 @@ class Watchdog:
     def watch(self, stream: torch.cuda.Stream, what: str, release: Callable[[], None]) -> None:
         """Watch everything enqueued on `stream` so far (not inside CUDA-graph capture:
         a captured wait has no event to poll; the device-side backstop covers it)."""
+        global _capture_seen
         if torch.cuda.is_current_stream_capturing():
+            _capture_seen = True  # stop polling until a capture is over (next eager watch)
             return
+        _capture_seen = False
         event = torch.cuda.Event()
         event.record(stream)
         with self._lock:
@@ -62,8 +83,11 @@ class Watchdog:
 
     def _run(self) -> None:
         torch.cuda.set_device(self._device)
+        _relaxed_capture_mode()
         while True:
             time.sleep(self._poll_s)
+            if _capture_seen:  # no CUDA calls of ours while a graph is being captured
+                continue
             now = time.monotonic()
             with self._lock:
                 live, expired = [], []
@@ -71,7 +95,9 @@ class Watchdog:
                     try:
                         if p.event.query():
                             continue
-                    except RuntimeError:  # the device trapped (backstop): report, stop watching
+                    except RuntimeError as exc:  # the device failed (a trap): report, stop
+                        if p.released_at is None:
+                            p.what += f" (the device reported an error meanwhile: {exc})"
                         expired.append(p)
                         continue
                     if p.released_at is not None:
@@ -84,11 +110,14 @@ class Watchdog:
                 self._expire(p, now)
 
     def _expire(self, p: _Pending, now: float) -> None:
-        msg = f"{p.what} (still pending after {self.timeout_s:g}s)"
+        if p.released_at is not None:  # diagnosed before; now the device trapped
+            return
+        msg = p.what if "device reported" in p.what else f"{p.what} (still pending after {self.timeout_s:g}s)"
         print(f"megatron_overlap watchdog: {msg}", file=sys.stderr, flush=True)
         self._on_failure(msg)
         try:
-            p.release()
+            if self.can_release:
+                p.release()
         except RuntimeError:  # a dead context: the CUDA error reaches the caller
             return
         if self.abort_after_s is not None:
@@ -98,8 +127,7 @@ class Watchdog:
 
     def _maybe_abort(self, p: _Pending, now: float) -> None:
         if now - p.released_at > self.abort_after_s:
-            print(f"megatron_overlap watchdog: {p.what}: the wait is still stuck "
-                  f"{self.abort_after_s:g}s after its release (one hardware queue, "
-                  f"CUDA_DEVICE_MAX_CONNECTIONS=1, queues the release behind it); ending the "
-                  f"process rather than hang", file=sys.stderr, flush=True)
+            print(f"megatron_overlap watchdog: {p.what}: still stuck {self.abort_after_s:g}s "
+                  f"after the diagnosis (with CUDA_DEVICE_MAX_CONNECTIONS=1 no release can "
+                  f"reach it); ending the process rather than hang", file=sys.stderr, flush=True)
             os._exit(124)

@@ -10,11 +10,11 @@ this package ignores. Knows nothing of torch.
 """
 
 from .errors import ConfigError, UnknownLayerError
-from .names import BACKENDS, KEYS, LAYER_NAMES, METHODS
+from .names import BACKENDS, EXTENSION_KEYS, KEYS, LAYER_NAMES, METHODS, RING_ORDERS
 from .overlap import OverlapConfig
 from .settings import LayerSettings
 
 __all__ = [
-    "LAYER_NAMES", "METHODS", "BACKENDS", "KEYS",
+    "LAYER_NAMES", "METHODS", "BACKENDS", "KEYS", "EXTENSION_KEYS", "RING_ORDERS",
     "ConfigError", "UnknownLayerError", "LayerSettings", "OverlapConfig",
 ]

@@ -20,11 +20,19 @@ LAYER_NAMES: tuple[str, ...] = (
 METHODS: tuple[str, ...] = ("ring_exchange", "pipeline", "bulk", "external")
 BACKENDS: tuple[str, ...] = ("torch_p2p", "symm", "nvshmem")
 
-# TE's ub_cfgs keys, in the order they are written out.
-KEYS: tuple[str, ...] = (
+# TE's ub_cfgs keys, in the order they are written out, then ours (EXTENSION_KEYS).
+TE_KEYS: tuple[str, ...] = (
     "method", "num_sm", "cga_size", "set_sm_margin", "num_splits", "atomic_gemm", "use_ce",
     "aggregate", "fp8_buf", "comm_priority", "gemm_priority", "pipeline_rs_overlap_first_gemm",
 )
+# Keys TE does not have. TE's add_ub() takes its keys as keyword arguments and would
+# refuse these, so they are written out only when not at their default.
+EXTENSION_KEYS: tuple[str, ...] = ("ring_order",)
+KEYS: tuple[str, ...] = TE_KEYS + EXTENSION_KEYS
+EXTENSION_DEFAULTS: dict[str, str] = {"ring_order": "auto"}
+# ring_order: the ring's order over the TP group's nodes. auto: hierarchical when the
+# group spans nodes; flat: rank order; hierarchical: inter-node transfers first.
+RING_ORDERS: tuple[str, ...] = ("auto", "flat", "hierarchical")
 # Keys TE's add_ub() also takes from ub_cfgs (documented in initialize_ub's docstring) but that
 # are derived here from the layer and its method; accepted only when they agree.
 DERIVED_KEYS: tuple[str, ...] = ("is_reduce_scatter",)
@@ -89,4 +97,5 @@ def te_defaults(name: str, method: str | None = None) -> dict[str, Any]:
         "comm_priority": 0,
         "gemm_priority": 0,
         "pipeline_rs_overlap_first_gemm": False,
+        **EXTENSION_DEFAULTS,
     }

@@ -9,8 +9,8 @@ from typing import Any
 from . import effects as _effects
 from .errors import bad_value, did_you_mean, listed, unknown_layer
 from .names import (
-    BULK_LAYERS, EXTERNAL_PAIRS, LAYER_NAMES, MAX_CGA_SIZE, METHODS, TE_PIPELINE_SPLITS,
-    is_reduce_scatter, te_defaults,
+    BULK_LAYERS, EXTENSION_DEFAULTS, EXTERNAL_PAIRS, LAYER_NAMES, MAX_CGA_SIZE, METHODS,
+    RING_ORDERS, TE_PIPELINE_SPLITS, is_reduce_scatter, te_defaults,
 )
 
 _WGRAD_BULK_ONLY = frozenset(BULK_LAYERS) - {"qkv_dgrad", "fc1_dgrad"}
@@ -61,6 +61,10 @@ def coerce(layer: str, key: str, value: Any) -> Any:
         if not (isinstance(value, str) and value in METHODS):
             raise bad_value(layer, key, value, listed(METHODS), did_you_mean(value, METHODS))
         return value
+    if key == "ring_order":
+        if not (isinstance(value, str) and value in RING_ORDERS):
+            raise bad_value(layer, key, value, listed(RING_ORDERS), did_you_mean(value, RING_ORDERS))
+        return value
     if key in _BOOL_KEYS:
         if isinstance(value, int) and value in (0, 1):  # bool is an int too
             return bool(value)
@@ -91,6 +95,8 @@ class LayerSettings:
     comm_priority: int  # 0 and gemm_priority 0: TE's default (comm highest, GEMM lowest)
     gemm_priority: int
     pipeline_rs_overlap_first_gemm: bool
+    # ours, not TE's: the ring's order over the TP group's nodes (auto | flat | hierarchical)
+    ring_order: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in LAYER_NAMES:
@@ -154,9 +160,13 @@ class LayerSettings:
 
     def to_dict(self) -> dict[str, Any]:
         """This layer as a TE ub_cfgs entry (every key explicit, so TE's own defaulting
-        cannot change its meaning; num_splits left out when it is TE's default)."""
+        cannot change its meaning; num_splits left out when it is TE's default; our own
+        keys left out at their defaults, so TE, which refuses them, reads the rest)."""
         out = asdict(self)
         del out["name"]
         if out["num_splits"] is None:
             del out["num_splits"]
+        for key, default in EXTENSION_DEFAULTS.items():
+            if out[key] == default:
+                del out[key]
         return out

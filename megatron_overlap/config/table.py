@@ -43,6 +43,20 @@ def _where(layers: Iterable[str]) -> str:
     return ", ".join(layers)
 
 
+_ORDER_MEANS = {"auto": "hierarchical where the TP group spans nodes, else flat",
+                "flat": "rank order", "hierarchical": "inter-node transfers first"}
+
+
+def _ring_orders(config: "OverlapConfig", effects: dict[str, dict[str, str]]) -> str:
+    """One line: the ring_order of every layer that runs a ring, grouped by value."""
+    by: dict[str, list[str]] = {}
+    for name in LAYER_NAMES:
+        if effects[name]["ring_order"] == ACTIVE:
+            by.setdefault(config[name].ring_order, []).append(name)
+    parts = [f"{order} ({_ORDER_MEANS[order]}) [{_where(names)}]" for order, names in by.items()]
+    return "Ring order: " + ("; ".join(parts) or "no layer runs a ring")
+
+
 def render(config: "OverlapConfig", backend: str, tp_size: int | None = None) -> str:
     from rich import box
     from rich.console import Console
@@ -91,6 +105,7 @@ def render(config: "OverlapConfig", backend: str, tp_size: int | None = None) ->
     console = Console(file=out, width=WIDTH, color_system=None, force_terminal=False,
                       highlight=False, emoji=False, markup=False)
     console.print(table)
+    console.print(_ring_orders(config, effects), soft_wrap=True)
     if legend:
         console.print("Keys without effect here, where, and why:")
         for why, (keys, layers) in sorted(legend.items(),

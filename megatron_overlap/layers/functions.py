@@ -34,24 +34,28 @@ def _begin(tp: Transport, s: LayerSettings | None, fallback: str) -> tuple[str, 
     if torch.cuda.is_available():
         comm_p, gemm_p = s.stream_priorities(*torch.cuda.Stream.priority_range())
     tp.begin_pass(name, comm_p)
-    caps = CAPS.get(tp.name)
-    margin = s.num_sm if s.set_sm_margin and caps is not None and caps.sm_margin else 0
+    held = any(CAPS[b].sm_margin for b in tp.backends if b in CAPS)  # some link's kernels need SMs
+    margin = s.num_sm if s.set_sm_margin and held else 0
     return name, ChunkStreams(priority=gemm_p, sm_margin=margin)
 
 
 class ColumnParallelMatmul(torch.autograd.Function):
-    """Y = gather_sp(X) @ W^T (+ b). X: [s/tp or s, b, k]."""
+    """Y = gather_sp(X) @ W^T (+ b). X: [s/tp or s, b, k]. layouts: per pass, the
+    hierarchical ring layout (ranks per node) or None for the flat ring."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool, allreduce_dgrad: bool):
+    def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool, allreduce_dgrad: bool,
+                layouts: dict | None = None):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.allreduce_dgrad = plan, tp, fuse_wgrad, allreduce_dgrad
+        ctx.layouts = layouts = layouts or {}
         ctx.use_bias = bias is not None
         ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
         op, streams = _begin(tp, plan.fprop, "fprop")
         if plan.sequence_parallel and plan.fprop is not None:
             out, _ = all_gather_matmul(x2, weight, tp, plan.fprop.method, op=op,
-                                       aggregate=plan.fprop.aggregate, streams=streams)
+                                       aggregate=plan.fprop.aggregate, streams=streams,
+                                       nodes=layouts.get("fprop"))
         elif plan.sequence_parallel:
             full, start = _gather(x2, tp, op)
             start().wait()
@@ -78,7 +82,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
             handle = start()
             grad_in = matmul_reduce_scatter(g, weight.t(), tp, plan.dgrad.method,
                                             plan.dgrad.splits(tp.world_size), op=dname,
-                                            streams=streams)
+                                            streams=streams, nodes=ctx.layouts.get("dgrad"))
             handle.wait()
             grad_w = wgrad(full)
         elif plan.sequence_parallel:
@@ -93,22 +97,25 @@ class ColumnParallelMatmul(torch.autograd.Function):
             start = (lambda: tp.all_reduce(grad_in, op=wname)) if ctx.allreduce_dgrad else None
             grad_w = hide(start, lambda: wgrad(x2), op=wname, overlap=plan.wgrad is not None)
         grad_b = g.sum(0) if ctx.use_bias else None
-        return grad_in.view(x.shape), grad_w, grad_b, None, None, None, None
+        return grad_in.view(x.shape), grad_w, grad_b, None, None, None, None, None
 
 
 class RowParallelMatmul(torch.autograd.Function):
     """Y = reduce_sp(X @ W^T). X: [s, b, k/tp]; Y: [s/tp or s, b, n]."""
 
     @staticmethod
-    def forward(ctx, x, weight, plan: LayerPlan, tp: Transport, fuse_wgrad: bool):
+    def forward(ctx, x, weight, plan: LayerPlan, tp: Transport, fuse_wgrad: bool,
+                layouts: dict | None = None):
         ctx.plan, ctx.tp, ctx.fuse_wgrad = plan, tp, fuse_wgrad
+        ctx.layouts = layouts = layouts or {}
         ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
         (op, streams), sp = _begin(tp, plan.fprop, "fprop"), plan.sequence_parallel
         if plan.fprop is not None:
             s = plan.fprop
             out = matmul_reduce_scatter(x2, weight, tp, s.method, s.splits(tp.world_size),
-                                        op=op, scatter=sp, streams=streams)
+                                        op=op, scatter=sp, streams=streams,
+                                        nodes=layouts.get("fprop"))
         else:
             out = matmul_reduce_scatter(x2, weight, tp, "bulk", 1, op=op, scatter=sp)
         return out.view(out.shape[0] * x.shape[0] // x2.shape[0], *x.shape[1:-1], -1)
@@ -123,7 +130,8 @@ class RowParallelMatmul(torch.autograd.Function):
         if plan.sequence_parallel and plan.dgrad is not None:
             # g_full is the transport's workspace: used by the wgrad below, within this pass.
             grad_in, g_full = all_gather_matmul(g, weight.t(), tp, plan.dgrad.method, op=dname,
-                                                aggregate=plan.dgrad.aggregate, streams=streams)
+                                                aggregate=plan.dgrad.aggregate, streams=streams,
+                                                nodes=ctx.layouts.get("dgrad"))
         elif plan.sequence_parallel:
             g_full, start = _gather(g, tp, dname)
             start().wait()
@@ -133,4 +141,4 @@ class RowParallelMatmul(torch.autograd.Function):
         # wgrad reuses the gathered gradient: no communication of its own ("external").
         wname = _name(plan.wgrad, "wgrad")
         grad_w = weight_grad(weight, g_full, x2, ctx.fuse_wgrad, lambda a, b: gemm(a, b, op=wname))
-        return grad_in.view(x.shape), grad_w, None, None, None
+        return grad_in.view(x.shape), grad_w, None, None, None, None

@@ -11,6 +11,7 @@ wgrad) runs Megatron's own forward.
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any, Optional
 
 import torch
@@ -21,10 +22,37 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from .. import comm
+from ..config import LayerSettings
 from ..megatron import state
+from ..overlap.hierarchical import RingOrder, choose
 from .functions import ColumnParallelMatmul, RowParallelMatmul
 from .plan import LayerPlan, build_plan
 from .wgrad import HAVE_APEX_WGRAD
+
+log = logging.getLogger("megatron_overlap")
+_said: set[str] = set()  # log lines already written (every layer of a model repeats them)
+
+
+def _say(level: int, msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        log.log(level, msg)
+
+
+def _ring_order(s: LayerSettings, sequence_parallel: bool, topo: comm.Topology | None
+                ) -> RingOrder | None:
+    """The ring order a pass runs (None: it runs no ring), with why where it differs
+    from what ring_order asked."""
+    if s.method not in ("ring_exchange", "pipeline"):
+        return None
+    order = choose(s.ring_order, topo)
+    if order.order != "hierarchical":
+        return order
+    if not sequence_parallel:  # only the row fprop: an all-reduce, whose pipeline stays
+        return RingOrder("flat", note="" if s.ring_order == "auto" else
+                         f"ring_order {s.ring_order}: without sequence parallelism "
+                         "the reduction is an all-reduce, which keeps its flat pipeline")
+    return order
 
 
 @contextlib.contextmanager
@@ -55,6 +83,7 @@ class _OverlapMixin:
             layer=name)
         self.overlap_backend = st.backend
         self._transport = None
+        self._orders: dict[str, RingOrder] | None = None
         self._max_tokens = 0  # largest [sequence x batch] seen, across the TP group
 
     @property
@@ -63,6 +92,34 @@ class _OverlapMixin:
             self._transport = comm.transport_for(self.tp_group, self.overlap_backend,
                                                  self.weight.device)
         return self._transport
+
+    @property
+    def ring_orders(self) -> dict[str, RingOrder]:
+        """The ring order of each pass that runs a ring (its `ring_order` setting against
+        the TP group's topology); collective over the TP group the first time."""
+        if self._orders is None:
+            tp, plan = self.transport, self.overlap_plan
+            topo = getattr(tp, "topology", None)
+            if topo is None and tp.world_size > 1:
+                topo = comm.topology(self.tp_group, self.weight.device)
+            orders = {}
+            for s in (plan.fprop, plan.dgrad, plan.wgrad):
+                order = None if s is None else _ring_order(s, plan.sequence_parallel, topo)
+                if order is not None:
+                    orders[s.pass_name] = order
+                    if order.note:  # the order asked for (or auto's) could not run
+                        _say(logging.WARNING, f"megatron_overlap: {s.name}: {order.note}")
+            self._orders = orders
+            if topo is not None and topo.is_hierarchical:
+                _say(logging.INFO, f"megatron_overlap: {plan.layer}: TP group over "
+                     f"{topo.describe()}; ring order "
+                     + ", ".join(f"{p} {o.label}" for p, o in orders.items())
+                     + f"; transport per peer: {comm.describe_peers(tp)}")
+        return self._orders
+
+    def _layouts(self) -> dict[str, Any]:
+        """Per pass: the hierarchical ring layout (ranks per node), or None (flat)."""
+        return {p: o.nodes for p, o in self.ring_orders.items()}
 
     def _use_megatron(self, weight: torch.Tensor) -> bool:
         fallback = (not weight.requires_grad or getattr(self, "explicit_expert_comm", False)
@@ -83,7 +140,9 @@ class _OverlapMixin:
         width = self.input_size if isinstance(self, ColumnParallelLinear) else self.output_size
         per_pass = {"fprop": t * width * es, "dgrad": t * width * es,
                     "wgrad": t * width * es if isinstance(self, ColumnParallelLinear) else 0}
-        return self.overlap_plan.rows(self.transport.world_size, self.transport.name, per_pass)
+        tp = self.transport
+        return self.overlap_plan.rows(tp.world_size, tp.name, per_pass, backends=tp.backends,
+                                      orders=self.ring_orders, transport=comm.describe_peers(tp))
 
 
 class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
@@ -111,7 +170,8 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
                            and not getattr(self, "disable_grad_reduce", False))
         bias = None if self.skip_bias_add else self.bias
         out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
-                                         self.gradient_accumulation_fusion, allreduce_dgrad)
+                                         self.gradient_accumulation_fusion, allreduce_dgrad,
+                                         self._layouts())
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
@@ -136,7 +196,7 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(
             input_, group=self.tp_group)
         out = RowParallelMatmul.apply(x, self.weight, self.overlap_plan, self.transport,
-                                      self.gradient_accumulation_fusion)
+                                      self.gradient_accumulation_fusion, self._layouts())
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None

@@ -4,7 +4,7 @@ Transformer Engine's meaning) applied to the per-layer settings."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from ..config import LayerSettings, OverlapConfig
 
@@ -30,21 +30,46 @@ class LayerPlan:
         # "external" (row wgrad) moves nothing itself; it only reuses the dgrad gather.
         return any(s is not None and s.method != "external" for s in (self.fprop, self.dgrad, self.wgrad))
 
-    def rows(self, tp_size: int, backend: str, buffer_bytes: dict[str, int] | None = None
-             ) -> list[dict[str, Any]]:
-        """One row per overlapped pass, for the console table and wandb."""
+    def rows(self, tp_size: int, backend: str, buffer_bytes: dict[str, int] | None = None, *,
+             backends: Sequence[str] | None = None, orders: Mapping[str, Any] | None = None,
+             transport: str = "") -> list[dict[str, Any]]:
+        """One row per overlapped pass, for the console table and wandb. backends: what
+        moves the bytes (several for a per-peer transport: a key counts as active only
+        where all of them honour it); orders: each ring pass's RingOrder; transport:
+        which transport carries each peer."""
         out = []
         for s in (self.fprop, self.dgrad, self.wgrad):
             if s is None:
                 continue
+            order = (orders or {}).get(s.pass_name)
+            notes = list(self.notes) + ([order.note] if order is not None and order.note else [])
+            effects = _effects(s, backends or (backend,))
+            if order is not None and order.order == "hierarchical":
+                effects.update(_HIERARCHICAL_IGNORES.get((s.method, s.is_reduce_scatter), {}))
             out.append({"layer": self.layer, "settings": s.name, "pass": s.pass_name,
                         "method": s.method, "buffer_bytes": (buffer_bytes or {}).get(s.pass_name, 0),
                         "num_splits": s.splits(tp_size), "num_sm": s.num_sm, "use_ce": s.use_ce,
                         "aggregate": s.aggregate, "backend": backend,
-                        "no_effect": "; ".join(f"{k}: {v}" for k, v in s.effects(backend).items()
+                        "ring_order": order.label if order is not None else "-",
+                        "transport": transport or backend,
+                        "no_effect": "; ".join(f"{k}: {v}" for k, v in effects.items()
                                                if v != "active"),
-                        "notes": "; ".join(self.notes)})
+                        "notes": "; ".join(notes)})
         return out
+
+
+# (method, reduce-scatter?) -> keys the hierarchical order does not read, and why
+_HIERARCHICAL_IGNORES = {
+    ("ring_exchange", False): {"aggregate": "no effect: the hierarchical order rings one direction"},
+    ("pipeline", True): {"num_splits": "no effect: the hierarchical order reduces one row block "
+                                       "per GEMM"},
+}
+
+
+def _effects(s: LayerSettings, backends: Sequence[str]) -> dict[str, str]:
+    """Per key: active where every backend honours it, else the first reason it does not."""
+    each = [s.effects(b) for b in backends]
+    return {k: next((e[k] for e in each if e[k] != "active"), "active") for k in each[0]}
 
 
 def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_parallel: bool,

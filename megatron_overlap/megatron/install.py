@@ -30,8 +30,10 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto") -> OverlapConfi
         norms.patch()
     _previous.append(state.set_state(new))
     if log.isEnabledFor(logging.INFO):
-        log.info("megatron_overlap installed (backend=%s)\n%s", backend,
-                 new.settings.table(comm.resolve_backend(backend)))
+        # per-peer transports: the table shows what the inter-node link honours
+        shown = comm.resolve_backend(backend)
+        shown = comm.inter_backend() if shown in comm.COMPOSITE else shown
+        log.info("megatron_overlap installed (backend=%s)\n%s", backend, new.settings.table(shown))
     return new.settings
 
 

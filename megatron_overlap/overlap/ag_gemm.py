@@ -8,6 +8,8 @@ row-parallel layer reuses the gathered output gradient for its wgrad).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ..comm import trace
@@ -84,9 +86,14 @@ def bulk(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str) -> tuple[t
 
 
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: str, *,
-                      op: str, aggregate: bool = False, streams: ChunkStreams | None = None
+                      op: str, aggregate: bool = False, streams: ChunkStreams | None = None,
+                      nodes: Sequence[Sequence[int]] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch on the layer's `method`; returns (output, gathered input)."""
+    """Dispatch on the layer's `method`; returns (output, gathered input). `nodes`: the
+    group's ranks per node, for the hierarchical ring order (None or one node: flat)."""
+    if method == "ring_exchange" and nodes is not None and len(nodes) > 1:
+        from . import hierarchical
+        return hierarchical.all_gather_matmul(x, w, tp, nodes, op=op, streams=streams)
     if method == "ring_exchange":
         return ring_exchange(x, w, tp, op=op, aggregate=aggregate, streams=streams)
     if method == "bulk":

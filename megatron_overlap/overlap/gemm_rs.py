@@ -10,6 +10,8 @@ parallelism without sequence parallelism).
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from ..comm import trace
@@ -96,8 +98,14 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: str,
                           num_splits: int, *, op: str, scatter: bool = True,
-                          streams: ChunkStreams | None = None) -> torch.Tensor:
-    """Dispatch on the layer's `method`."""
+                          streams: ChunkStreams | None = None,
+                          nodes: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+    """Dispatch on the layer's `method`. `nodes`: the group's ranks per node; with more
+    than one, pipeline and ring_exchange reduce-scatters run the hierarchical order
+    (an all-reduce, `scatter=False`, keeps its pipeline)."""
+    if method in ("pipeline", "ring_exchange") and scatter and nodes is not None and len(nodes) > 1:
+        from . import hierarchical
+        return hierarchical.matmul_reduce_scatter(x, w, tp, nodes, op=op, streams=streams)
     if method == "pipeline" or (method == "ring_exchange" and not scatter):
         return pipeline(x, w, tp, num_splits, op=op, scatter=scatter, streams=streams)
     if method == "ring_exchange":

@@ -10,13 +10,13 @@ on one GPU, or a roofline) and link bandwidths and latencies.
 from .api import ModelSummary, Report, ShapeResult, simulate
 from .calibration import Calibration
 from .gemm import GemmModel, roofline_us
-from .hardware import BACKENDS, MODES, RING_ORDERS, Hardware, Layout
+from .hardware import BACKENDS, MODES, Hardware, Layout
 from .passes import PassResult, PassSpec, layer_passes, simulate_pass
 from .shapes import PRESETS, REFERENCE, ModelDims, Shape, parse_shapes
 from .space import Candidate, Trial, candidates, choose, trials, ub_cfgs
 
 __all__ = [
-    "Hardware", "Layout", "MODES", "BACKENDS", "RING_ORDERS", "Calibration", "GemmModel",
+    "Hardware", "Layout", "MODES", "BACKENDS", "Calibration", "GemmModel",
     "roofline_us", "Shape", "ModelDims", "REFERENCE", "PRESETS", "parse_shapes", "PassSpec",
     "PassResult", "layer_passes", "simulate_pass", "Candidate", "Trial", "candidates", "trials",
     "choose", "ub_cfgs", "simulate", "Report", "ShapeResult", "ModelSummary",

@@ -72,27 +72,27 @@ class Report:
         return OverlapConfig.load(summary.ub_cfgs)
 
 
-def _given(cfg: OverlapConfig, shape: Shape, hw: Hardware, layout: Layout, gemm: GemmModel,
-           ring_order: str) -> list[PassResult]:
+def _given(cfg: OverlapConfig, shape: Shape, hw: Hardware, layout: Layout,
+           gemm: GemmModel) -> list[PassResult]:
     moved = shape.column and cfg[f"{shape.buffer}_dgrad"].is_reduce_scatter
-    return [simulate_pass(spec, cfg[spec.name], hw, layout, gemm, ring_order,
+    return [simulate_pass(spec, cfg[spec.name], hw, layout, gemm,
                           comm_moved=moved and spec.pass_name == "wgrad")
             for spec in layer_passes(shape)]
 
 
 def model_score(hw: Hardware, layout: Layout, gemm: GemmModel) -> Callable[[Trial], PassResult]:
     def score(t: Trial) -> PassResult:
-        return simulate_pass(t.spec, t.candidate.settings, hw, layout, gemm,
-                             t.candidate.ring_order, t.comm_moved)
+        return simulate_pass(t.spec, t.candidate.settings, hw, layout, gemm, t.comm_moved)
     return score
 
 
 def simulate(shapes: Sequence[Shape], hw: Hardware, layout: Layout,
              calibration: Calibration | None = None, cfg: OverlapConfig | None = None, *,
-             ring_order: str = "hierarchical", rs_dgrad: bool = False,
+             rs_dgrad: bool = False,
              layers: dict[str, int] | None = None, micro_batches: int = 1) -> Report:
     """Predict every pass of `shapes` (each at TP=layout.tp) under `cfg` (TE defaults when
-    None), search the valid settings for each pass, and sum per model."""
+    None; its ring_order, auto by default, is hierarchical across nodes), search the valid
+    settings for each pass, and sum per model."""
     calibration = calibration or Calibration()
     cfg = cfg or OverlapConfig.load(None)
     gemm = GemmModel(hw, calibration)
@@ -103,7 +103,7 @@ def simulate(shapes: Sequence[Shape], hw: Hardware, layout: Layout,
             raise ValueError(f"{shape.name} is at TP={shape.tp}; the layout is TP={layout.tp}")
         scored = {t: score(t) for t in trials(shape, layout, rs_dgrad=rs_dgrad)}
         chosen = choose(shape, {t: r.overlapped_us for t, r in scored.items()})
-        results.append(ShapeResult(shape, _given(cfg, shape, hw, layout, gemm, ring_order),
+        results.append(ShapeResult(shape, _given(cfg, shape, hw, layout, gemm),
                                    [scored[chosen[p]] for p in ("fprop", "dgrad", "wgrad")],
                                    chosen, len(scored)))
     return Report(hw, layout, calibration, results, summarize(results, layers, micro_batches),

@@ -63,6 +63,7 @@ class GemmModel:
 
     def __post_init__(self) -> None:
         self.calibration = self.calibration or Calibration()
+        self._mono = self.calibration.mono
         self.fitted = self.hw.replace(gemm_efficiency=fit_efficiency(self.hw, self.calibration))
 
     def _sm_factor(self, m: int, k: int, n: int, sms: int | None) -> float:
@@ -72,24 +73,32 @@ class GemmModel:
 
     def mono_us(self, m: int, k: int, n: int, sms: int | None = None) -> float:
         """One GEMM of the whole shape: measured when calibrated, else the fitted roofline."""
-        measured = self.calibration.mono.get((m, k, n))
+        measured = self._mono.get((m, k, n))
         base = measured if measured is not None else roofline_us(self.fitted, m, k, n)
         return base * self._sm_factor(m, k, n, sms)
 
+    def measured_chunks(self, m: int, k: int, n: int, chunks: int, kind: str | None,
+                        mode: str) -> bool:
+        """Whether the calibration timed this chunked schedule in `mode`."""
+        return kind is not None and self.calibration.chunked_us((m, k, n), kind, chunks, mode) \
+            is not None
+
     def chunk_us(self, m: int, k: int, n: int, chunks: int, kind: str | None = None,
-                 sms: int | None = None, extra_us: float = 0.0) -> float:
+                 sms: int | None = None, extra_us: float = 0.0, mode: str = "graph") -> float:
         """One of `chunks` row chunks ([m/chunks, k] x [k, n]). `kind` names the measured
-        schedule (ag_ring, rs_ring, rs_pipeline) whose chunked/monolithic ratio applies;
+        schedule (ag_ring, rs_ring, rs_pipeline) whose time, in launch `mode`, applies;
         `extra_us`: device time that schedule's measurement holds besides its GEMMs
         (the ring reduce-scatter's adds), taken out before dividing."""
         rows = m // chunks
         if chunks == 1:
             return self.mono_us(m, k, n, sms)
-        measured = self.calibration.chunked.get((m, k, n, kind, chunks)) if kind else None
+        measured = self.calibration.chunked_us((m, k, n), kind, chunks, mode) if kind else None
+        if measured is None and kind and mode == "eager":  # fall back to the graphed timing
+            measured = self.calibration.chunked_us((m, k, n), kind, chunks, "graph")
         if measured is not None:
             base = max(measured - extra_us, 0.0) / chunks
-        elif (m, k, n) in self.calibration.mono:  # measured whole, roofline ratio for the cut
-            base = (self.calibration.mono[(m, k, n)] * roofline_us(self.fitted, rows, k, n)
+        elif (m, k, n) in self._mono:  # measured whole, roofline ratio for the cut
+            base = (self._mono[(m, k, n)] * roofline_us(self.fitted, rows, k, n)
                     / roofline_us(self.fitted, m, k, n))
         else:
             base = roofline_us(self.fitted, rows, k, n)
@@ -100,4 +109,4 @@ class GemmModel:
         return 3 * nbytes / (self.hw.hbm_gbs * 1e3) + self.hw.kernel_us
 
     def source(self, m: int, k: int, n: int) -> str:
-        return "measured" if (m, k, n) in self.calibration.mono else "roofline"
+        return "measured" if (m, k, n) in self._mono else "roofline"

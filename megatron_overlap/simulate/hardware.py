@@ -13,9 +13,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import BACKENDS
+
 MODES = ("graph", "eager")  # CUDA-graph replay, or launched from Python every call
-BACKENDS = ("symm", "nvshmem", "torch_p2p")
-RING_ORDERS = ("flat", "hierarchical")
 
 
 @dataclass(frozen=True)

@@ -106,54 +106,90 @@ class PassResult:
         return out
 
 
-def engine_for(s: LayerSettings, backend: str, hw: Hardware) -> Engine:
-    """Who moves the intra-node bytes. Ring exchange on symm always uses copy engines,
-    on nvshmem when use_ce; NCCL (torch_p2p) always runs SM kernels of its own size;
-    pipeline and bulk collectives run on num_sm SMs (TE's meaning)."""
-    if s.method == "ring_exchange" and (backend == "symm" or (backend == "nvshmem" and s.use_ce)):
-        return Engine("ce", 0)
-    return Engine("sm", hw.nccl_sms if backend == "torch_p2p" else s.num_sm)
+def schedule_of(s: LayerSettings, layout: Layout) -> str:
+    """What the layer runs for these settings on this layout, as overlap/ dispatches it:
+    ag_ring | ag_hier | rs_pipeline | rs_ring | rs_hier | bulk | external. A TP group
+    spanning nodes with ring_order auto or hierarchical runs the hierarchical order for
+    ring exchanges and for pipelined reduce-scatters alike (num_splits then unused)."""
+    if s.method in ("bulk", "external"):
+        return s.method
+    hier = layout.nodes > 1 and s.ring_order in ("auto", "hierarchical")
+    if not s.is_reduce_scatter:
+        return "ag_hier" if hier else "ag_ring"
+    if hier:
+        return "rs_hier"
+    return "rs_pipeline" if s.method == "pipeline" else "rs_ring"
 
 
-def _kind(s: LayerSettings) -> str | None:
-    if s.method == "ring_exchange":
-        return "rs_ring" if s.is_reduce_scatter else "ag_ring"
-    return "rs_pipeline" if s.method == "pipeline" else None
+def ring_order_of(s: LayerSettings | None, layout: Layout) -> str:
+    if s is None or s.method in ("bulk", "external"):
+        return "-"
+    return "hierarchical" if schedule_of(s, layout).endswith("hier") else "flat"
 
 
-def _schedule_end(spec: PassSpec, s: LayerSettings | None, ring_order: str, hw: Hardware,
-                  layout: Layout, gemm: GemmModel, engine: Engine, comm_moved: bool) -> float:
-    """One run of the pass's overlapped schedule (or the compute-only floor when engine.free)."""
-    sim = Sim(hw, layout, engine)
+def engine_for(s: LayerSettings, schedule: str, backend: str, hw: Hardware) -> Engine:
+    """Who moves the intra-node bytes, from what the backend honours (config.effects).
+    NCCL (torch_p2p) runs SM kernels of its own size. Ring schedules move on copy engines
+    unless use_ce takes effect and is off (then SM kernels on num_sm SMs). Pipeline and bulk
+    collectives run SM kernels: on num_sm SMs where the margin reserves them, else
+    NCCL-sized. With set_sm_margin in effect the GEMM is held num_sm SMs short."""
+    if backend == "torch_p2p":
+        return Engine("sm", hw.nccl_sms, hw.nccl_sms)
+    eff = s.effects(backend)
+    margin = s.num_sm if s.set_sm_margin and eff["num_sm"] == "active" else 0
+    if schedule in ("ag_ring", "ag_hier", "rs_ring", "rs_hier"):
+        if eff["use_ce"] != "active" or s.use_ce:
+            return Engine("ce", 0, margin)
+        return Engine("sm", s.num_sm, s.num_sm)
+    sms = margin or hw.nccl_sms
+    return Engine("sm", sms, sms)
+
+
+_KIND = {"ag_ring": "ag_ring", "ag_hier": "ag_ring", "rs_ring": "rs_ring", "rs_hier": "rs_ring",
+         "rs_pipeline": "rs_pipeline"}
+
+
+def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout,
+                  gemm: GemmModel, engine: Engine, comm_moved: bool) -> float:
+    """One run of the pass's overlapped schedule (the compute-only floor when engine.free)."""
     m, k, n = spec.gemm
-    tp, sms = layout.tp, sim.gemm_sms
-    block = spec.block_elems * hw.dtype_bytes
-    step_us = _step_us(hw, gemm)
-    if s is None or spec.comm == "none" or comm_moved or tp == 1:  # the GEMM alone
+    tp = layout.tp
+    if spec.comm == "none" or comm_moved or tp == 1 or s.method == "external":  # the GEMM alone
         return gemm.mono_us(m, k, n)
-    kind = _kind(s)
-    if s.method == "bulk":
-        sch.bulk(sim, gemm.mono_us(m, k, n, sms), block, step_us)
-        return sim.end()
-    if s.method == "ring_exchange" and not s.is_reduce_scatter:
-        work = sch.Work(gemm.chunk_us(m, k, n, tp, kind, sms), block, step_us)
-        sch.flat_or_hierarchical_ag(sim, work, s.aggregate, ring_order)
-        return sim.end()
-    # GEMM -> reduce-scatter (row fprop, or a column dgrad under rs_dgrad)
-    if spec.pass_name == "dgrad" and spec.shape.column:  # the input's all-gather runs alongside
-        for r in range(tp):
-            sim.launch_comm(r)
-        sim.collective(block, sms=engine.sms or None)
-    add_us = gemm.add_us(block)
-    if s.method == "pipeline":
-        splits = s.splits(tp)
-        work = sch.Work(gemm.chunk_us(m, k, n, splits, kind, sms), block, step_us)
-        sch.pipeline_rs(sim, work, splits, block / splits)
-    else:
-        extra = (tp - 1) * add_us  # the measured ring schedule includes its adds
-        work = sch.Work(gemm.chunk_us(m, k, n, tp, kind, sms, extra_us=extra), block, step_us,
-                        add_us)
-        sch.flat_or_hierarchical_rs(sim, work, ring_order)
+    sim = Sim(hw, layout, engine)
+    sms, block = sim.gemm_sms, spec.block_elems * hw.dtype_bytes
+    schedule = schedule_of(s, layout)
+    kind = _KIND.get(schedule)
+    chunks = s.splits(tp) if schedule == "rs_pipeline" else tp
+    mode = layout.mode
+    # a schedule timed eagerly already holds its host launch gaps
+    step_us = 0.0 if mode == "eager" and gemm.measured_chunks(m, k, n, chunks, kind, "eager") \
+        else _step_us(hw, gemm)
+    if schedule == "bulk":
+        sch.bulk(sim, gemm.mono_us(m, k, n, sms), block)
+    elif schedule in ("ag_ring", "ag_hier"):
+        work = sch.Work(gemm.chunk_us(m, k, n, tp, kind, sms, mode=mode), block, step_us)
+        if schedule == "ag_hier":
+            sch.hierarchical_ag(sim, work)
+        else:
+            sch.ring_ag(sim, list(range(tp)), work, s.aggregate)
+    else:  # GEMM -> reduce-scatter (row fprop, or a column dgrad under rs_dgrad)
+        if spec.pass_name == "dgrad" and spec.shape.column:  # the input's gather alongside
+            for r in range(tp):
+                sim.launch_comm(r)
+            sim.collective(block, sms=engine.sms if engine.kind == "sm" else None)
+        add_us = gemm.add_us(block)
+        if schedule == "rs_pipeline":
+            work = sch.Work(gemm.chunk_us(m, k, n, chunks, kind, sms, mode=mode), block, step_us)
+            sch.pipeline_rs(sim, work, chunks, block / chunks)
+        else:
+            extra = (tp - 1) * add_us  # a measured ring schedule includes its adds
+            work = sch.Work(gemm.chunk_us(m, k, n, tp, kind, sms, extra, mode), block,
+                            step_us, add_us)
+            if schedule == "rs_hier":
+                sch.hierarchical_rs(sim, work)
+            else:
+                sch.ring_rs(sim, list(range(tp)), work)
     return sim.end()
 
 
@@ -171,25 +207,23 @@ def baseline_us(spec: PassSpec, hw: Hardware, layout: Layout, gemm: GemmModel) -
 
 
 def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout: Layout,
-                  gemm: GemmModel, ring_order: str = "flat", comm_moved: bool = False) -> PassResult:
-    """Predicted times of one pass with settings `s` (None: not overlapped).
-    comm_moved: a column wgrad whose reduce-scatter moved into an rs_dgrad dgrad."""
+                  gemm: GemmModel, comm_moved: bool = False) -> PassResult:
+    """Predicted times of one pass with settings `s` (None: not overlapped, Megatron's
+    order). comm_moved: a column wgrad whose reduce-scatter moved into an rs_dgrad dgrad."""
     if s is not None and s.name != spec.name:
         raise ValueError(f"settings of {s.name} given for pass {spec.name}")
-    engine = engine_for(s, layout.backend, hw) if s is not None else Engine("sm", hw.nccl_sms)
     comm_us, base_us = baseline_us(spec, hw, layout, gemm)
     m, k, n = spec.gemm
     if s is None:
         over = floor = base_us
     else:
-        over = _schedule_end(spec, s, ring_order, hw, layout, gemm, engine, comm_moved)
-        floor = _schedule_end(spec, s, ring_order, hw, layout, gemm, Engine(free=True), comm_moved)
-    if s is not None and s.method == "ring_exchange" and layout.nodes == 1:
-        ring_order = "flat"  # one node: the order changes nothing
+        engine = engine_for(s, schedule_of(s, layout), layout.backend, hw)
+        over = _schedule_end(spec, s, hw, layout, gemm, engine, comm_moved)
+        floor = _schedule_end(spec, s, hw, layout, gemm, Engine(free=True), comm_moved)
     return PassResult(
         name=spec.name, shape=spec.shape.name, model=spec.shape.model, tp=layout.tp,
         gemm=spec.gemm, comm=spec.comm,
         settings=s.to_dict() if s is not None else {"method": "none"},
-        ring_order=ring_order if s is not None and s.method == "ring_exchange" else "-",
+        ring_order=ring_order_of(s, layout),
         gemm_us=gemm.mono_us(m, k, n), comm_us=comm_us, baseline_us=base_us,
         compute_only_us=floor, overlapped_us=over, gemm_source=gemm.source(m, k, n))

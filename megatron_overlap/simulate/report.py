@@ -15,6 +15,13 @@ COLUMNS = ("shape", "pass", "settings", "GEMM ms", "non-overlapped ms", "overlap
            "exposed ms", "hidden", "best settings", "best ms")
 
 
+FOOTNOTE = ("Step estimate: the TP linears only (4 per layer x fprop/dgrad/wgrad). hidden = "
+            "(non-overlapped - overlapped) / (non-overlapped - compute-only), '-' where chunking "
+            "alone costs more than the communication. Eager: host launch time counted per pass "
+            "as if the GPU waited for it (as benchmarks/compute_side.py measures); a training "
+            "step whose host runs ahead hides some of it.")
+
+
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
@@ -27,8 +34,9 @@ def rows(report: Report) -> list[list[str]]:
             trial = sr.chosen[given.name.split("_")[1]]
             label = trial.candidate.label_for(backend) + (" (wgrad alone)" if trial.comm_moved else "")
             settings = given.settings.get("method", "none")
-            if given.ring_order == "hierarchical":
-                settings += " hierarchical"
+            if given.ring_order == "hierarchical" or (given.ring_order == "flat"
+                                                       and report.layout.nodes > 1):
+                settings += f" {given.ring_order}"
             out.append([sr.shape.name, given.name.split("_")[1], settings,
                         f"{given.gemm_us / 1e3:.3f}", f"{given.baseline_us / 1e3:.3f}",
                         f"{given.overlapped_us / 1e3:.3f}", f"{given.exposed_us / 1e3:.3f}",
@@ -36,17 +44,36 @@ def rows(report: Report) -> list[list[str]]:
     return out
 
 
+def _fitted(report: Report) -> float:
+    from .gemm import fit_efficiency
+
+    return fit_efficiency(report.hw, report.calibration)
+
+
 def headline(report: Report) -> str:
     cal = report.calibration
-    gemm = (f"GEMMs calibrated from {cal.describe()}" if cal.mono
-            else "GEMMs from the roofline (no calibration file)")
+    gemm = (f"GEMMs measured where {cal.describe()} timed the shape, elsewhere a roofline "
+            f"fitted to it (efficiency {_fitted(report):.2f} of peak)" if cal.mono
+            else f"GEMMs from the roofline (no calibration file; efficiency "
+                 f"{report.hw.gemm_efficiency:.2f} of peak)")
     hw = report.hw
     return (f"{hw.name}, {report.layout.describe()}; NVLink {hw.nvlink_gbs:g} GB/s "
             f"{hw.nvlink_latency_us:g} us, IB {hw.ib_gbs:g} GB/s {hw.ib_latency_us:g} us; {gemm}")
 
 
+def not_paying(report: Report) -> list[str]:
+    """Passes whose non-overlapped path beats even the best overlap the model found."""
+    return [f"{sr.shape.name} {b.name.split('_')[1]}" for sr in report.shapes
+            for b in sr.best if b.overlapped_us > b.baseline_us + 1e-9]
+
+
 def summary_lines(report: Report) -> list[str]:
     out = []
+    slower = not_paying(report)
+    if slower:
+        out.append("Non-overlapped predicted faster than any overlap for: " + ", ".join(slower)
+                   + " (turn that overlap off with Megatron's tp_comm_overlap_ag / _rs / "
+                     "tp_comm_bulk_dgrad / _wgrad flags)")
     for s in report.models:
         d = s.to_dict()
         per, step = d["per_layer_ms"], d["step_ms"]
@@ -76,8 +103,7 @@ def console(report: Report) -> str:
     con.print(table)
     for line in summary_lines(report):
         con.print(line, soft_wrap=True)
-    con.print("Step estimate: the TP linears only (4 per layer x fprop/dgrad/wgrad); hidden = "
-              "(non-overlapped - overlapped) / (non-overlapped - compute-only).", soft_wrap=True)
+    con.print(FOOTNOTE, soft_wrap=True)
     return buf.getvalue()
 
 
@@ -85,7 +111,7 @@ def markdown(report: Report, command: str) -> str:
     lines = [f"Command: `{command}`", "", headline(report) + ".", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(r) + " |" for r in rows(report)]
-    lines += [""] + [f"- {line}" for line in summary_lines(report)]
+    lines += [""] + [f"- {line}" for line in summary_lines(report)] + [f"- {FOOTNOTE}"]
     for s in report.models:
         orders = ", ".join(f"{k}: {v}" for k, v in s.ring_orders.items())
         lines += ["", f"Settings picked for {s.model} (ub_cfgs; ring orders: {orders or '-'}):", "",
@@ -102,6 +128,7 @@ def to_json(report: Report, command: str) -> dict[str, Any]:
                            "m": sr.shape.m, "k": sr.shape.k, "n": sr.shape.n,
                            "best": {**best.to_dict(), "label": trial.candidate.label_for(
                                report.layout.backend), "comm_moved": trial.comm_moved},
+                           "overlap_pays": best.overlapped_us <= best.baseline_us,
                            "candidates_tried": sr.tried})
     cal = report.calibration
     return {"command": command,
@@ -110,7 +137,8 @@ def to_json(report: Report, command: str) -> dict[str, Any]:
                                 "local": report.layout.local},
                      "calibration": cal.source or None, "calibration_meta": cal.meta,
                      "gemm_times": "measured where calibrated, fitted roofline otherwise"
-                     if cal.mono else "roofline (no calibration)", "rs_dgrad": report.rs_dgrad},
+                     if cal.mono else "roofline (no calibration)",
+                     "fitted_gemm_efficiency": _fitted(report), "rs_dgrad": report.rs_dgrad},
             "passes": passes, "models": [s.to_dict() for s in report.models]}
 
 

@@ -8,12 +8,13 @@
 - pipeline GEMM->RS: chunk i's reduce-scatter (a collective) starts after its
   GEMM and runs under chunk i+1's GEMM; collectives queue on the links.
 - bulk: one collective launched before a GEMM that does not need it.
-- hierarchical (TP = nodes x local): AG sends the own block over IB to the
-  same-local-index rank of every other node first, rings the node's blocks
-  meanwhile, then rings the blocks that came over IB; RS ring-reduces, per
-  other node, the partials bound there and sends each node-partial over IB,
-  then ring-reduces the own node's blocks under that transfer and adds what
-  arrived.
+- hierarchical (TP = nodes x local; overlap.hierarchical): AG sends the own
+  block over IB to the same-local-index rank of every other node first, rings
+  the node's blocks meanwhile, then rings the blocks that came over IB; RS
+  ring-reduces, per other node, the partials bound there and sends each
+  node-partial over IB, then ring-reduces the own node's blocks under that
+  transfer and adds what arrived. A pipelined reduce-scatter over nodes runs
+  this same hierarchical ring.
 """
 
 from __future__ import annotations
@@ -50,20 +51,22 @@ def ring_steps(rank: int, world: int, aggregate: bool) -> list[list[int]]:
 def ring_ag(sim: Sim, members: list[int], work: Work, aggregate: bool,
             ready: list[float] | None = None, per_item: int = 1) -> None:
     """Ring all-gather + GEMM over `members` (ring order). Position p starts with item p,
-    ready at ready[p]; an item is `per_item` blocks (bytes and GEMMs scale with it)."""
+    ready at ready[p]; an item is `per_item` blocks, each moved and multiplied on its own
+    (the hierarchical order's remote ring holds one block per other node)."""
     size = len(members)
     steps = [ring_steps(p, size, aggregate) for p in range(size)]
     have = {(p, p): (ready[p] if ready else 0.0) for p in range(size)}
     for i in range(len(steps[0])):
         if i + 1 < len(steps[0]):
             for p in range(size):
-                sim.launch_comm(members[p])
+                for _ in range(per_item * len(steps[p][i + 1])):
+                    sim.launch_comm(members[p])
             for p in range(size):
                 for b in steps[p][i + 1]:
                     from_left = b == (p - i - 1) % size
                     src = (p - 1) % size if from_left else (p + 1) % size
-                    have[(p, b)] = sim.transfer(members[src], members[p], work.block_bytes * per_item,
-                                                after=have[(src, b)])
+                    have[(p, b)] = max(sim.transfer(members[src], members[p], work.block_bytes,
+                                                    after=have[(src, b)]) for _ in range(per_item))
         for p in range(size):
             r = members[p]
             for b in steps[p][i]:
@@ -98,53 +101,57 @@ def node_members(sim: Sim) -> list[list[int]]:
     return [list(range(n * local, (n + 1) * local)) for n in range(sim.layout.nodes)]
 
 
-def hierarchical_ag(sim: Sim, work: Work, aggregate: bool) -> None:
+def partners(node: int, n_nodes: int) -> list[int]:
+    """The other nodes in the order `node` exchanges with them: round-robin pairing, so
+    partners are mutual in every round (overlap.hierarchical.partners; a test keeps the
+    two equal)."""
+    m = n_nodes + n_nodes % 2
+    out = []
+    for r in range(m - 1):
+        p = r if node == m - 1 else m - 1 if node == r else (2 * r - node) % (m - 1)
+        if p < n_nodes and p != node:
+            out.append(p)
+    return out
+
+
+def hierarchical_ag(sim: Sim, work: Work) -> None:
+    """The own block to every counterpart over IB first; the node's ring (one direction)
+    meanwhile; then, once the remote blocks are in, a ring over them (one block per
+    other node a step). overlap.hierarchical has no aggregate."""
     nodes, local = sim.layout.nodes, sim.layout.local
     arrival = [0.0] * sim.layout.tp  # when the last IB block a rank waits for lands
     for r in range(sim.layout.tp):
-        sim.launch_comm(r)
         n, l = divmod(r, local)
-        for j in range(1, nodes):
-            dst = ((n + j) % nodes) * local + l
+        for m in partners(n, nodes):
+            sim.launch_comm(r)
+            dst = m * local + l
             arrival[dst] = max(arrival[dst], sim.transfer(r, dst, work.block_bytes))
     groups = node_members(sim)
     for members in groups:
-        ring_ag(sim, members, work, aggregate)
+        ring_ag(sim, members, work, aggregate=False)
     for members in groups:
-        ring_ag(sim, members, work, aggregate, ready=[arrival[r] for r in members],
+        ring_ag(sim, members, work, aggregate=False, ready=[arrival[r] for r in members],
                 per_item=nodes - 1)
 
 
 def hierarchical_rs(sim: Sim, work: Work) -> None:
+    """Per other node (in pairing order) a ring reduce-scatter of the partials bound
+    there, each node-partial sent over IB as soon as it is reduced; the own node's ring
+    last; then the node-partials that arrived are added (nodes - 1 adds)."""
     nodes, local = sim.layout.nodes, sim.layout.local
     incoming: dict[int, float] = {}
     for n, members in enumerate(node_members(sim)):
-        for j in range(1, nodes):
-            target = (n + j) % nodes
+        for target in partners(n, nodes):
             done = ring_rs(sim, members, work)
             for p, r in enumerate(members):
                 sim.launch_comm(r)
                 dst = target * local + p
-                incoming[dst] = max(incoming.get(dst, 0.0), sim.transfer(r, dst, work.block_bytes,
-                                                                         after=done[p]))
+                incoming[dst] = max(incoming.get(dst, 0.0),
+                                    sim.transfer(r, dst, work.block_bytes, after=done[p]))
         ring_rs(sim, members, work)
     for r in range(sim.layout.tp):
         for _ in range(nodes - 1):
             sim.compute(r, work.add_us, after=incoming.get(r, 0.0))
-
-
-def flat_or_hierarchical_ag(sim: Sim, work: Work, aggregate: bool, ring_order: str) -> None:
-    if ring_order == "hierarchical" and sim.layout.nodes > 1:
-        hierarchical_ag(sim, work, aggregate)
-    else:
-        ring_ag(sim, list(range(sim.layout.tp)), work, aggregate)
-
-
-def flat_or_hierarchical_rs(sim: Sim, work: Work, ring_order: str) -> None:
-    if ring_order == "hierarchical" and sim.layout.nodes > 1:
-        hierarchical_rs(sim, work)
-    else:
-        ring_rs(sim, list(range(sim.layout.tp)), work)
 
 
 def pipeline_rs(sim: Sim, work: Work, splits: int, chunk_block_bytes: float) -> None:
@@ -160,11 +167,12 @@ def pipeline_rs(sim: Sim, work: Work, splits: int, chunk_block_bytes: float) -> 
         sim.collective(chunk_block_bytes, after=max(ends), sms=sim.engine.sms or None)
 
 
-def bulk(sim: Sim, gemm_us: float, block_bytes: float, step_us: float) -> None:
-    """A collective launched first, then a GEMM that runs beside it."""
+def bulk(sim: Sim, gemm_us: float, block_bytes: float) -> None:
+    """A collective launched first, then one GEMM that runs beside it (two launches,
+    no schedule loop: each costs the host what a collective launch does)."""
     for r in range(sim.layout.tp):
         sim.launch_comm(r)
     sim.collective(block_bytes, sms=sim.engine.sms or None)
     for r in range(sim.layout.tp):
-        sim.launch(r, step_us)
+        sim.launch_comm(r)
         sim.compute(r, gemm_us)

@@ -12,11 +12,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ..config import KEYS, LayerSettings
+from ..config import LayerSettings
 from ..config.names import RS_DGRAD_LAYERS
 from ..config.settings import allowed_methods
 from .hardware import Layout
-from .passes import PassSpec, layer_passes
+from .passes import PassSpec, layer_passes, ring_order_of, schedule_of
 from .shapes import Shape
 
 SPLITS = (1, 2, 4, 8, 16)
@@ -26,29 +26,42 @@ ACTIVE = "active"
 
 @dataclass(frozen=True)
 class Candidate:
-    """One pass's settings plus the ring order (a ring over TP groups that span nodes)."""
+    """One pass's settings (ring_order included: auto means hierarchical across nodes)
+    and the layout they run on, for what they resolve to."""
 
     settings: LayerSettings
-    ring_order: str = "flat"
+    layout: Layout
 
     @property
     def name(self) -> str:
         return self.settings.name
 
+    @property
+    def ring_order(self) -> str:
+        """What runs: flat | hierarchical | - (no ring)."""
+        return ring_order_of(self.settings, self.layout)
+
     def to_dict(self) -> dict[str, Any]:
-        return {**self.settings.to_dict(), "ring_order": self.ring_order}
+        return {**self.settings.to_dict(), "ring_order": self.settings.ring_order,
+                "runs": schedule_of(self.settings, self.layout)}
 
     def label(self) -> str:
-        s = self.settings
+        s, schedule = self.settings, schedule_of(self.settings, self.layout)
+        if schedule == "rs_hier" and s.method == "pipeline":
+            return "pipeline (hierarchical ring)"
         parts = [{"ring_exchange": "ring", "pipeline": f"pipeline x{s.num_splits}"}.get(
             s.method, s.method)]
-        if s.method == "ring_exchange":
-            parts += (["aggregate"] if s.aggregate and not s.is_reduce_scatter else [])
-            parts += (["hierarchical"] if self.ring_order == "hierarchical" else [])
+        if schedule == "ag_ring" and s.aggregate:
+            parts.append("aggregate")
+        if schedule.endswith("hier"):
+            parts.append("hierarchical")
+        elif self.layout.nodes > 1 and s.method != "bulk" and s.method != "external":
+            parts.append("flat")
         return " ".join(parts)
 
-    def label_for(self, backend: str) -> str:
-        """label() plus the SM / copy-engine keys that take effect on `backend`."""
+    def label_for(self, backend: str | None = None) -> str:
+        """label() plus the SM / copy-engine keys that take effect on the backend."""
+        backend = backend or self.layout.backend
         eff, s, extra = self.settings.effects(backend), self.settings, []
         if s.method == "ring_exchange" and eff["use_ce"] == ACTIVE:
             extra.append("ce" if s.use_ce else "sm")
@@ -83,11 +96,26 @@ def _vary(variants: list[LayerSettings], key: str, values: Iterable[Any], backen
     return list(dict.fromkeys(out))
 
 
+def _canonical(s: LayerSettings, layout: Layout) -> LayerSettings:
+    """Keys the resolved schedule does not read put back to TE's default, so candidates
+    that would run the same thing collapse into one."""
+    schedule, default = schedule_of(s, layout), LayerSettings.default(s.name, s.method)
+    if schedule == "ag_hier":
+        s = dataclasses.replace(s, aggregate=default.aggregate)
+    if schedule == "rs_hier" and s.method == "pipeline":
+        s = dataclasses.replace(s, num_splits=default.num_splits)
+    return s
+
+
 def candidates(name: str, layout: Layout, rows_per_rank: int, *, rs_dgrad: bool = False
                ) -> list[Candidate]:
     """Every valid candidate for layer pass `name` (e.g. 'proj_fprop'). Pipeline splits
-    must divide a rank's rows; RS-dgrad methods for qkv/fc1 dgrad only with rs_dgrad."""
-    out: list[Candidate] = []
+    must divide a rank's rows; RS-dgrad methods for qkv/fc1 dgrad only with rs_dgrad; ring
+    order (auto = hierarchical, or flat) only where the group spans nodes. Ring orders are
+    written `auto` rather than `hierarchical` where that means the same, so the YAML keeps
+    to TE's keys unless a flat ring wins."""
+    out: list[LayerSettings] = []
+    backend = layout.backend
     for method in allowed_methods(name):
         if name in RS_DGRAD_LAYERS and method != "bulk" and not rs_dgrad:
             continue
@@ -95,13 +123,13 @@ def candidates(name: str, layout: Layout, rows_per_rank: int, *, rs_dgrad: bool 
         if method == "pipeline":
             variants = [dataclasses.replace(variants[0], num_splits=k)
                         for k in SPLITS if rows_per_rank % k == 0]
-        variants = _vary(variants, "aggregate", (False, True), layout.backend)
-        variants = _vary(variants, "use_ce", (True, False), layout.backend)
-        variants = _vary(variants, "num_sm", NUM_SMS, layout.backend)
-        orders = (("flat", "hierarchical") if method == "ring_exchange" and layout.nodes > 1
-                  else ("flat",))
-        out += [Candidate(v, o) for v in variants for o in orders]
-    return out
+        if layout.nodes > 1:
+            variants = _vary(variants, "ring_order", ("auto", "flat"), backend)
+        variants = _vary(variants, "aggregate", (False, True), backend)
+        variants = _vary(variants, "use_ce", (True, False), backend)
+        variants = _vary(variants, "num_sm", NUM_SMS, backend)
+        out += [_canonical(v, layout) for v in variants]
+    return [Candidate(s, layout) for s in dict.fromkeys(out)]
 
 
 def trials(shape: Shape, layout: Layout, *, rs_dgrad: bool = False) -> list[Trial]:
@@ -113,7 +141,8 @@ def trials(shape: Shape, layout: Layout, *, rs_dgrad: bool = False) -> list[Tria
         for cand in candidates(spec.name, layout, rows, rs_dgrad=rs_dgrad):
             out.append(Trial(spec, cand))
         if spec.pass_name == "wgrad" and shape.column and rs_dgrad:
-            out.append(Trial(spec, Candidate(LayerSettings.default(spec.name)), comm_moved=True))
+            out.append(Trial(spec, Candidate(LayerSettings.default(spec.name), layout),
+                             comm_moved=True))
     return out
 
 
@@ -145,18 +174,14 @@ def choose(shape: Shape, scores: dict[Trial, float]) -> dict[str, Trial]:
 
 
 def ub_cfgs(chosen: Iterable[Trial]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    """(TE ub_cfgs entries, ring order per layer) of chosen trials; a wgrad left unused by
-    an rs_dgrad dgrad is left out, as TE wants. ring_order goes into the YAML only once
-    megatron_overlap.config knows the key."""
+    """(ub_cfgs entries, the ring order each ring runs) of chosen trials; a wgrad left
+    unused by an rs_dgrad dgrad is left out, as TE wants."""
     cfg: dict[str, dict[str, Any]] = {}
     orders: dict[str, str] = {}
     for t in chosen:
         if t.comm_moved:
             continue
-        entry = t.candidate.settings.to_dict()
-        if t.candidate.settings.method == "ring_exchange":
+        cfg[t.name] = t.candidate.settings.to_dict()
+        if t.candidate.ring_order != "-":
             orders[t.name] = t.candidate.ring_order
-            if "ring_order" in KEYS:
-                entry["ring_order"] = t.candidate.ring_order
-        cfg[t.name] = entry
     return cfg, orders

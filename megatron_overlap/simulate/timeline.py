@@ -1,7 +1,7 @@
 """A small in-order event model of one layer pass on every rank of the TP group.
 
-Each GPU has one compute stream; each rank has an egress and an ingress per link
-kind (NVLink, InfiniBand); a task starts when its inputs are ready, its
+Each GPU has one compute stream; each rank has an egress per link kind (NVLink,
+InfiniBand); a task starts when its inputs are ready, its
 resources are free (in submission order, like CUDA streams) and, in eager mode,
 when the host has launched it. Transfers between two ranks of one node use
 NVLink, others InfiniBand. Ranks are simulated individually because a flat ring
@@ -19,11 +19,13 @@ from .hardware import Hardware, Layout
 
 @dataclass(frozen=True)
 class Engine:
-    """What moves a pass's intra-node bytes: copy engines (no SMs) or SM kernels
-    holding `sms` SMs from the GEMM. `free`: the compute-only floor, nothing moves."""
+    """What moves a pass's intra-node bytes: copy engines or SM kernels on `sms` SMs (their
+    copy bandwidth). `held`: SMs the GEMM goes without while the pass runs (the comm
+    kernels', or an SM margin). `free`: the compute-only floor, nothing moves."""
 
     kind: str = "ce"  # ce | sm
     sms: int = 0
+    held: int = 0
     free: bool = False
 
 
@@ -33,14 +35,15 @@ class Sim:
         self.free: dict[tuple, float] = defaultdict(float)
         self.host = [0.0] * layout.tp
         self.transfers = 0
+        self.last = 0.0  # the latest completion seen
 
     # -- what the GEMM gets ---------------------------------------------------------------
     @property
     def gemm_sms(self) -> int | None:
         """SMs left to the GEMM while this pass's communication runs (None: all)."""
-        if self.engine.free or self.engine.kind == "ce" or self.engine.sms <= 0:
+        if self.engine.free or self.engine.held <= 0:
             return None
-        return max(self.hw.sms - self.engine.sms, 1)
+        return max(self.hw.sms - self.engine.held, 1)
 
     # -- host -------------------------------------------------------------------------------
     def launch(self, rank: int, us: float) -> float:
@@ -50,16 +53,22 @@ class Sim:
         return self.host[rank]
 
     def launch_comm(self, rank: int) -> float:
-        return self.launch(rank, self.hw.eager_comm_us)
+        """Launching a transfer; free on the compute-only floor, whose measured step cost
+        (the null transport's) already holds the schedule's own calls."""
+        return self.launch(rank, 0.0 if self.engine.free else self.hw.eager_comm_us)
 
     # -- device -----------------------------------------------------------------------------
-    def run(self, resources: Iterable[tuple], duration: float, after: float = 0.0) -> float:
+    def run(self, resources: Iterable[tuple], duration: float, after: float = 0.0,
+            latency: float = 0.0) -> float:
+        """Occupy `resources` for `duration` from the earliest time they are all free and
+        `after` has passed; done `latency` later (latency does not hold the resources, so
+        transfers queued on one link pipeline their latencies)."""
         resources = list(resources)
         start = max([after] + [self.free[r] for r in resources])
-        end = start + duration
         for r in resources:
-            self.free[r] = end
-        return end
+            self.free[r] = start + duration
+        self.last = max(self.last, start + duration + latency)
+        return start + duration + latency
 
     def compute(self, rank: int, duration: float, after: float = 0.0) -> float:
         return self.run([("gpu", rank)], duration, max(after, self.host[rank]))
@@ -67,22 +76,27 @@ class Sim:
     def link(self, src: int, dst: int) -> str:
         return "nvlink" if self.layout.node(src) == self.layout.node(dst) else "ib"
 
-    def transfer_us(self, link: str, nbytes: float) -> float:
+    def link_cost(self, link: str, nbytes: float) -> tuple[float, float]:
+        """(time the link is busy, latency) of one transfer of nbytes."""
         if self.engine.free or nbytes <= 0:
-            return 0.0
+            return 0.0, 0.0
         if link == "ib":  # the NIC moves it: no SMs, whatever the intra-node engine
-            return self.hw.ib_latency_us + nbytes / (self.hw.ib_gbs * 1e3)
+            return nbytes / (self.hw.ib_gbs * 1e3), self.hw.ib_latency_us
         bw = self.hw.nvlink_gbs
         if self.engine.kind == "sm":
             bw = min(bw, self.engine.sms * self.hw.sm_copy_gbs)
-        return self.hw.nvlink_latency_us + nbytes / (bw * 1e3)
+        return nbytes / (bw * 1e3), self.hw.nvlink_latency_us
 
     def transfer(self, src: int, dst: int, nbytes: float, after: float = 0.0) -> float:
-        """A put from src to dst (both ranks' launches are in: a p2p rendezvous)."""
+        """A put from src to dst (both ranks' launches are in: a p2p rendezvous). It holds
+        the sender's egress: puts a rank issues together share its link one after the
+        other. Ingress is not modelled apart: in these schedules every rank receives, per
+        link and at the same time, as many bytes as it sends, so egress is the bound."""
         link = self.link(src, dst)
         self.transfers += 1
-        return self.run([("out", link, src), ("in", link, dst)], self.transfer_us(link, nbytes),
-                        max(after, self.host[src], self.host[dst]))
+        busy, latency = self.link_cost(link, nbytes)
+        return self.run([("out", link, src)], busy,
+                        max(after, self.host[src], self.host[dst]), latency)
 
     def collective_us(self, block_bytes: float, sms: int | None = None) -> float:
         """A ring all-gather / reduce-scatter of one `block_bytes` block per rank, as NCCL
@@ -104,10 +118,10 @@ class Sim:
     def collective(self, block_bytes: float, after: float = 0.0, sms: int | None = None) -> float:
         """A collective over the whole group: every rank's links are busy for its duration."""
         links = ("nvlink",) if self.layout.nodes == 1 else ("nvlink", "ib")
-        res = [(d, link, r) for r in range(self.layout.tp) for d in ("out", "in") for link in links]
+        res = [("out", link, r) for r in range(self.layout.tp) for link in links]
         self.transfers += 1
         return self.run(res, self.collective_us(block_bytes, sms), max([after] + self.host))
 
     def end(self) -> float:
         """When the last thing of the pass finishes, on any rank."""
-        return max(self.free.values(), default=0.0)
+        return max([self.last, *self.free.values()])

@@ -4,11 +4,11 @@
     tel.log_settings(model)                   # once: per-layer, per-pass settings
     tel.log_step(step, {"loss": loss})        # every step: bytes moved, host time blocked
 
-`read_offline_run` reads an offline wandb run back (tests, A/B reports)."""
+`read_offline_run` reads an offline wandb run back (after `wait_for_exit`) (tests, A/B reports)."""
 
 from .logger import OverlapTelemetry
-from .offline import read_offline_run
+from .offline import read_offline_run, wait_for_exit
 from .rows import layer_settings
 from .table import settings_table
 
-__all__ = ["OverlapTelemetry", "layer_settings", "settings_table", "read_offline_run"]
+__all__ = ["OverlapTelemetry", "layer_settings", "settings_table", "read_offline_run", "wait_for_exit"]

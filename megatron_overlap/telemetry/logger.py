@@ -16,8 +16,10 @@ from .table import settings_table
 
 # Columns of the wandb settings table, in order; the config keeps the tunable subset.
 TABLE_COLUMNS = ("layer_number", "module", "pass", "settings", "method", "num_splits", "num_sm",
-                 "use_ce", "aggregate", "backend", "buffer_bytes", "no_effect", "notes", "layer")
-CONFIG_KEYS = ("method", "num_splits", "num_sm", "use_ce", "aggregate", "backend", "buffer_bytes")
+                 "use_ce", "aggregate", "backend", "ring_order", "transport", "buffer_bytes",
+                 "no_effect", "notes", "layer")
+CONFIG_KEYS = ("method", "num_splits", "num_sm", "use_ce", "aggregate", "backend", "ring_order",
+               "transport", "buffer_bytes")
 # wandb.Table refuses a column whose cells change type (TE's 0/1 flags next to bools)
 _CAST = {"layer_number": int, "num_splits": int, "num_sm": int, "buffer_bytes": int,
          "use_ce": bool, "aggregate": bool}

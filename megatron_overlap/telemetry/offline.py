@@ -163,6 +163,25 @@ def _from_files(files_dir: str) -> tuple[dict, list[dict], dict]:
     return config, history, summary
 
 
+def wait_for_exit(run_dir: str, timeout: float = 60.0) -> None:
+    """Block until the offline run under `run_dir` has its exit record: on a loaded
+    machine wandb's writer process may still be flushing the log when `finish()`
+    returns (seen: a header-only file). Call it before reading a run just finished."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            logs = glob.glob(os.path.join(find_run(run_dir), "run-*.wandb"))
+        except FileNotFoundError:
+            logs = []
+        if any(r.WhichOneof("record_type") == "exit" for log in logs for r in iter_records(log)):
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"megatron_overlap.telemetry: no exit record in the wandb run under "
+                       f"{run_dir} after {timeout:g}s; did the run call finish()?")
+
+
 def read_offline_run(run_dir: str) -> dict[str, Any]:
     """{"config", "history", "tables", "summary"} of a wandb run on disk.
 

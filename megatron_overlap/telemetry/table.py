@@ -33,6 +33,11 @@ def _idle(no_effect: str) -> dict[str, str]:
     return out
 
 
+def _short_order(label: str) -> str:
+    """'hierarchical (2x4)' -> 'hier 2x4' (nodes x ranks per node): the table is narrow."""
+    return label.replace("hierarchical (", "hier ").rstrip(")") if label.startswith("hier") else label
+
+
 def settings_table(rows: Sequence[dict[str, Any]]) -> str:
     """Rows rendered with rich as plain text (no colour), WIDTH columns wide; a
     module's name is printed on its first pass row, layers separated by a rule.
@@ -49,7 +54,7 @@ def settings_table(rows: Sequence[dict[str, Any]]) -> str:
                   box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False, padding=(0, 1),
                   collapse_padding=True)
     for header in ("layer", "module", "pass", "method", "splits", "num_sm", "use_ce",
-                   "aggregate", "backend", "buffer", "no effect"):
+                   "aggregate", "backend", "order", "buffer", "no effect"):
         wrap = header == "no effect"
         table.add_column(header, no_wrap=not wrap, overflow="fold" if wrap else "ellipsis",
                          # module paths are the join key: never cut them short
@@ -62,7 +67,8 @@ def settings_table(rows: Sequence[dict[str, Any]]) -> str:
         table.add_row(str(r["layer_number"]) if first else "", r["module"] if first else "",
                       r["pass"], r["method"], str(r["num_splits"]), str(r["num_sm"]),
                       _yes(r["use_ce"]), _yes(r["aggregate"]), r["backend"],
-                      human_bytes(r["buffer_bytes"]), ", ".join(idle[i]) or "-",
+                      _short_order(r.get("ring_order", "-")), human_bytes(r["buffer_bytes"]),
+                      ", ".join(idle[i]) or "-",
                       end_section=last_of_layer)
     out = io.StringIO()
     console = Console(file=out, width=WIDTH, color_system=None, force_terminal=False,
@@ -72,6 +78,14 @@ def settings_table(rows: Sequence[dict[str, Any]]) -> str:
         if reasons:
             console.print("Keys without effect, and why:")
             for line in reasons:
+                console.print(f"  {line}", soft_wrap=True)
+        links = {r["transport"]: None for r in rows if r.get("transport", r["backend"]) != r["backend"]}
+        for line in links:  # per-peer transports: which link carries which TP peer
+            console.print(f"Transport per TP peer (this rank's view): {line}", soft_wrap=True)
+        notes = {r["notes"]: None for r in rows if r.get("notes")}
+        if notes:
+            console.print("Notes:")
+            for line in notes:
                 console.print(f"  {line}", soft_wrap=True)
     else:
         console.print("TP comm+GEMM overlap: no overlapped layers")

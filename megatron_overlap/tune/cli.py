@@ -9,17 +9,9 @@ import sys
 from typing import Any, Callable
 
 from ..simulate import PRESETS, ModelDims
+from .tuner import NOTES
 
 MEASURES = ("auto", "model", "compute", "real")
-NOTES = {
-    "model": "No GPU measurement: every time below is the cost model's prediction (roofline or "
-             "--calibration GEMMs, modelled links), not a measurement.",
-    "compute": "One GPU: the GEMM side of every candidate is measured here; the communication "
-               "side is the cost model's.",
-    "real": "Several GPUs: every candidate ran for real, overlapped, on the TP group.",
-}
-
-
 def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser("tune", help="search per-layer overlap settings and write ub_cfgs YAML",
                        description="Search method x num_splits x num_sm x use_ce x aggregate "
@@ -104,6 +96,12 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
         hw = hw.replace(dtype_bytes=4, peak_tflops=hw.peak_tflops / 2)  # TF32
     shapes = dims.shapes(name, args.tp)
     kind = pick_measure(args.measure)
+    if kind in ("compute", "real"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError(f"--measure {kind} needs CUDA GPUs and this machine has none; "
+                             "use --measure model (the cost model only) or auto")
     rank, agree = 0, None
     if kind == "model":
         from .hooks import ModelMeasure
@@ -131,7 +129,8 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
         json_path = args.json or args.yaml + ".json"
         result.write_json(json_path)
         print(summary(result))
-        print(f"measured {result.measured}, from cache {result.cached}; "
+        did = "predicted" if kind == "model" else "measured"
+        print(f"{did} {result.measured}, from cache {result.cached}; "
               f"ub_cfgs: {args.yaml}; search: {json_path}"
               + (f"; cache: {cache_path}" if cache_path else ""))
         if any(t.candidate.settings.is_reduce_scatter and t.spec.pass_name == "dgrad"
@@ -142,12 +141,19 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
 
 
 def summary(result) -> str:
-    """The choice per pass, as a plain table."""
+    """The choice per pass, as a plain table; passes the non-overlapped path wins marked."""
     lines = [f"{'shape':16s} {'pass':11s} {'chosen':40s} {'time ms':>9s} {'non-ovl ms':>10s}"]
+    slower = []
     for r in result.choice_rows:
         base = r.get("baseline_ms")
+        worse = base is not None and r["time_ms"] > base
+        slower += [r["pass"]] if worse else []
         lines.append(f"{r['shape']:16s} {r['pass']:11s} {r['label'][:40]:40s} "
-                     f"{r['time_ms']:9.3f} {base if base is None else f'{base:10.3f}'}")
+                     f"{r['time_ms']:9.3f} {'-' if base is None else f'{base:10.3f}'}"
+                     + (" *" if worse else ""))
+    if slower:
+        lines.append("* the non-overlapped path is faster here: consider turning that overlap off "
+                     "(Megatron's tp_comm_overlap_ag / _rs / tp_comm_bulk_dgrad / _wgrad)")
     return "\n".join(lines)
 
 

@@ -14,7 +14,6 @@ only ever picks by time_ms.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable
 
 from ..simulate import Calibration, GemmModel, Hardware, Layout, Trial, simulate_pass
@@ -52,7 +51,7 @@ class ModelMeasure:
 
     def __call__(self, trial: Trial) -> dict[str, Any]:
         c = trial.candidate
-        r = simulate_pass(trial.spec, c.settings, self.hw, self.layout, self.gemm, c.ring_order,
+        r = simulate_pass(trial.spec, c.settings, self.hw, self.layout, self.gemm,
                           trial.comm_moved)
         return _result(r, "model")
 
@@ -90,21 +89,22 @@ class ComputeSideMeasure:
         m, k, n = trial.spec.gemm
         cal, tp = self.calibration, self.layout.tp
         measured: dict[str, Any] = {}
-        if (m, k, n) not in cal.mono:
+        if (m, k, n) not in cal.mono_samples:
             measured = measure_gemm(m, k, n, reps=self.reps, dtype=self.dtype)
             cal.add((m, k, n), measured["mono_graph_ms"] * 1e3)
         chunking = _chunking(trial, tp)
-        if chunking and (m, k, n, chunking[1], chunking[2]) not in cal.chunked:
+        if chunking and (m, k, n, chunking[1], chunking[2]) not in cal.ratios:
             op, kind, chunks = chunking
             s = trial.candidate.settings
             method = "pipeline" if kind == "rs_pipeline" else "ring_exchange"
             measured = measure_schedule(m, k, n, op, tp, method, chunks, reps=self.reps,
                                         dtype=self.dtype, aggregate=s.aggregate, name=trial.name)
             cal.add((m, k, n), measured["mono_graph_ms"] * 1e3, kind, chunks,
-                    measured["sched_graph_ms"] * 1e3, measured["host_us_sched"])
+                    measured["sched_graph_ms"] * 1e3, measured["sched_ms"] * 1e3,
+                    measured["host_us_sched"])
         c = trial.candidate
         r = simulate_pass(trial.spec, c.settings, self.hw, self.layout, GemmModel(self.hw, cal),
-                          c.ring_order, trial.comm_moved)
+                          trial.comm_moved)
         return {**_result(r, "compute-side measured + modelled communication"),
                 **{f"measured_{k}": v for k, v in measured.items()}}
 
@@ -155,25 +155,27 @@ class DistributedMeasure:
     def __call__(self, trial: Trial) -> dict[str, Any]:
         from ..comm import NullTransport
 
-        c = trial.candidate
-        if c.ring_order == "hierarchical" and not hasattr(self.transport, "ring_order"):
-            return {"time_ms": math.inf, "source": "skipped: this transport has no "
-                    "hierarchical ring order yet"}
-        tp = self.transport
-        over = self._slowest(self.timer(run_pass(trial, tp, self.device, self.dtype)))
+        from ..comm.topology import topology
+        from ..overlap.hierarchical import choose
+
+        tp, s = self.transport, trial.candidate.settings
+        order = choose(s.ring_order, topology(self.group, self.device))
+        nodes = order.nodes if order.order == "hierarchical" else None
+        over = self._slowest(self.timer(run_pass(trial, tp, self.device, self.dtype, nodes=nodes)))
         base = self._slowest(self.timer(run_pass(trial, tp, self.device, self.dtype, overlap=False)))
         floor = self._slowest(self.timer(run_pass(
-            trial, NullTransport(tp.world_size, tp.rank), self.device, self.dtype)))
+            trial, NullTransport(tp.world_size, tp.rank), self.device, self.dtype, nodes=nodes)))
         room = base - floor
         return {"time_ms": over, "baseline_ms": base, "compute_only_ms": floor,
                 "exposed_ms": over - floor, "hidden_fraction": (base - over) / room if room > 0
-                else None, "source": f"measured ({tp.name})"}
+                else None, "ring_order": order.label, "source": f"measured ({tp.name})"}
 
 
-def run_pass(trial: Trial, tp: Any, device: Any, dtype: Any, overlap: bool = True
-             ) -> Callable[[], Any]:
+def run_pass(trial: Trial, tp: Any, device: Any, dtype: Any, overlap: bool = True,
+             nodes: Any = None) -> Callable[[], Any]:
     """A closure that runs the trial's pass once on transport `tp` (one rank's part):
-    the overlapped schedule, or with overlap=False the GEMM then the collective."""
+    the overlapped schedule, or with overlap=False the GEMM then the collective.
+    nodes: the group's ranks per node when the hierarchical ring order runs."""
     import torch
 
     from ..overlap.streams import ChunkStreams
@@ -193,7 +195,7 @@ def run_pass(trial: Trial, tp: Any, device: Any, dtype: Any, overlap: bool = Tru
         comm_p, gemm_p = s.stream_priorities(*torch.cuda.Stream.priority_range())
     streams = ChunkStreams(priority=gemm_p, sm_margin=s.num_sm if s.set_sm_margin else 0)
     name = trial.name
-    fn = _pass_fn(trial, tp, x, w, comm_full, comm_part, streams, overlap)
+    fn = _pass_fn(trial, tp, x, w, comm_full, comm_part, streams, overlap, nodes)
 
     def run():
         tp.begin_pass(name, comm_p)  # workspaces of the previous call may be reused
@@ -202,7 +204,7 @@ def run_pass(trial: Trial, tp: Any, device: Any, dtype: Any, overlap: bool = Tru
 
 
 def _pass_fn(trial: Trial, tp: Any, x: Any, w: Any, comm_full: Any, comm_part: Any,
-             streams: Any, overlap: bool) -> Callable[[], Any]:
+             streams: Any, overlap: bool, nodes: Any) -> Callable[[], Any]:
     from ..overlap import all_gather_matmul, gemm, hide, matmul_reduce_scatter
 
     spec, s, name = trial.spec, trial.candidate.settings, trial.name
@@ -218,18 +220,29 @@ def _pass_fn(trial: Trial, tp: Any, x: Any, w: Any, comm_full: Any, comm_part: A
 
     if kind == "none" or world == 1:
         return lambda: gemm(x, w.t(), op=name)
-    if not overlap or s.method == "bulk":
-        return lambda: hide(collective, lambda: gemm(x, w.t(), op=name), op=name, overlap=overlap)
+    if not overlap:  # Megatron's order: gather then GEMM, or GEMM then reduce-scatter
+        def plain():
+            if kind == "ag":
+                collective().wait()
+                return gemm(x, w.t(), op=name)
+            out = gemm(x, w.t(), op=name)
+            collective().wait()
+            return out
+        return plain
+    if s.method == "bulk":
+        return lambda: hide(collective, lambda: gemm(x, w.t(), op=name), op=name, overlap=True)
     if not s.is_reduce_scatter:
         local = x[: m // world]
         return lambda: all_gather_matmul(local, w, tp, s.method, op=name, aggregate=s.aggregate,
-                                         streams=streams)
+                                         streams=streams, nodes=nodes)
     splits = s.splits(world)
     if spec.pass_name == "dgrad" and spec.shape.column:  # rs_dgrad: the input gather alongside
         def dgrad_rs():
             h = tp.all_gather(comm_full, comm_part, op=name)
-            out = matmul_reduce_scatter(x, w, tp, s.method, splits, op=name, streams=streams)
+            out = matmul_reduce_scatter(x, w, tp, s.method, splits, op=name, streams=streams,
+                                        nodes=nodes)
             h.wait()
             return out
         return dgrad_rs
-    return lambda: matmul_reduce_scatter(x, w, tp, s.method, splits, op=name, streams=streams)
+    return lambda: matmul_reduce_scatter(x, w, tp, s.method, splits, op=name, streams=streams,
+                                         nodes=nodes)

@@ -18,6 +18,13 @@ from .cache import Cache, cache_key
 from .hooks import job_of
 
 Measure = Callable[[Trial], dict[str, Any]]
+NOTES = {  # what the numbers are, by measurement mode: said in every output
+    "model": "No GPU measurement: every time below is the cost model's prediction (roofline or "
+             "--calibration GEMMs, modelled links), not a measurement.",
+    "compute": "One GPU: the GEMM side of every candidate is measured here; the communication "
+               "side is the cost model's.",
+    "real": "Several GPUs: every candidate ran for real, overlapped, on the TP group.",
+}
 PASSES = ("fprop", "dgrad", "wgrad")
 
 
@@ -86,6 +93,7 @@ def tune(shapes: Sequence[Shape], layout: Layout, measure: Measure, *,
 
     hardware = hardware if hardware is not None else getattr(measure, "hardware", {})
     mode = getattr(measure, "mode", "custom")
+    note = note or NOTES.get(mode, "")
     cache = cache if cache is not None else Cache()
     todo = [t for s in shapes for t in trials(s, layout, rs_dgrad=rs_dgrad)]
     rows: list[dict[str, Any]] = []

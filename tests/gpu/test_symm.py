@@ -255,7 +255,21 @@ def _silent_peer(rank, world):
 
 
 def test_silent_peer_is_a_diagnosed_timeout():
-    message = dist.run(_silent_peer, 2, env=gpu.ENV, timeout=120)[0]
+    # several hardware queues: the watchdog's release reaches the stuck stream
+    env = {**gpu.ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+    message = dist.run(_silent_peer, 2, env=env, timeout=120)[0]
     assert message is not None
     assert "rank 0/2 waited for 'fc1_fprop' chunk 1 from rank 1" in message
     assert "MEGATRON_OVERLAP_TIMEOUT_S=3s" in message
+
+
+def test_silent_peer_with_one_hardware_queue_is_not_a_hang():
+    """Megatron's CUDA_DEVICE_MAX_CONNECTIONS=1: no release can reach the stuck
+    stream; the device-side timeout traps (a CUDA error, then the diagnosis from
+    check()), or, last resort, the watchdog ends the process with code 124."""
+    try:
+        message = dist.run(_silent_peer, 2, env=gpu.ENV, timeout=120)[0]
+    except RuntimeError as exc:
+        assert "codes [124]" in str(exc)
+    else:
+        assert "rank 0/2 waited for 'fc1_fprop' chunk 1 from rank 1" in message

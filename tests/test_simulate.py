@@ -1,0 +1,354 @@
+"""The cost model (megatron_overlap.simulate): closed-form cases, monotonicity,
+hierarchical against flat rings across nodes, calibration, the search space,
+and the `megatron-overlap simulate` round trip."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from megatron_overlap.config import LayerSettings, OverlapConfig
+from megatron_overlap.config.settings import allowed_methods
+from megatron_overlap.simulate import (
+    REFERENCE, PRESETS, Calibration, GemmModel, Hardware, Layout, candidates, layer_passes,
+    parse_shapes, simulate, simulate_pass, trials,
+)
+from megatron_overlap.simulate.passes import PassSpec
+from megatron_overlap.simulate.schedules import ring_steps
+
+HW = Hardware()
+QKV8 = REFERENCE["70B_tp8_qkv"]
+PROJ8 = REFERENCE["70B_tp8_proj"]
+
+
+def _spec(shape, p):
+    return PassSpec(shape, p)
+
+
+def _ring(name, **kw):
+    return dataclasses.replace(LayerSettings.default(name, "ring_exchange"), **kw)
+
+
+def _block_bytes(spec, hw=HW):
+    return spec.block_elems * hw.dtype_bytes
+
+
+# -- closed forms ------------------------------------------------------------------------------
+
+def test_fast_links_hide_all_but_the_tail():
+    """Links far faster than the GEMMs: a ring AG or ring RS (copy engines) exposes nothing;
+    a pipeline RS exposes its last chunk's reduce-scatter (latency + that chunk's bytes),
+    plus what the num_sm SMs its kernels hold cost the chunk GEMMs."""
+    hw = HW.replace(nvlink_gbs=1e5, nvlink_latency_us=0.5, nccl_latency_us=1.0, sm_copy_gbs=1e4)
+    lay, gemm = Layout(tp=8), GemmModel(hw)
+    ag = simulate_pass(_spec(QKV8, "fprop"), _ring("qkv_fprop"), hw, lay, gemm)
+    m, k, n = ag.gemm
+    assert ag.compute_only_us == pytest.approx(8 * gemm.chunk_us(m, k, n, 8, "ag_ring"))
+    assert ag.overlapped_us == pytest.approx(ag.compute_only_us) and ag.exposed_us == pytest.approx(0)
+
+    rs = simulate_pass(_spec(PROJ8, "fprop"), _ring("proj_fprop"), hw, lay, gemm)
+    assert rs.exposed_us == pytest.approx(0, abs=1e-9)
+
+    pipe = LayerSettings.default("proj_fprop", "pipeline")  # 4 splits, 16 SMs
+    spec = _spec(PROJ8, "fprop")
+    got = simulate_pass(spec, pipe, hw, lay, gemm)
+    bw = min(hw.nvlink_gbs, pipe.num_sm * hw.sm_copy_gbs) * 1e3
+    last_rs = hw.nccl_latency_us + 7 * _block_bytes(spec) / 4 / bw
+    held = 4 * (gemm.chunk_us(*spec.gemm, 4, "rs_pipeline", sms=hw.sms - pipe.num_sm)
+                - gemm.chunk_us(*spec.gemm, 4, "rs_pipeline"))
+    assert held > 0
+    assert got.exposed_us == pytest.approx(last_rs + held)
+
+
+def test_slow_links_are_comm_bound_with_the_gemm_hidden():
+    """Links far slower than the GEMMs: ring AG time = (W-1) transfers + the last chunk's
+    GEMM; everything else of the GEMM hides under the transfers."""
+    hw = HW.replace(nvlink_gbs=2.0)
+    lay, gemm = Layout(tp=8), GemmModel(hw)
+    spec = _spec(QKV8, "fprop")
+    got = simulate_pass(spec, _ring("qkv_fprop"), hw, lay, gemm)
+    step = hw.nvlink_latency_us + _block_bytes(spec) / (hw.nvlink_gbs * 1e3)
+    chunk = gemm.chunk_us(*spec.gemm, 8, "ag_ring")
+    assert got.overlapped_us == pytest.approx(7 * step + chunk)
+    assert got.overlapped_us > 20 * got.compute_only_us
+    # the non-overlapped path pays the GEMM, then the collective
+    assert got.baseline_us == pytest.approx(got.gemm_us + got.comm_us)
+    assert got.comm_us == pytest.approx(hw.nccl_latency_us + 7 * _block_bytes(spec) / 2e3)
+
+
+def test_aggregate_halves_the_latency_bound_steps():
+    """Tiny blocks, large latency: both ring directions take W/2 steps instead of W-1."""
+    hw = HW.replace(nvlink_latency_us=500.0)
+    lay, gemm = Layout(tp=8), GemmModel(hw)
+    shape = dataclasses.replace(QKV8, m=64, k=64, n=64)
+    one = simulate_pass(_spec(shape, "fprop"), _ring("qkv_fprop"), hw, lay, gemm)
+    two = simulate_pass(_spec(shape, "fprop"), _ring("qkv_fprop", aggregate=True), hw, lay, gemm)
+    assert one.overlapped_us == pytest.approx(7 * 500, rel=0.01)
+    assert two.overlapped_us == pytest.approx(4 * 500, rel=0.01)
+
+
+def test_one_rank_has_no_communication():
+    lay = Layout(tp=1, gpus_per_node=8)
+    report = simulate(parse_shapes("70b", 1), HW, lay)
+    for sr in report.shapes:
+        for r in sr.given + sr.best:
+            assert r.comm_us == 0 and r.exposed_us == 0
+            assert r.overlapped_us == r.baseline_us == r.compute_only_us == r.gemm_us
+
+
+def test_hierarchical_beats_a_flat_ring_across_nodes():
+    """TP=16 over 2 nodes: a flat ring waits on the IB hop every step; the hierarchical
+    order sends over IB once, under the intra-node ring."""
+    lay, gemm = Layout(tp=16, gpus_per_node=8), GemmModel(HW)
+    for shape in parse_shapes("70b", 16):
+        for spec in layer_passes(shape):
+            if "ring_exchange" not in allowed_methods(spec.name) or spec.name.startswith(
+                    ("qkv_dgrad", "fc1_dgrad")):
+                continue
+            flat = simulate_pass(spec, _ring(spec.name, ring_order="flat"), HW, lay, gemm)
+            hier = simulate_pass(spec, _ring(spec.name, ring_order="hierarchical"), HW, lay, gemm)
+            auto = simulate_pass(spec, _ring(spec.name), HW, lay, gemm)  # TE default: auto
+            assert (flat.ring_order, hier.ring_order, auto.ring_order) == (
+                "flat", "hierarchical", "hierarchical")
+            assert auto.overlapped_us == hier.overlapped_us
+            ib_step = _block_bytes(spec) / (HW.ib_gbs * 1e3)
+            assert flat.overlapped_us >= 15 * ib_step, spec.name  # every step pays the IB hop
+            assert hier.overlapped_us < 0.5 * flat.overlapped_us, spec.name
+            assert hier.compute_only_us == pytest.approx(flat.compute_only_us, rel=0.05)
+    # one node: the order changes nothing
+    one = Layout(tp=8)
+    spec = _spec(QKV8, "fprop")
+    flat = simulate_pass(spec, _ring("qkv_fprop", ring_order="flat"), HW, one, gemm)
+    hier = simulate_pass(spec, _ring("qkv_fprop", ring_order="hierarchical"), HW, one, gemm)
+    assert flat.overlapped_us == hier.overlapped_us and hier.ring_order == "flat"
+
+
+def test_hierarchical_ties_flat_when_ib_is_as_fast_as_nvlink():
+    hw = HW.replace(ib_gbs=HW.nvlink_gbs, ib_latency_us=HW.nvlink_latency_us)
+    lay, gemm = Layout(tp=16, gpus_per_node=8), GemmModel(hw)
+    spec = _spec(REFERENCE["70B_tp8_fc1"].at_tp(16), "fprop")
+    flat = simulate_pass(spec, _ring("fc1_fprop", ring_order="flat"), hw, lay, gemm)
+    hier = simulate_pass(spec, _ring("fc1_fprop", ring_order="hierarchical"), hw, lay, gemm)
+    assert hier.overlapped_us == pytest.approx(flat.overlapped_us, rel=0.05)
+
+
+# -- monotonicity ------------------------------------------------------------------------------
+
+SETTINGS = [("qkv_fprop", "ring_exchange"), ("proj_fprop", "pipeline"), ("proj_fprop", "ring_exchange"),
+            ("qkv_dgrad", "bulk"), ("qkv_wgrad", "bulk"), ("proj_dgrad", "ring_exchange")]
+
+
+@pytest.mark.parametrize("tp,gpn,order", [(8, 8, "flat"), (16, 8, "flat"), (16, 8, "hierarchical")])
+def test_monotone_in_bandwidth_latency_and_tokens(tp, gpn, order):
+    lay = Layout(tp=tp, gpus_per_node=gpn)
+    for name, method in SETTINGS:
+        s = dataclasses.replace(LayerSettings.default(name, method), ring_order=order)
+        buffer, p = name.split("_")
+        base = REFERENCE[f"70B_tp8_{buffer}"].at_tp(tp)
+
+        def t(hw=HW, m=base.m):
+            shape = dataclasses.replace(base, m=m)
+            r = simulate_pass(PassSpec(shape, p), s, hw, lay, GemmModel(hw))
+            assert r.compute_only_us <= r.overlapped_us + 1e-9
+            return r
+
+        def check(values, series, increasing):
+            got = [series(v) for v in values]
+            for a, b in zip(got, got[1:]):
+                assert (b >= a - 1e-9) if increasing else (b <= a + 1e-9), (name, values, got)
+
+        check([50, 100, 200, 400, 800], lambda v: t(HW.replace(nvlink_gbs=v)).overlapped_us, False)
+        check([10, 25, 45, 90], lambda v: t(HW.replace(ib_gbs=v)).overlapped_us, False)
+        check([0, 3, 10, 30], lambda v: t(HW.replace(nvlink_latency_us=v)).overlapped_us, True)
+        check([50, 100, 200, 400, 800], lambda v: t(HW.replace(nvlink_gbs=v)).baseline_us, False)
+        check([2048, 4096, 8192, 16384], lambda v: t(m=v).overlapped_us, True)
+        check([2048, 4096, 8192, 16384], lambda v: t(m=v).baseline_us, True)
+
+
+def test_eager_launches_cost_host_time():
+    lay_g, lay_e = Layout(tp=8, mode="graph"), Layout(tp=8, mode="eager")
+    gemm, spec = GemmModel(HW), _spec(REFERENCE["8B_tp2_qkv"].at_tp(8), "fprop")
+    graph = simulate_pass(spec, _ring("qkv_fprop"), HW, lay_g, gemm)
+    eager = simulate_pass(spec, _ring("qkv_fprop"), HW, lay_e, gemm)
+    assert eager.compute_only_us > graph.compute_only_us
+    # small chunks: the host is the bound, one step's launch cost per chunk
+    assert eager.compute_only_us >= 8 * HW.eager_step_us
+
+
+# -- calibration -------------------------------------------------------------------------------
+
+def _calibration_file(tmp_path):
+    rows = [{"shape": "70B_tp8_qkv", "m": 8192, "k": 8192, "n": 1280, "op": "ag", "tp": 8,
+             "schedule": "ring", "chunks": 8, "gemm_streams": 1, "mono_ms": 0.31, "sched_ms": 0.6,
+             "mono_graph_ms": 0.3, "sched_graph_ms": 0.4, "host_us_sched": 800.0},
+            {"shape": "70B_tp8_qkv", "m": 8192, "k": 8192, "n": 1280, "op": "ag", "tp": 8,
+             "schedule": "ring/2s", "chunks": 8, "gemm_streams": 2, "mono_ms": 0.31,
+             "sched_ms": 0.5, "mono_graph_ms": 0.3, "sched_graph_ms": 0.9, "host_us_sched": 1.0}]
+    path = tmp_path / "compute_side.json"
+    path.write_text(json.dumps({"meta": {"device": "NVIDIA H200"}, "rows": rows, "runs": [rows]}))
+    return path
+
+
+def test_calibration_drives_gemm_times(tmp_path):
+    cal = Calibration.load(_calibration_file(tmp_path))
+    gemm = GemmModel(HW, cal)
+    assert gemm.mono_us(8192, 8192, 1280) == pytest.approx(300)
+    assert gemm.chunk_us(8192, 8192, 1280, 8, "ag_ring") == pytest.approx(50)  # 1-stream row
+    assert cal.eager_step_us() == pytest.approx(100)
+    # the fitted roofline reproduces the one measured shape, and is used for the others
+    from megatron_overlap.simulate.gemm import roofline_us
+    assert roofline_us(gemm.fitted, 8192, 8192, 1280) == pytest.approx(300)
+    assert gemm.source(8192, 1280, 8192) == "roofline"
+    got = simulate_pass(_spec(QKV8, "fprop"), _ring("qkv_fprop"), HW, Layout(tp=8), gemm)
+    assert got.compute_only_us == pytest.approx(400)  # the measured graphed schedule
+    assert got.gemm_us == pytest.approx(300) and got.gemm_source == "measured"
+    eager = simulate_pass(_spec(QKV8, "fprop"), _ring("qkv_fprop"), HW, Layout(tp=8, mode="eager"),
+                          gemm)
+    assert eager.compute_only_us == pytest.approx(600)  # the measured eager schedule
+    # a shape the calibration lacks: roofline chunks, the measured host cost per step
+    other = simulate_pass(_spec(QKV8, "dgrad"), LayerSettings.default("qkv_dgrad"), HW,
+                          Layout(tp=8, mode="eager"), gemm)
+    assert other.gemm_source == "roofline"
+    row = PassSpec(REFERENCE["70B_tp8_proj"], "dgrad")  # a ring AG over an uncalibrated GEMM
+    small = dataclasses.replace(row.shape, m=1024)
+    host = simulate_pass(PassSpec(small, "dgrad"), _ring("proj_dgrad"), HW,
+                         Layout(tp=8, mode="eager"), gemm)
+    assert host.compute_only_us >= 8 * 100  # host-bound at 100 us a step
+
+
+# -- shapes, search space ----------------------------------------------------------------------
+
+def test_presets_reproduce_the_reference_shapes():
+    ref = {(s.model, s.buffer, s.tp): (s.m, s.k, s.n) for s in REFERENCE.values()}
+    for s in PRESETS["70b"].shapes("70B", 8):
+        assert (s.m, s.k, s.n) == ref[("70B", s.buffer, 8)]
+    by = {s.buffer: s for s in PRESETS["8b"].shapes("8B", 4)}
+    assert (by["fc1"].m, by["fc1"].k, by["fc1"].n) == ref[("8B", "fc1", 4)]
+    assert (by["fc2"].m, by["fc2"].k, by["fc2"].n) == ref[("8B", "fc2", 4)]
+    qkv = dataclasses.replace(PRESETS["8b"], seq_length=4096).shapes("8B", 2)[0]
+    assert (qkv.m, qkv.k, qkv.n) == ref[("8B", "qkv", 2)]
+    s16 = {s.buffer: s for s in parse_shapes("70b", 16)}
+    assert (s16["qkv"].n, s16["fc1"].n, s16["proj"].k, s16["fc2"].k) == (640, 3584, 512, 1792)
+    recut = REFERENCE["70B_tp8_qkv"].at_tp(16)
+    assert (recut.m, recut.k, recut.n, recut.tp) == (8192, 8192, 640, 16)
+    assert "re-cut" in recut.source
+    with pytest.raises(ValueError, match="not `reference`"):
+        parse_shapes("nope", 8)
+
+
+def test_ring_steps_and_node_pairing_match_the_schedules():
+    from megatron_overlap.overlap import ring_steps as real
+    from megatron_overlap.overlap.hierarchical import partners as real_partners
+    from megatron_overlap.simulate.schedules import partners
+
+    for world in range(1, 10):
+        for rank in range(world):
+            for agg in (False, True):
+                assert ring_steps(rank, world, agg) == real(rank, world, agg)
+            assert partners(rank, world) == real_partners(rank, world)
+
+
+@pytest.mark.parametrize("backend", ["symm", "nvshmem", "torch_p2p"])
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_candidates_are_valid_distinct_and_effective(backend, nodes):
+    lay = Layout(tp=8 * nodes, gpus_per_node=8, backend=backend)
+    for rs_dgrad in (False, True):
+        for name in ("qkv_fprop", "qkv_dgrad", "qkv_wgrad", "proj_fprop", "proj_dgrad",
+                     "proj_wgrad", "fc1_dgrad"):
+            cands = candidates(name, lay, rows_per_rank=96, rs_dgrad=rs_dgrad)
+            assert cands and len(set(cands)) == len(cands), name
+            for c in cands:
+                s = c.settings
+                assert LayerSettings(**dataclasses.asdict(s)) == s  # passes validation again
+                if s.method == "pipeline":
+                    assert 96 % s.num_splits == 0
+                if name in ("qkv_dgrad", "fc1_dgrad") and not rs_dgrad:
+                    assert s.method == "bulk"
+                assert s.ring_order == "auto" or (nodes > 1 and s.ring_order == "flat")
+                if nodes > 1 and c.ring_order == "hierarchical":  # overlap.hierarchical:
+                    assert not s.aggregate  # one direction, and no pipeline chunks
+                    assert s.method != "pipeline" or s.num_splits == 4
+                # keys that do nothing on this backend stay at TE's default
+                default = LayerSettings.default(name, s.method)
+                for key in ("use_ce", "num_sm", "aggregate"):
+                    if s.effects(backend)[key] != "active":
+                        assert getattr(s, key) == getattr(default, key), (name, key)
+            methods = {c.settings.method for c in cands}
+            if rs_dgrad and name == "qkv_dgrad":
+                assert methods == {"bulk", "pipeline", "ring_exchange"}
+            if name == "proj_wgrad":
+                assert [c.settings.method for c in cands] == ["external"]
+    ring = [c.settings for c in candidates("qkv_fprop", lay, 96)]
+    ce_matters = LayerSettings.default("qkv_fprop").effects(backend)["use_ce"] == "active"
+    assert len({s.use_ce for s in ring}) == (2 if ce_matters else 1)
+    assert {s.aggregate for s in ring} == {False, True}
+
+
+def test_picked_settings_form_a_valid_config(tmp_path):
+    lay = Layout(tp=16, gpus_per_node=8, backend="nvshmem")
+    report = simulate(parse_shapes("70b", 16), HW, lay, rs_dgrad=True)
+    (model,) = report.models
+    cfg = report.picked_config(model.model)
+    path = tmp_path / "picked.yaml"
+    cfg.to_yaml(path)
+    loaded = OverlapConfig.load(str(path))
+    assert loaded == cfg
+    for sr in report.shapes:
+        given = {r.name: r for r in sr.given}
+        for p, t in sr.chosen.items():
+            if not t.comm_moved:
+                assert loaded[t.name] == t.candidate.settings
+            assert sr.best[("fprop", "dgrad", "wgrad").index(p)].overlapped_us <= \
+                given[t.name].overlapped_us + 1e-9  # the defaults are among the candidates
+        if sr.chosen["dgrad"].candidate.settings.is_reduce_scatter and sr.shape.column:
+            assert sr.chosen["wgrad"].comm_moved
+            assert f"{sr.shape.buffer}_wgrad" in loaded.unused_layers
+    assert set(model.ring_orders.values()) <= {"flat", "hierarchical"}
+    assert model.best_us <= model.given_us <= model.baseline_us
+
+
+def test_trials_cover_every_pass():
+    got = trials(REFERENCE["70B_tp8_fc1"], Layout(tp=8), rs_dgrad=True)
+    assert {t.name for t in got} == {"fc1_fprop", "fc1_dgrad", "fc1_wgrad"}
+    assert sum(t.comm_moved for t in got) == 1
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+
+def test_cli_round_trip(tmp_path, capsys):
+    from megatron_overlap.cli import main
+
+    cfg = tmp_path / "in.yaml"
+    cfg.write_text("proj_fprop:\n  method: pipeline\n  num_splits: 2\n")
+    out, yml, md = tmp_path / "out.json", tmp_path / "picked.yaml", tmp_path / "out.md"
+    argv = ["simulate", "--shapes", "70b", "--tp", "8", "--gpus-per-node", "8", "--cfg", str(cfg),
+            "--json", str(out), "--yaml", str(yml), "--md", str(md), "--hw", "ib_gbs=40"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    for word in ("GEMM ms", "non-overlapped ms", "overlapped ms", "exposed ms", "hidden",
+                 "best settings", "70B_tp8_qkv", "per layer"):
+        assert word in printed
+    data = json.loads(out.read_text())
+    assert data["command"] == "megatron-overlap " + " ".join(argv)
+    assert data["meta"]["hardware"]["ib_gbs"] == 40
+    assert data["meta"]["gemm_times"].startswith("roofline")
+    passes = {p["name"]: p for p in data["passes"]}
+    assert len(passes) == 12
+    assert passes["proj_fprop"]["settings"]["num_splits"] == 2
+    direct = simulate(parse_shapes("70b", 8), HW.replace(ib_gbs=40), Layout(tp=8),
+                      cfg=OverlapConfig.load(str(cfg)))
+    for sr in direct.shapes:
+        for r in sr.given:
+            assert passes[r.name]["overlapped_ms"] == pytest.approx(r.overlapped_us / 1e3)
+            assert passes[r.name]["baseline_ms"] == pytest.approx(r.baseline_us / 1e3)
+    for p in passes.values():
+        assert p["best"]["overlapped_ms"] <= p["overlapped_ms"] + 1e-12
+        assert p["compute_only_ms"] <= p["overlapped_ms"] + 1e-12
+        h = p["hidden_fraction"]
+        assert h is None or math.isfinite(h)
+    (model,) = data["models"]
+    assert model["complete"] and model["layers"] == 80
+    assert OverlapConfig.load(str(yml)) == OverlapConfig.load(model["picked_ub_cfgs"])
+    assert md.read_text().startswith(f"Command: `{data['command']}`")
+    assert main(["simulate", "--shapes", "bogus", "--tp", "8"]) == 2

@@ -1,0 +1,207 @@
+"""The tuner on CPU: the cost-model-only mode writes a YAML that install() takes and
+the layers then run; the cache resumes an interrupted search; only valid settings
+are ever tried; the search and the choice land in an offline wandb run; the
+several-GPU measurement hook runs on gloo ranks."""
+
+import dataclasses
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from helpers import dist
+from megatron_overlap.config import LayerSettings, OverlapConfig
+from megatron_overlap.config.names import EXTERNAL_PAIRS, RS_DGRAD_LAYERS
+from megatron_overlap.config.settings import allowed_methods
+from megatron_overlap.simulate import PRESETS, Hardware, Layout, Shape, trials
+from megatron_overlap.tune import Cache, ModelMeasure, tune
+
+SHAPES = PRESETS["70b"].shapes("70B", 8)
+
+
+def _fake(counter: list, fail_after: int | None = None):
+    """A measurement callable: deterministic times from the settings, counted."""
+    def measure(trial):
+        if fail_after is not None and len(counter) >= fail_after:
+            raise KeyboardInterrupt("interrupted")
+        counter.append(trial)
+        s = trial.candidate.settings
+        return {"time_ms": 1.0 + s.num_sm / 100 + (s.num_splits or 0) / 1000 + s.aggregate * 0.01
+                + (0.5 if trial.candidate.ring_order == "flat" else 0)}
+    measure.hardware = {"kind": "fake"}
+    return measure
+
+
+def test_cpu_mode_writes_a_yaml_that_layers_use(tmp_path, capsys):
+    """`megatron-overlap tune` on CPU: says it is the cost model only, and its YAML is what
+    install() reads and our layers then run (and they still match Megatron's)."""
+    from megatron_overlap.cli import main
+
+    yml = tmp_path / "tuned.yaml"
+    # slow links make the model prefer other settings than TE's defaults
+    argv = ["tune", "--model", "8b", "--tp", "2", "--measure", "auto", "--yaml", str(yml),
+            "--wandb", "off", "--no-progress", "--hw", "nvlink_gbs=40", "--hw", "sm_copy_gbs=20"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "cost model's prediction" in out and "not a measurement" in out
+    cfg = OverlapConfig.load(str(yml))
+    assert cfg != OverlapConfig.load(None)  # the search changed something
+    search = json.loads((tmp_path / "tuned.yaml.json").read_text())
+    assert search["mode"] == "model" and "not a measurement" in search["note"]
+    assert search["ub_cfgs"]["8B"] == cfg.to_dict()
+    assert len(search["chosen"]) == 12 and len(search["trials"]) > 12
+    for row in search["chosen"]:
+        assert row["time_ms"] == min(t["time_ms"] for t in search["trials"]
+                                     if t["pass"] == row["pass"] and not t["comm_moved"])
+
+    got = dist.run(_layers_rank, 2, str(yml))
+    for rank in got:
+        for buffer, passes in (("qkv", ("fprop", "dgrad", "wgrad")), ("proj", ("fprop", "dgrad"))):
+            for p in passes:
+                assert rank[buffer][p] == cfg[f"{buffer}_{p}"], (buffer, p)
+            assert max(rank[buffer]["errors"].values()) < 1e-5, rank[buffer]["errors"]
+            rows = {r["pass"]: r for r in rank[buffer]["rows"]}
+            assert rows["fprop"]["method"] == cfg[f"{buffer}_fprop"].method
+            assert rows["fprop"]["num_splits"] == cfg[f"{buffer}_fprop"].splits(2)
+
+
+def _layers_rank(rank, world, yaml_path):
+    from helpers.tune_ranks import layers_with_tuned_yaml
+
+    return layers_with_tuned_yaml(rank, world, yaml_path)
+
+
+def test_cache_resumes_an_interrupted_search(tmp_path):
+    layout = Layout(tp=8)
+    total = len([t for s in SHAPES for t in trials(s, layout)])
+    path = tmp_path / "cache.jsonl"
+    first: list = []
+    with pytest.raises(KeyboardInterrupt):
+        tune(SHAPES, layout, _fake(first, fail_after=10), cache=Cache(path), progress=False)
+    assert len(first) == 10
+    with open(path, "a") as f:
+        f.write('{"key": "torn')  # killed mid-write
+    second: list = []
+    resumed = tune(SHAPES, layout, _fake(second), cache=Cache(path), progress=False)
+    assert len(second) == total - 10
+    assert (resumed.measured, resumed.cached) == (total - 10, 10)
+    assert not set(map(id, first)) & set(map(id, second))
+    third: list = []
+    again = tune(SHAPES, layout, _fake(third), cache=Cache(path), progress=False)
+    assert third == [] and again.cached == total
+    fresh = tune(SHAPES, layout, _fake([]), progress=False)  # no cache at all
+    for model in fresh.configs:
+        assert again.configs[model] == resumed.configs[model] == fresh.configs[model]
+    # another machine: nothing is reused
+    fourth: list = []
+    other = _fake(fourth)
+    other.hardware = {"kind": "fake", "gpu": "other"}
+    tune(SHAPES, layout, other, cache=Cache(path), progress=False)
+    assert len(fourth) == total
+
+
+@pytest.mark.parametrize("layout,rs_dgrad", [
+    (Layout(tp=8), False), (Layout(tp=8, backend="torch_p2p"), True),
+    (Layout(tp=16, gpus_per_node=8, backend="nvshmem"), True)])
+def test_invalid_combinations_are_never_tried(layout, rs_dgrad):
+    tried: list = []
+    shapes = PRESETS["70b"].shapes("70B", layout.tp)
+    result = tune(shapes, layout, _fake(tried), rs_dgrad=rs_dgrad, progress=False)
+    assert tried and len({(t.spec, t.candidate, t.comm_moved) for t in tried}) == len(tried)
+    for t in tried:
+        s, name = t.candidate.settings, t.name
+        assert LayerSettings(**dataclasses.asdict(s)) == s  # TE's rules, checked again
+        assert s.method in allowed_methods(name)
+        if name in RS_DGRAD_LAYERS and not rs_dgrad:
+            assert s.method == "bulk"
+        if name in EXTERNAL_PAIRS:
+            assert s.method == "external"
+        if s.method == "pipeline":
+            assert (t.spec.shape.m // layout.tp) % s.num_splits == 0
+        effects = s.effects(layout.backend)
+        default = LayerSettings.default(name, s.method)
+        for key in ("use_ce", "num_sm", "aggregate", "ring_order"):
+            if effects[key] != "active":
+                assert getattr(s, key) == getattr(default, key), (name, key)
+        if layout.nodes == 1:
+            assert s.ring_order == "auto"
+    for model, cfg in result.configs.items():  # the choice is a valid config as a whole
+        assert OverlapConfig.load(cfg.to_dict()) == cfg
+        assert OverlapConfig.load(cfg.to_yaml()) == cfg
+
+
+def test_search_and_choice_logged_to_offline_wandb(tmp_path, monkeypatch):
+    import wandb
+
+    from megatron_overlap.telemetry import read_offline_run, wait_for_exit
+
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    layout = Layout(tp=8)
+    shapes = SHAPES[:2]
+    run = wandb.init(mode="offline", dir=tmp_path, project="tune-test",
+                     settings=wandb.Settings(console="off", x_disable_stats=True, disable_git=True,
+                                             save_code=False))
+    try:
+        result = tune(shapes, layout, ModelMeasure(Hardware(), layout), run=run, progress=False)
+    finally:
+        run.finish()
+    wait_for_exit(run.dir)
+    got = read_offline_run(run.dir)
+    history = got["history"]
+    assert [h["_step"] for h in history] == list(range(len(result.rows)))
+    for h, row in zip(history, result.rows):
+        assert h["tune/time_ms"] == pytest.approx(row["time_ms"])
+        assert h["tune/cached"] == 0
+    search = got["tables"]["tune/search"]
+    assert len(search) == len(result.rows)
+    assert [(r["pass"], r["method"], r["time_ms"]) for r in search] == \
+        [(r["pass"], r["settings"]["method"], pytest.approx(r["time_ms"])) for r in result.rows]
+    choice = got["tables"]["tune/choice"]
+    assert [(c["shape"], c["pass"]) for c in choice] == \
+        [(s.name, f"{s.buffer}_{p}") for s in shapes for p in ("fprop", "dgrad", "wgrad")]
+    cfg = got["config"]["megatron_overlap_tune"]
+    assert cfg["mode"] == "model" and "not a measurement" in cfg["note"]
+    assert cfg["ub_cfgs"]["70B"] == result.configs["70B"].to_dict()
+    assert cfg["measured"] == len(result.rows)
+
+
+@pytest.mark.parametrize("local", [2, 1])
+def test_distributed_hook_runs_every_trial_on_gloo_ranks(local):
+    """The several-GPU measurement, run for real on two CPU ranks (local=1: two emulated
+    nodes, so hierarchical and flat ring orders both run)."""
+    per_rank = dist.run(_hook_rank, 2, local, env={"LOCAL_WORLD_SIZE": str(local)})
+    assert len(per_rank[0]) == len(per_rank[1]) > 0
+    for a, b in zip(*per_rank):
+        assert (a["pass"], a["label"]) == (b["pass"], b["label"])
+        assert a["time_ms"] == b["time_ms"]  # the slowest rank's, on both
+        for k in ("time_ms", "baseline_ms", "compute_only_ms"):
+            assert math.isfinite(a[k]) and a[k] > 0, a
+    runs = {r["runs"] for r in per_rank[0]}
+    assert runs == ({"flat", "hierarchical", "-"} if local == 1 else {"flat", "-"})
+    if local == 1:
+        hier = [r for r in per_rank[0] if r["runs"] == "hierarchical"]
+        assert all(r["ring_order"].startswith("hierarchical") for r in hier)
+    kinds = {r["pass"] for r in per_rank[0]}
+    assert kinds == {"qkv_fprop", "qkv_dgrad", "qkv_wgrad", "proj_fprop", "proj_dgrad",
+                     "proj_wgrad"}
+
+
+def _hook_rank(rank, world, local):
+    from helpers.tune_ranks import distributed_measure
+
+    return distributed_measure(rank, world, local)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: times cuBLAS GEMMs")
+def test_compute_side_measure_on_one_gpu():
+    from megatron_overlap.tune import ComputeSideMeasure
+
+    layout = Layout(tp=8)
+    measure = ComputeSideMeasure(Hardware(), layout, reps=3)
+    shape = Shape("S", "qkv", 2048, 1024, 512, 8)
+    got = [measure(t) for t in trials(shape, layout)[:3]]
+    assert all(r["time_ms"] > 0 and "measured" in r["source"] for r in got)
+    assert (2048, 1024, 512) in measure.calibration.mono_samples
