@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .timeline import Sim
+from ..overlap.ag_gemm import ring_steps  # the orders exactly as the code runs them
+from ..overlap.hierarchical import partners
 
 
 @dataclass(frozen=True)
@@ -32,20 +34,6 @@ class Work:
     block_bytes: float  # one rank's block of the communicated tensor
     step_us: float  # eager host time per chunk GEMM launched
     add_us: float = 0.0  # a reduce-scatter's `acc += incoming` of one block
-
-
-def ring_steps(rank: int, world: int, aggregate: bool) -> list[list[int]]:
-    """The row blocks a ring position multiplies at each step (overlap.ag_gemm.ring_steps;
-    a test keeps the two equal)."""
-    if not aggregate:
-        return [[(rank - s) % world] for s in range(world)]
-    steps, seen = [], set()
-    for s in range(world // 2 + 1):
-        blocks = [b for b in dict.fromkeys([(rank - s) % world, (rank + s) % world]) if b not in seen]
-        seen.update(blocks)
-        if blocks:
-            steps.append(blocks)
-    return steps
 
 
 def ring_ag(sim: Sim, members: list[int], work: Work, aggregate: bool,
@@ -99,19 +87,6 @@ def ring_rs(sim: Sim, members: list[int], work: Work) -> list[float]:
 def node_members(sim: Sim) -> list[list[int]]:
     local = sim.layout.local
     return [list(range(n * local, (n + 1) * local)) for n in range(sim.layout.nodes)]
-
-
-def partners(node: int, n_nodes: int) -> list[int]:
-    """The other nodes in the order `node` exchanges with them: round-robin pairing, so
-    partners are mutual in every round (overlap.hierarchical.partners; a test keeps the
-    two equal)."""
-    m = n_nodes + n_nodes % 2
-    out = []
-    for r in range(m - 1):
-        p = r if node == m - 1 else m - 1 if node == r else (2 * r - node) % (m - 1)
-        if p < n_nodes and p != node:
-            out.append(p)
-    return out
 
 
 def hierarchical_ag(sim: Sim, work: Work) -> None:
