@@ -8,7 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
-pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
+pipi() { python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target "$@"; }
 ls .whl/*.whl >/dev/null 2>&1 && pipi /tmp/site .whl/*.whl
 pipi /tmp/site_mc019 .whl/mc019/*.whl
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
@@ -23,7 +23,7 @@ if [ -n "${NVSHMEM_PROBE:-}" ]; then
   done
 fi
 if [ -n "${GPU_TESTS:-}" ]; then  # one pytest per file: a hang in one keeps the others' reports
-  for f in ${GPU_TEST_FILES:-tests/gpu/test_nvshmem.py tests/gpu/test_gpt_symm.py tests/gpu/test_symm.py}; do
+  for f in ${GPU_TEST_FILES:-tests/gpu/test_nvshmem.py tests/gpu/test_gpt_symm.py tests/gpu/test_symm.py tests/test_tune.py::test_compute_side_measure_on_one_gpu}; do
     log="$OUT/tests_$(echo $f | sed "s#tests/gpu/##; s#[:/]#_#g; s#\.py##").log"
     timeout ${GPU_TESTS_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short \
       --durations=8 $f ${GPU_TEST_ARGS:-} > "$log" 2>&1
