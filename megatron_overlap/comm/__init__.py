@@ -117,7 +117,12 @@ def _ranges(ps: list[int]) -> str:
 
 
 def reset() -> None:
-    """Forget every transport and topology (uninstall, or a new process group)."""
+    """Forget every transport and topology (uninstall, or a new process group). Transports
+    holding a runtime (nvshmem) are closed: collective, as uninstall is on every rank."""
+    for transport in list(_cache.values()):
+        close = getattr(transport, "close", None)
+        if close is not None:
+            close()
     _cache.clear()
     _topology.reset()
 

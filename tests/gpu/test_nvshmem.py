@@ -70,6 +70,15 @@ def _passes(rank, world):
         out["overflow"] = str(exc)
     torch.cuda.synchronize()
     out["describe"] = tp.describe()
+    # teardown: uninstall's comm.reset() closes it: memory freed, the NVSHMEM job ended
+    import nvshmem.bindings as nb
+
+    from megatron_overlap import comm
+    from megatron_overlap.comm import nvshmem as nvshmem_transport
+
+    comm.reset()
+    out["closed"] = (tp.bytes_held, dict(nvshmem_transport._runtime),
+                     nb.init_status() == nb.Init_status.STATUS_IS_INITIALIZED)
     return out
 
 
@@ -79,6 +88,8 @@ def test_self_puts_collectives_and_growth():
     assert r["held"][0] < r["held"][1] == r["held"][2]  # grew for 4096 rows, then reused
     assert "more than 256 transfers with rank 0 in one layer pass" in r["overflow"]
     assert r["describe"]["transport"] == "nvshmem" and r["describe"]["pes"] == 1
+    held, runtime, still_initialized = r["closed"]
+    assert held == 0 and runtime == {} and not still_initialized
 
 
 def _graphed(rank, world):
