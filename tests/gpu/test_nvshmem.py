@@ -28,9 +28,9 @@ def _transport(timeout_s=None):
 
     gpu.init()
     if timeout_s is not None:
-        return NvshmemTransport(tdist.group.WORLD, torch.device("cuda", 0),
+        return NvshmemTransport(tdist.group.WORLD, torch.device("cuda", torch.cuda.current_device()),
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    return transport_for(tdist.group.WORLD, "nvshmem", torch.device("cuda", 0))
+    return transport_for(tdist.group.WORLD, "nvshmem", torch.device("cuda", torch.cuda.current_device()))
 
 
 def _passes(rank, world):

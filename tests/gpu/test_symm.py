@@ -14,14 +14,14 @@ DTYPES = ("float32", "bfloat16", "float16")
 ROWS, K, N = 32, 64, 48
 
 
-def _schedules(rank, world):
+def _schedules(rank, world, backend="symm", per_gpu=None):
     import torch
 
     from megatron_overlap.overlap import all_gather_matmul, matmul_reduce_scatter
     from megatron_overlap.overlap.streams import ChunkStreams
 
-    gpu.init()
-    tp = gpu.symm()
+    gpu.init(per_gpu)
+    tp = gpu.transport(backend)
     errs = {}
     blk = slice(rank * ROWS, (rank + 1) * ROWS)
     for dt in DTYPES:
@@ -47,7 +47,7 @@ def _schedules(rank, world):
         tp.begin_pass("collectives")
         out = torch.empty_like(x_full)
         h1 = tp.all_gather(out, x_full[blk], op="ag_bulk")
-        rs = torch.empty(ROWS, K, dtype=dtype, device="cuda")
+        rs = torch.empty(ROWS, K, dtype=dtype, device=x_full.device)
         h2 = tp.reduce_scatter(rs, parts[rank], op="rs_bulk")
         ar = parts[rank].clone()
         h3 = tp.all_reduce(ar, op="ar_bulk")
@@ -70,6 +70,25 @@ def test_schedules_match_reference(world):
         assert not bad, bad
         assert len(errs) == len(DTYPES) * (2 * (len(AG) + 2 * len(RS)) + 3)
         assert desc["transport"] == "symm" and desc["buffer_bytes"] > 0
+
+
+@pytest.mark.parametrize("backend", ["symm", "torch_p2p", "nvshmem"])
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_schedules_one_rank_per_gpu(world, backend):
+    """Issue 7's first table: every transport with one rank per GPU over NCCL."""
+    import torch
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs, one per rank (missing hardware: "
+                    f"{torch.cuda.device_count()} here)")
+    if backend == "nvshmem":
+        pytest.importorskip("nvshmem.core", reason="nvshmem4py is not installed (CUDA-only wheel)")
+    env = {**gpu.ENV, "NVSHMEM_DISABLE_NVLS": "1", "NCCL_NVLS_ENABLE": "0",
+           "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    for errs, desc in dist.run(_schedules, world, backend, True, env=env, timeout=300):
+        bad = {k: v for k, v in errs.items() if not v[0] <= v[1]}
+        assert not bad, bad
+        assert desc["transport"] == backend
 
 
 # -- layer passes: the autograd functions with the plans Megatron's flags give ---------------
