@@ -95,7 +95,8 @@ class NvshmemTransport(HeapTransport):
     # -- contract extras ---------------------------------------------------------------------
     def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
         super().begin_pass(name, comm_priority)
-        self._sent.clear(), self._got.clear()
+        self._sent.clear()
+        self._got.clear()
         self._coll = 0
         stream = torch.cuda.current_stream()
         # Every slot used last pass was waited for (the caller's stream is ordered after

@@ -90,35 +90,38 @@ class Watchdog:
                 continue
             now = time.monotonic()
             with self._lock:
-                live, expired = [], []
+                live, expired = [], []  # expired: (pending, device error or None)
                 for p in self._pending:
                     try:
                         if p.event.query():
                             continue
                     except RuntimeError as exc:  # the device failed (a trap): report, stop
-                        if p.released_at is None:
-                            p.what += f" (the device reported an error meanwhile: {exc})"
-                        expired.append(p)
+                        expired.append((p, str(exc)))
                         continue
                     if p.released_at is not None:
                         self._maybe_abort(p, now)
                         live.append(p)
+                    elif now - p.since > self.timeout_s:
+                        expired.append((p, None))
                     else:
-                        (expired if now - p.since > self.timeout_s else live).append(p)
+                        live.append(p)
                 self._pending = live
-            for p in expired:
-                self._expire(p, now)
+            for p, device_error in expired:
+                self._expire(p, now, device_error)
 
-    def _expire(self, p: _Pending, now: float) -> None:
+    def _expire(self, p: _Pending, now: float, device_error: str | None) -> None:
         if p.released_at is not None:  # diagnosed before; now the device trapped
             return
-        msg = p.what if "device reported" in p.what else f"{p.what} (still pending after {self.timeout_s:g}s)"
+        msg = (f"{p.what} (the device reported an error meanwhile: {device_error})" if device_error
+               else f"{p.what} (still pending after {self.timeout_s:g}s)")
         print(f"megatron_overlap watchdog: {msg}", file=sys.stderr, flush=True)
         self._on_failure(msg)
+        if device_error:  # a dead context: nothing to release, the CUDA error reaches the caller
+            return
         try:
             if self.can_release:
                 p.release()
-        except RuntimeError:  # a dead context: the CUDA error reaches the caller
+        except RuntimeError:  # the context died meanwhile
             return
         if self.abort_after_s is not None:
             p.released_at = now
