@@ -34,7 +34,7 @@ from megatron_overlap.ab.launch import default_world, init_dist, launch, plan_la
 from megatron_overlap.ab.layer_arms import (Arm, Method, baseline_arms, inputs, overlap_arms,
                                             parse_methods, torch_arm)
 from megatron_overlap.ab.machine import machine_info
-from megatron_overlap.ab.results import read_json, stem, write_json
+from megatron_overlap.ab.results import passed, stem, write_json
 from megatron_overlap.ab.shapes import Shape, parse as parse_shapes, scaled
 from megatron_overlap.ab.timing import gather_max, graphed, hidden_fraction, rotated, sample, summary
 
@@ -284,13 +284,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     world = default_world(args.tp, args.device)
     launch(worker, world, args, device=args.device)
-    if "RANK" in os.environ and int(os.environ["RANK"]) != 0:
-        return 0
-    ok = read_json(stem(args.out, "layer_overlap", plan_layout(world, args.device), args.tag) + ".json")[
-        "all_checks_passed"]
-    if not ok:
-        print("some output checks FAILED (see the table / JSON)", file=sys.stderr)
-    return 0 if ok else 2
+    return passed(args.out, "layer_overlap", plan_layout(world, args.device), args.tag,
+                  "all_checks_passed", "some output checks FAILED")
 
 
 if __name__ == "__main__":

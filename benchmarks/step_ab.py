@@ -226,20 +226,15 @@ def _write(doc: dict, args, layout) -> None:
 
 def main(argv=None) -> int:
     from megatron_overlap.ab.launch import default_world, launch, plan_layout
-    from megatron_overlap.ab.results import read_json, stem
+    from megatron_overlap.ab.results import passed
 
     args = parse_args(argv)
     world = default_world(args.tp, args.device)
     if args.warmup >= args.steps:
         raise SystemExit(f"--warmup {args.warmup} leaves no timed step of --steps {args.steps}")
     launch(worker, world, args, device=args.device)
-    if "RANK" in os.environ and int(os.environ["RANK"]) != 0:
-        return 0
-    ok = read_json(stem(args.out, "step_ab", plan_layout(world, args.device), args.tag) + ".json")[
-        "parity_passed"]
-    if not ok:
-        print("loss parity FAILED (see the table / JSON)", file=sys.stderr)
-    return 0 if ok else 2
+    return passed(args.out, "step_ab", plan_layout(world, args.device), args.tag,
+                  "parity_passed", "loss parity FAILED")
 
 
 if __name__ == "__main__":

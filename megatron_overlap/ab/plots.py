@@ -14,6 +14,14 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, path: str, title: str) -> str:
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_layers(shapes: Sequence[Mapping], path: str, title: str) -> str:
     """Left: each arm's median time relative to the baseline's, per shape (lower is
     better; 1 = the non-overlapped path). Right: hidden fraction per overlapped arm."""
@@ -51,11 +59,7 @@ def plot_layers(shapes: Sequence[Mapping], path: str, title: str) -> str:
                       ha="right", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)
 
 
 def plot_steps(arms: Mapping[str, Mapping], path: str, title: str, warmup: int) -> str:
@@ -79,8 +83,4 @@ def plot_steps(arms: Mapping[str, Mapping], path: str, title: str, warmup: int) 
     for ax in (ax_l, ax_t):
         ax.grid(alpha=0.3)
     ax_l.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path, title)

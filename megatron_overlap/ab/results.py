@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 
 from .launch import Layout
 
@@ -36,3 +37,15 @@ def write_json(path: str, doc: dict) -> None:
 def read_json(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+def passed(out_dir: str, benchmark: str, layout: Layout, tag: str | None, key: str, failure: str) -> int:
+    """After a run: the exit code for rank 0 (0, or 2 when the JSON's `key` check failed,
+    saying so); other ranks under torchrun return 0, rank 0 reports."""
+    if "RANK" in os.environ and int(os.environ["RANK"]) != 0:
+        return 0
+    ok = read_json(stem(out_dir, benchmark, layout, tag) + ".json")[key]
+    if not ok:
+        print(f"{failure} (see the table / JSON)", file=sys.stderr)
+    return 0 if ok else 2
+
