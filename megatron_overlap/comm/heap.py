@@ -148,11 +148,10 @@ class HeapTransport(Transport):
         event.record(stream)
         return EventHandle(event, self)
 
-    @staticmethod
-    def _sum_into(out: torch.Tensor, part, world: int) -> None:
+    def _sum_into(self, out: torch.Tensor, part) -> None:
         """Sum in rank order on every rank, so all ranks get bit-identical results."""
         out.copy_(part(0))
-        for p in range(1, world):
+        for p in range(1, self.world_size):
             out.add_(part(p))
 
     def _fail(self, message: str) -> None:

@@ -163,7 +163,7 @@ class NvshmemTransport(HeapTransport):
             self._push(lambda p: (recv[self.rank], src[p * rows:(p + 1) * rows]), seq, stream)
             self._wait_all(seq, stream, op, chunk)
             own = src[self.rank * rows:(self.rank + 1) * rows]
-            self._sum_into(out, lambda p: own if p == self.rank else recv[p], self.world_size)
+            self._sum_into(out, lambda p: own if p == self.rank else recv[p])
             return self._event(stream)
 
     def _start_all_reduce(self, tensor, op, chunk) -> Handle:
@@ -174,7 +174,7 @@ class NvshmemTransport(HeapTransport):
             src.copy_(tensor)
             self._push(lambda p: (recv[self.rank], src), seq, stream)
             self._wait_all(seq, stream, op, chunk)
-            self._sum_into(tensor, lambda p: src if p == self.rank else recv[p], self.world_size)
+            self._sum_into(tensor, lambda p: src if p == self.rank else recv[p])
             return self._event(stream)
 
     # -- helpers -----------------------------------------------------------------------------

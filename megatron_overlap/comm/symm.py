@@ -83,14 +83,13 @@ class SymmTransport(HeapTransport):
         stage = self._stage_for(inp)
         rows = out.shape[0]
         with self._staged(stage, inp, op, chunk) as stream:
-            self._sum_into(out, lambda p: self._remote(stage, p, op)[self.rank * rows:(self.rank + 1) * rows],
-                          self.world_size)
+            self._sum_into(out, lambda p: self._remote(stage, p, op)[self.rank * rows:(self.rank + 1) * rows])
             return self._event(stream)
 
     def _start_all_reduce(self, tensor, op, chunk) -> Handle:
         stage = self.workspace(tensor.shape, tensor.dtype)
         with self._staged(stage, tensor, op, chunk) as stream:
-            self._sum_into(tensor, lambda p: self._remote(stage, p, op), self.world_size)
+            self._sum_into(tensor, lambda p: self._remote(stage, p, op))
             return self._event(stream)
 
     # -- helpers -----------------------------------------------------------------------------
