@@ -3,8 +3,9 @@
 # .whl/ as ../shared/device/wheels.sh fetches it). Run from the repo root:
 #   GPU_TESTS=1 BENCH=1 CPU_VERSIONS="mc019 mc014" bash benchmarks/gpu_session.sh
 # GPU_TESTS: `make test-gpu` (ranks sharing the one GPU); BENCH: compute_side.py;
-# NVSHMEM_PROBE: benchmarks/probe_nvshmem.py with 1 and 2 PEs; BENCH_SUITE: layer_overlap.py +
-# step_ab.py with 2 shared-GPU ranks (JSON + PNG into $OUT); CPU_VERSIONS: the CPU suite against those megatron-core wheels. $OUT gets the logs.
+# NVSHMEM_PROBE: benchmarks/probe_nvshmem.py with 1 and 2 PEs; BENCH_SUITE: layer_overlap.py
+# (unless SKIP_LAYER_OVERLAP) + step_ab.py with 2 shared-GPU ranks (JSON + PNG into $OUT);
+# TUNE: `megatron-overlap tune` on this machine (TUNE_MODEL, TUNE_TP); CPU_VERSIONS: the CPU suite against those megatron-core wheels. $OUT gets the logs.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -36,12 +37,19 @@ if [ -n "${BENCH:-}" ]; then
   echo "bench rc=$?"; cat "$OUT/compute_side.log"
 fi
 if [ -n "${BENCH_SUITE:-}" ]; then  # issue 6's benchmark suite, 2 ranks sharing the one GPU: functional numbers only (~60 s)
-  timeout ${SUITE_TIMEOUT:-75} python3 benchmarks/layer_overlap.py --tp 2 --scale ${SUITE_SCALE:-2} \
+  [ -z "${SKIP_LAYER_OVERLAP:-}" ] && timeout ${SUITE_TIMEOUT:-75} python3 benchmarks/layer_overlap.py --tp 2 --scale ${SUITE_SCALE:-2} \
     --reps ${SUITE_REPS:-10} --warmup 2 --out "$OUT" > "$OUT/layer_overlap.log" 2>&1
   echo "== layer_overlap rc=$?"; tail -${SUITE_TAIL:-70} "$OUT/layer_overlap.log"
   timeout ${SUITE_TIMEOUT:-75} python3 benchmarks/step_ab.py --tp 2 --layers 4 --hidden 1024 --heads 16 \
     --seq 1024 --micro-batch 2 --vocab 8192 --steps 12 --warmup 3 --out "$OUT" > "$OUT/step_ab.log" 2>&1
   echo "== step_ab rc=$?"; tail -16 "$OUT/step_ab.log"
+fi
+if [ -n "${TUNE:-}" ]; then  # issue 6's tuner on this machine: one GPU -> compute side measured + cost model
+  timeout ${TUNE_TIMEOUT:-200} python3 -m megatron_overlap.cli tune --model ${TUNE_MODEL:-70b} --tp ${TUNE_TP:-8} \
+    --measure auto --reps ${TUNE_REPS:-10} --yaml "$OUT/tune_${TUNE_MODEL:-70b}_tp${TUNE_TP:-8}.yaml" \
+    --json "$OUT/tune_${TUNE_MODEL:-70b}_tp${TUNE_TP:-8}.json" --cache "$OUT/tune_cache.jsonl" \
+    --wandb off --no-progress > "$OUT/tune.log" 2>&1
+  echo "== tune rc=$?"; tail -${TUNE_TAIL:-40} "$OUT/tune.log"
 fi
 for v in ${CPU_VERSIONS:-}; do
   pipi /tmp/site_$v .whl/$v/*.whl

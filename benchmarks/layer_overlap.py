@@ -9,6 +9,7 @@ of the slowest rank's time. Hidden fraction = (baseline - arm) / (baseline - flo
     python benchmarks/layer_overlap.py --tp 2 --scale 2           # one GPU: 2 shared ranks (functional)
     python benchmarks/layer_overlap.py --device cpu --scale 16 --kn-scale 16   # CPU, gloo
     torchrun --nproc-per-node 8 benchmarks/layer_overlap.py       # torchrun works too
+    python benchmarks/layer_overlap.py --gpus-per-node 4          # 8 GPUs as 2 emulated nodes
 
 Writes layer_overlap_<tag>.json (every sample, the machine) and .png to --out.
 Exit status 2 when an output check failed.
@@ -30,7 +31,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
 
 from megatron_overlap.ab import async_tp, backends as backend_sel
-from megatron_overlap.ab.launch import default_world, init_dist, launch, plan_layout
+from megatron_overlap.ab.launch import default_world, emulate_nodes, init_dist, launch, plan_layout
 from megatron_overlap.ab.layer_arms import (Arm, Method, baseline_arms, inputs, overlap_arms,
                                             parse_methods, torch_arm)
 from megatron_overlap.ab.machine import machine_info
@@ -63,6 +64,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="time CUDA-graph replays (one rank per GPU; arms that cannot be captured "
                          "are reported, not timed)")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--gpus-per-node", type=int, default=None,
+                    help="emulate nodes of this many ranks (LOCAL_WORLD_SIZE; on GPUs NCCL over "
+                         "loopback sockets, no P2P / shared memory): the hierarchical schedules "
+                         "across them against NCCL")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default=None, help="file name tag (default: cpu | shared_gpu_tpN | gpu_tpN)")
@@ -236,7 +241,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     if args.graphs and layout.mode != "gpus":
         raise SystemExit("--graphs needs one rank per GPU: gloo collectives cannot be captured")
     group = dist.group.WORLD
-    backends, skipped_backends = backend_sel.select(args.backends, layout)
+    emulated = bool(args.gpus_per_node) and args.gpus_per_node < world
+    backends, skipped_backends = backend_sel.select(args.backends, layout, emulated)
     backends, failed = backend_sel.usable(backends, group, device)
     skipped_backends.update(failed)
     methods = parse_methods(args.methods)
@@ -248,6 +254,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     meta = machine_info(layout, device) if lead else {}
     meta.update(backends=backends, skipped_backends=skipped_backends,
+                emulated_nodes=(f"{world // args.gpus_per_node} x {args.gpus_per_node} ranks"
+                                if emulated else None),
                 methods=[m.label for m in methods], scaled=args.scale > 1 or args.kn_scale > 1,
                 timing=("CUDA events, slowest rank per sample" if device.type == "cuda"
                         else "wall clock, slowest rank per sample") + (", CUDA-graph replays" if args.graphs else ""))
@@ -283,6 +291,8 @@ def write(doc: dict, args: argparse.Namespace, layout) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     world = default_world(args.tp, args.device)
+    if args.gpus_per_node and args.gpus_per_node < world:
+        emulate_nodes(args.gpus_per_node, world, args.device)
     launch(worker, world, args, device=args.device)
     return passed(args.out, "layer_overlap", plan_layout(world, args.device), args.tag,
                   "all_checks_passed", "some output checks FAILED")

@@ -59,6 +59,22 @@ def test_layer_overlap_cpu(tmp_path):
     assert doc["shapes"][0]["shape"]["m"] == 8192 // 64  # --scale shrank M
 
 
+def test_layer_overlap_over_emulated_nodes(tmp_path):
+    """4 ranks as 2 emulated nodes of 2: the per-peer transport with the hierarchical
+    ring order (checked against the baseline), next to NCCL's (here gloo's) flat path."""
+    doc = _run("layer_overlap.py", "--tp", "4", "--gpus-per-node", "2", "--shapes",
+               "tiny:64:24:40:ag,tiny2:64:24:40:rs", "--reps", "1", "--warmup", "1",
+               "--methods", "ring_exchange,pipeline:4", out=tmp_path)
+    assert doc["all_checks_passed"]
+    assert doc["meta"]["emulated_nodes"] == "2 x 2 ranks"
+    assert doc["meta"]["backends"] == ["hierarchical", "torch_p2p"]
+    for s in doc["shapes"]:
+        hier = {n: a for n, a in s["arms"].items() if a["backend"] == "hierarchical"}
+        assert hier and all(a["ring_order"] == "hierarchical 2x2" and a["check"]["passed"]
+                            for a in hier.values()), hier
+        assert all("ring_order" not in a for a in s["arms"].values() if a["backend"] == "torch_p2p")
+
+
 def test_step_ab_cpu(tmp_path):
     doc = _run("step_ab.py", "--layers", "1", "--hidden", "64", "--heads", "4", "--seq", "32",
                "--vocab", "128", "--steps", "3", "--warmup", "1", out=tmp_path)

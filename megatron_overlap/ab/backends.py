@@ -14,9 +14,17 @@ from .launch import Layout
 ORDER = ("symm", "nvshmem", "torch_p2p")
 
 
-def select(spec: str, layout: Layout) -> tuple[list[str], dict[str, str]]:
-    """(backends to run, {backend: why it is left out}) for `spec` ('auto' or a comma list)."""
+def select(spec: str, layout: Layout, emulated_nodes: bool = False
+           ) -> tuple[list[str], dict[str, str]]:
+    """(backends to run, {backend: why it is left out}) for `spec` ('auto' or a comma
+    list). `emulated_nodes`: the group spans emulated nodes; `auto` then runs the
+    per-peer transport and NCCL alone, not a flat symm / nvshmem ring that would
+    cross the emulated node boundary over NVLink."""
     skipped: dict[str, str] = {}
+    if spec == "auto" and emulated_nodes:
+        for b in ("symm", "nvshmem"):
+            skipped[b] = "emulated nodes: a flat ring would cross them over NVLink"
+        return ["hierarchical", "torch_p2p"], skipped
     if spec == "auto":
         wanted = {"gpus": list(ORDER), "shared_gpu": ["symm"], "cpu": ["torch_p2p"]}[layout.mode]
         if layout.mode == "shared_gpu":

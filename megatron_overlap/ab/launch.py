@@ -121,6 +121,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def emulate_nodes(gpus_per_node: int, world: int, device: str = "auto") -> dict[str, str]:
+    """Make the ranks see nodes of `gpus_per_node` (topology reads LOCAL_WORLD_SIZE),
+    so a TP group of `world` spans world / gpus_per_node of them on one host. On GPUs,
+    NCCL is kept off NVLink and shared memory (sockets over loopback), the way its
+    traffic between real nodes leaves the NVLink domain; NCCL reads these once per
+    process, so the baseline's collectives go that way too. Returns what was set."""
+    if gpus_per_node < 1 or world % gpus_per_node:
+        raise SystemExit(f"--gpus-per-node {gpus_per_node} must divide the {world} ranks")
+    env = {"LOCAL_WORLD_SIZE": str(gpus_per_node)}
+    if plan_layout(world, device).mode == "gpus":
+        env.update(NCCL_P2P_DISABLE="1", NCCL_SHM_DISABLE="1", NCCL_NET="Socket",
+                   NCCL_SOCKET_IFNAME=os.environ.get("NCCL_SOCKET_IFNAME", "lo"))
+    os.environ.update(env)
+    return env
+
+
 def _entry(rank: int, world: int, port: int, env: dict[str, str], fn: Callable, args: tuple) -> None:
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))

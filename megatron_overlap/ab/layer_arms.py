@@ -119,22 +119,32 @@ def baseline_arms(shape: Shape, x: torch.Tensor, w: torch.Tensor, group: dist.Pr
             Arm("gemm", "gemm", gemm, False, None)]
 
 
+def ring_layout(tp: comm.Transport):
+    """The ranks per node when `tp` spans nodes (the hierarchical ring order, as a
+    layer's `ring_order: auto` picks it), else None (the flat ring)."""
+    from ..overlap.hierarchical import choose
+
+    return choose("auto", getattr(tp, "topology", None)).nodes
+
+
 def schedule_fn(shape: Shape, x: torch.Tensor, w: torch.Tensor, tp: comm.Transport, m: Method
                 ) -> Callable[[], torch.Tensor]:
     """One layer pass, as a layer runs it: open the transport's pass, run the schedule."""
     streams = ChunkStreams(n=m.streams)
     op = f"{shape.name}:{m.label}"
+    nodes = ring_layout(tp)
     if shape.op == "ag":
         def run() -> torch.Tensor:
             tp.begin_pass(op)
             return all_gather_matmul(x, w, tp, m.method, op=op, aggregate=m.aggregate,
-                                     streams=streams)[0]
+                                     streams=streams, nodes=nodes)[0]
     else:
         splits = m.splits or tp.world_size
 
         def run() -> torch.Tensor:
             tp.begin_pass(op)
-            return matmul_reduce_scatter(x, w, tp, m.method, splits, op=op, streams=streams)
+            return matmul_reduce_scatter(x, w, tp, m.method, splits, op=op, streams=streams,
+                                         nodes=nodes)
     return run
 
 
@@ -157,8 +167,11 @@ def overlap_arms(shape: Shape, x: torch.Tensor, w: torch.Tensor, group: dist.Pro
                         "null", m.label))
         for b in backends:
             tp = comm.transport_for(group, b, x.device)
+            nodes = ring_layout(tp)
+            info = {**tp.describe(), **({"ring_order": f"hierarchical {len(nodes)}x{len(nodes[0])}"}
+                                        if nodes else {})}
             arms.append(Arm(f"{b}/{m.label}", "overlap", schedule_fn(shape, x, w, tp, m), True,
-                            floor, b, m.label, tp.describe()))
+                            floor, b, m.label, info))
     return arms
 
 

@@ -12,9 +12,14 @@ from .launch import Layout
 
 
 def stem(out_dir: str, benchmark: str, layout: Layout, tag: str | None = None) -> str:
-    """<out_dir>/<benchmark>_<tag>; tag defaults to cpu | shared_gpu_tpN | gpu_tpN."""
-    tag = tag or {"cpu": "cpu", "shared_gpu": f"shared_gpu_tp{layout.world}",
-                  "gpus": f"gpu_tp{layout.world}"}[layout.mode]
+    """<out_dir>/<benchmark>_<tag>; tag defaults to cpu | shared_gpu_tpN | gpu_tpN,
+    with _nodesAxB when the ranks see emulated nodes (LOCAL_WORLD_SIZE below N)."""
+    if tag is None:
+        tag = {"cpu": "cpu", "shared_gpu": f"shared_gpu_tp{layout.world}",
+               "gpus": f"gpu_tp{layout.world}"}[layout.mode]
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", layout.world))
+        if per_node < layout.world:
+            tag += f"_nodes{layout.world // per_node}x{per_node}"
     return os.path.join(out_dir, f"{benchmark}_{tag}")
 
 

@@ -98,6 +98,8 @@ class HeapTransport(Transport):
         return view
 
     def check(self) -> None:
+        if self._failure is None and self._watchdog.overdue():
+            self._watchdog.poll()  # the watchdog thread may be starved of the GIL: poll here
         if self._failure is not None:
             raise CommError(f"megatron_overlap[{self.name}]: {self._failure}. A peer may have "
                             f"crashed, run a different schedule, or be slower than "

@@ -9,14 +9,21 @@ and the transport raises `CommError` at its next call.
 
 The release cannot reach the stuck stream under CUDA_DEVICE_MAX_CONNECTIONS=1
 (Megatron's setting: one hardware queue, blocked behind the wait), so there it is
-not tried: `symm`'s device-side timeout traps shortly after (the caller gets a
-CUDA error, `check()` the diagnosis). Last resort, for every backend: a wait still
-stuck `abort_after_s` after the diagnosis ends the process (exit code 124) with
-the diagnosis, as NCCL's own watchdog does, rather than hang.
+not tried: the transport's device-side timeout traps shortly after (the caller gets
+a CUDA error). Last resort, for every backend: a wait still stuck `abort_after_s`
+after the diagnosis ends the process (exit code 124) with the diagnosis, as NCCL's
+own watchdog does, rather than hang.
+
+The thread is Python: while the main thread blocks in a CUDA call that holds the
+GIL behind the stuck wait (`.item()`, a first cuBLAS call), it cannot run. So the
+diagnosis never depends on it alone: `poll()` also runs in the caller's thread
+(the transport's `check()` calls it once a wait is overdue) and at interpreter
+exit, where a wait whose event reports the device's error is named.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -45,11 +52,12 @@ def _relaxed_capture_mode() -> None:
 
 @dataclass
 class _Pending:
-    event: torch.cuda.Event
+    event: torch.cuda.Event  # or anything with its query()
     since: float
     what: str
     release: Callable[[], None]  # lets the stuck stream move on
     released_at: float | None = None
+    reported: bool = False
 
 
 class Watchdog:
@@ -62,7 +70,7 @@ class Watchdog:
         self._pending: list[_Pending] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
-        self._device = torch.cuda.current_device()
+        self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
     def watch(self, stream: torch.cuda.Stream, what: str, release: Callable[[], None]) -> None:
         """Watch everything enqueued on `stream` so far (not inside CUDA-graph capture:
@@ -74,49 +82,82 @@ class Watchdog:
         _capture_seen = False
         event = torch.cuda.Event()
         event.record(stream)
+        self._add(event, what, release)
+
+    def _add(self, event, what: str, release: Callable[[], None]) -> None:
+        """Watch `event` (anything with a CUDA event's `query()`)."""
         with self._lock:
             self._pending.append(_Pending(event, time.monotonic(), what, release))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="megatron_overlap-watchdog",
                                                 daemon=True)
                 self._thread.start()
+                atexit.register(self._at_exit)
+
+    def _at_exit(self) -> None:
+        """A process ending on a CUDA error (a device-side timeout's trap, raised from
+        wherever the main thread was) still says which wait never finished."""
+        try:
+            self.poll(exiting=True)
+        except Exception:  # never mask the exit with an error of our own
+            pass
 
     def _run(self) -> None:
-        torch.cuda.set_device(self._device)
-        _relaxed_capture_mode()
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+            _relaxed_capture_mode()
         while True:
             time.sleep(self._poll_s)
-            if _capture_seen:  # no CUDA calls of ours while a graph is being captured
-                continue
-            now = time.monotonic()
-            with self._lock:
-                live, expired = [], []  # expired: (pending, device error or None)
-                for p in self._pending:
-                    try:
-                        if p.event.query():
-                            continue
-                    except RuntimeError as exc:  # the device failed (a trap): report, stop
-                        expired.append((p, str(exc)))
-                        continue
-                    if p.released_at is not None:
-                        self._maybe_abort(p, now)
-                        live.append(p)
-                    elif now - p.since > self.timeout_s:
-                        expired.append((p, None))
-                    else:
-                        live.append(p)
-                self._pending = live
-            for p, device_error in expired:
-                self._expire(p, now, device_error)
+            if not _capture_seen:  # no CUDA calls of ours while a graph is being captured
+                self.poll()
 
-    def _expire(self, p: _Pending, now: float, device_error: str | None) -> None:
-        if p.released_at is not None:  # diagnosed before; now the device trapped
-            return
-        msg = (f"{p.what} (the device reported an error meanwhile: {device_error})" if device_error
-               else f"{p.what} (still pending after {self.timeout_s:g}s)")
+    def overdue(self) -> bool:
+        """Cheap (no CUDA call): is some watched wait older than the timeout?"""
+        with self._lock:
+            return bool(self._pending) and time.monotonic() - self._pending[0].since > self.timeout_s
+
+    def poll(self, exiting: bool = False) -> None:
+        """Query the watched waits once: diagnose those past the timeout or failed on
+        the device, release or abort as configured (`exiting`: only diagnose). Any
+        thread may call it."""
+        now = time.monotonic()
+        with self._lock:
+            live, expired, failed, device_error = [], [], [], None
+            for p in self._pending:
+                try:
+                    if p.event.query():
+                        continue
+                except RuntimeError as exc:  # the device failed (a trap): report, stop
+                    failed.append(p)
+                    device_error = device_error or str(exc).strip().splitlines()[0]
+                    continue
+                if p.released_at is not None:
+                    if not exiting:
+                        self._maybe_abort(p, now)
+                    live.append(p)
+                elif now - p.since > self.timeout_s:
+                    expired.append(p)
+                else:
+                    live.append(p)
+            self._pending = live
+        for p in expired:
+            self._expire(p, now, release=not exiting)
+        if failed and not any(p.reported for p in failed):
+            # A dead context fails every event query, so the one that never finished
+            # cannot be told from those finished but not yet polled: name them all.
+            for p in failed:
+                p.reported = True
+            self._report(" | ".join(p.what for p in failed)
+                         + f" (the device reported an error meanwhile: {device_error})")
+
+    def _report(self, msg: str) -> None:
         print(f"megatron_overlap watchdog: {msg}", file=sys.stderr, flush=True)
         self._on_failure(msg)
-        if device_error:  # a dead context: nothing to release, the CUDA error reaches the caller
+
+    def _expire(self, p: _Pending, now: float, release: bool = True) -> None:
+        p.reported = True
+        self._report(f"{p.what} (still pending after {self.timeout_s:g}s)")
+        if not release:
             return
         try:
             if self.can_release:

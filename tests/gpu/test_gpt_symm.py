@@ -65,6 +65,11 @@ def _gpt(rank, world, variant):
         out = step()
         eager.append([out.detach().clone(), static_x.grad.clone()]
                      + [p.grad.clone() for p in layer.parameters()])
+    # The eager `out` keeps its (spent) autograd graph alive, and with it the leaves'
+    # AccumulateGrad nodes, which remember the stream they were made on (here the
+    # legacy default stream); a capture reusing them would make that stream wait on
+    # the capture ("legacy stream depend on a capturing blocking stream").
+    del out
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import queue as queue_mod
 import time
@@ -18,13 +19,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, env: dict, fn: Callable, args: tuple, queue) -> None:
+def _entry(rank: int, world: int, port: int, env: dict, fn: Callable, args: tuple, queue,
+           timeout: float) -> None:
+    # A rank still running shortly before the parent gives up prints every thread's
+    # stack (even one holding the GIL): a hang comes with where it hangs.
+    faulthandler.dump_traceback_later(max(timeout - 20, timeout * 0.6), exit=False)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), **env})
     try:
         queue.put((rank, True, fn(rank, world, *args)))
     except BaseException:  # report, never hang the parent
         queue.put((rank, False, traceback.format_exc()))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def run(fn: Callable, world: int, *args: Any, env: dict | None = None, timeout: float = 240) -> list:
@@ -34,7 +41,7 @@ def run(fn: Callable, world: int, *args: Any, env: dict | None = None, timeout: 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, env or {}, fn, args, queue), daemon=False)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, env or {}, fn, args, queue, timeout), daemon=False)
              for r in range(world)]
     for p in procs:
         p.start()
