@@ -5,7 +5,8 @@
 # GPU_TESTS: `make test-gpu` (ranks sharing the one GPU); BENCH: compute_side.py;
 # NVSHMEM_PROBE: benchmarks/probe_nvshmem.py with 1 and 2 PEs; BENCH_SUITE: layer_overlap.py
 # (unless SKIP_LAYER_OVERLAP) + step_ab.py with 2 shared-GPU ranks (JSON + PNG into $OUT);
-# TUNE: `megatron-overlap tune` on this machine (TUNE_MODEL, TUNE_TP); CPU_VERSIONS: the CPU suite against those megatron-core wheels. $OUT gets the logs.
+# TUNE: `megatron-overlap tune` on this machine (TUNE_MODEL, TUNE_TP); EMULATED_NODES: layer_overlap.py
+# over 2 emulated nodes (several GPUs); CPU_VERSIONS: the CPU suite against those megatron-core wheels. $OUT gets the logs.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -36,19 +37,33 @@ if [ -n "${BENCH:-}" ]; then
     --out "$OUT/compute_side.json" > "$OUT/compute_side.log" 2>&1
   echo "bench rc=$?"; cat "$OUT/compute_side.log"
 fi
-if [ -n "${BENCH_SUITE:-}" ]; then  # issue 6's benchmark suite, 2 ranks sharing the one GPU: functional numbers only (~60 s)
-  [ -z "${SKIP_LAYER_OVERLAP:-}" ] && timeout ${SUITE_TIMEOUT:-75} python3 benchmarks/layer_overlap.py --tp 2 --scale ${SUITE_SCALE:-2} \
-    --reps ${SUITE_REPS:-10} --warmup 2 --out "$OUT" > "$OUT/layer_overlap.log" 2>&1
+# Several GPUs: one rank per GPU over NCCL, TP = the GPU count (issue 7); one GPU: 2 ranks
+# sharing it, functional numbers only.
+NGPU=$(nvidia-smi -L | wc -l)
+MULTI=$([ "$NGPU" -gt 1 ] && echo 1 || true)
+SUITE_TP=${SUITE_TP:-$([ -n "$MULTI" ] && echo "$NGPU" || echo 2)}
+SUITE_SCALE=${SUITE_SCALE:-$([ -n "$MULTI" ] && echo 1 || echo 2)}
+if [ -n "${BENCH_SUITE:-}" ]; then  # issue 6's benchmark suite (~60 s on one GPU)
+  [ -z "${SKIP_LAYER_OVERLAP:-}" ] && timeout ${SUITE_TIMEOUT:-75} python3 benchmarks/layer_overlap.py --tp $SUITE_TP \
+    --scale $SUITE_SCALE --reps ${SUITE_REPS:-10} --warmup 2 ${SUITE_ARGS:-} --out "$OUT" > "$OUT/layer_overlap.log" 2>&1
   echo "== layer_overlap rc=$?"; tail -${SUITE_TAIL:-70} "$OUT/layer_overlap.log"
-  timeout ${SUITE_TIMEOUT:-75} python3 benchmarks/step_ab.py --tp 2 --layers 4 --hidden 1024 --heads 16 \
+  timeout ${SUITE_TIMEOUT:-75} python3 benchmarks/step_ab.py --tp $SUITE_TP --layers 4 --hidden 1024 --heads 16 \
     --seq 1024 --micro-batch 2 --vocab 8192 --steps 12 --warmup 3 --out "$OUT" > "$OUT/step_ab.log" 2>&1
   echo "== step_ab rc=$?"; tail -16 "$OUT/step_ab.log"
 fi
-if [ -n "${TUNE:-}" ]; then  # issue 6's tuner on this machine: one GPU -> compute side measured + cost model
-  timeout ${TUNE_TIMEOUT:-200} python3 -m megatron_overlap.cli tune --model ${TUNE_MODEL:-70b} --tp ${TUNE_TP:-8} \
-    --measure auto --reps ${TUNE_REPS:-10} --yaml "$OUT/tune_${TUNE_MODEL:-70b}_tp${TUNE_TP:-8}.yaml" \
-    --json "$OUT/tune_${TUNE_MODEL:-70b}_tp${TUNE_TP:-8}.json" --cache "$OUT/tune_cache.jsonl" \
-    --wandb off --no-progress > "$OUT/tune.log" 2>&1
+if [ -n "${EMULATED_NODES:-}" ]; then  # issue 7: the TP group as 2 emulated nodes, NCCL over sockets between them
+  timeout ${SUITE_TIMEOUT:-150} python3 benchmarks/layer_overlap.py --tp $SUITE_TP --gpus-per-node $((SUITE_TP / 2)) \
+    --scale $SUITE_SCALE --reps ${SUITE_REPS:-10} --warmup 2 --out "$OUT" > "$OUT/layer_overlap_nodes.log" 2>&1
+  echo "== layer_overlap over 2 emulated nodes rc=$?"; tail -${SUITE_TAIL:-70} "$OUT/layer_overlap_nodes.log"
+fi
+if [ -n "${TUNE:-}" ]; then  # issue 6's tuner: several GPUs -> measured for real; one GPU -> compute side + cost model
+  TUNE_TP=${TUNE_TP:-$([ -n "$MULTI" ] && echo "$NGPU" || echo 8)}
+  LAUNCH="python3"
+  [ -n "$MULTI" ] && [ "$TUNE_TP" = "$NGPU" ] && LAUNCH="python3 -m torch.distributed.run --standalone --nproc-per-node $NGPU"
+  tag="${TUNE_MODEL:-70b}_tp${TUNE_TP}"
+  timeout ${TUNE_TIMEOUT:-200} $LAUNCH -m megatron_overlap.cli tune --model ${TUNE_MODEL:-70b} --tp $TUNE_TP \
+    --measure auto --reps ${TUNE_REPS:-10} --yaml "$OUT/tune_$tag.yaml" --json "$OUT/tune_$tag.json" \
+    --cache "$OUT/tune_cache.jsonl" --wandb off --no-progress > "$OUT/tune.log" 2>&1
   echo "== tune rc=$?"; tail -${TUNE_TAIL:-40} "$OUT/tune.log"
 fi
 for v in ${CPU_VERSIONS:-}; do
