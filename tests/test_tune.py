@@ -55,6 +55,9 @@ def test_cpu_mode_writes_a_yaml_that_layers_use(tmp_path, capsys):
     for row in search["chosen"]:
         assert row["time_ms"] == min(t["time_ms"] for t in search["trials"]
                                      if t["pass"] == row["pass"] and not t["comm_moved"])
+        assert row["time_ms"] <= row["te_default_ms"]  # TE's defaults are among the candidates
+    assert any(r["time_ms"] < r["te_default_ms"] for r in search["chosen"])
+    assert "TE dflt ms" in out and "all passes" in out
 
     got = dist.run(_layers_rank, 2, str(yml))
     for rank in got:

@@ -142,15 +142,21 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
 
 def summary(result) -> str:
     """The choice per pass, as a plain table; passes the non-overlapped path wins marked."""
-    lines = [f"{'shape':16s} {'pass':11s} {'chosen':40s} {'time ms':>9s} {'non-ovl ms':>10s}"]
-    slower = []
+    fmt = lambda v: f"{'-':>10s}" if v is None else f"{v:10.3f}"  # noqa: E731
+    lines = [f"{'shape':16s} {'pass':11s} {'chosen':40s} {'time ms':>9s} {'non-ovl ms':>10s} "
+             f"{'TE dflt ms':>10s}"]
+    slower, totals = [], {"time_ms": 0.0, "baseline_ms": 0.0, "te_default_ms": 0.0}
     for r in result.choice_rows:
         base = r.get("baseline_ms")
         worse = base is not None and r["time_ms"] > base
         slower += [r["pass"]] if worse else []
+        for k in totals:
+            totals[k] = None if totals[k] is None or r.get(k) is None else totals[k] + r[k]
         lines.append(f"{r['shape']:16s} {r['pass']:11s} {r['label'][:40]:40s} "
-                     f"{r['time_ms']:9.3f} {'-' if base is None else f'{base:10.3f}'}"
+                     f"{r['time_ms']:9.3f} {fmt(base)} {fmt(r.get('te_default_ms'))}"
                      + (" *" if worse else ""))
+    lines.append(f"{'all passes':16s} {'':11s} {'(sum)':40s} {totals['time_ms']:9.3f} "
+                 f"{fmt(totals['baseline_ms'])} {fmt(totals['te_default_ms'])}")
     if slower:
         lines.append("* the non-overlapped path is faster here: consider turning that overlap off "
                      "(Megatron's tp_comm_overlap_ag / _rs / tp_comm_bulk_dgrad / _wgrad)")

@@ -70,6 +70,25 @@ class TuneResult:
             json.dump(self.to_json(), f, indent=1, default=str)
 
 
+_TE_KEYS = ("method", "num_sm", "num_splits", "aggregate", "use_ce", "set_sm_margin")
+
+
+def _te_default_times(results: dict[Trial, dict[str, Any]]) -> dict[tuple[str, str], float]:
+    """(shape, pass) -> the time of the candidate with TE's default settings for that
+    pass (get_default_config()), to say what the tuned YAML gains over them."""
+    from ..config.names import te_defaults
+
+    out: dict[tuple[str, str], float] = {}
+    for t, r in results.items():
+        if t.comm_moved:  # a reduce-scatter dgrad: not what TE's defaults run
+            continue
+        te, mine = te_defaults(t.name), t.candidate.to_dict()
+        if all(mine.get(k) == te.get(k) for k in _TE_KEYS if te.get(k) is not None):
+            key = (t.spec.shape.name, t.name)
+            out[key] = min(out.get(key, math.inf), r["time_ms"])
+    return out
+
+
 def _progress(enabled: bool):
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeElapsedColumn)
@@ -123,6 +142,7 @@ def tune(shapes: Sequence[Shape], layout: Layout, measure: Measure, *,
 
     chosen = {s.name: choose(s, {t: r["time_ms"] for t, r in results.items()
                                  if t.spec.shape == s}) for s in shapes}
+    te_ms = _te_default_times(results)
     configs, orders, choice_rows = {}, {}, []
     for s in shapes:
         entries, ring = ub_cfgs(chosen[s.name].values())
@@ -134,6 +154,7 @@ def tune(shapes: Sequence[Shape], layout: Layout, measure: Measure, *,
                 choice_rows.append({"shape": s.name, "model": s.model, "pass": t.name,
                                     "label": t.candidate.label_for(layout.backend),
                                     "settings": t.candidate.to_dict(), "comm_moved": t.comm_moved,
+                                    "te_default_ms": te_ms.get((s.name, t.name)),
                                     **{k: _finite(v) for k, v in results[t].items()}})
     out = TuneResult(mode, hardware, layout, list(shapes), rows, chosen, results,
                      {m: OverlapConfig.load(c) for m, c in configs.items()}, orders,
