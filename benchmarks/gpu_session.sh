@@ -44,9 +44,11 @@ MULTI=$([ "$NGPU" -gt 1 ] && echo 1 || true)
 SUITE_TP=${SUITE_TP:-$([ -n "$MULTI" ] && echo "$NGPU" || echo 2)}
 SUITE_SCALE=${SUITE_SCALE:-$([ -n "$MULTI" ] && echo 1 || echo 2)}
 if [ -n "${BENCH_SUITE:-}" ]; then  # issue 6's benchmark suite (~60 s on one GPU)
-  [ -z "${SKIP_LAYER_OVERLAP:-}" ] && timeout ${SUITE_TIMEOUT:-75} python3 benchmarks/layer_overlap.py --tp $SUITE_TP \
-    --scale $SUITE_SCALE --reps ${SUITE_REPS:-10} --warmup 2 ${SUITE_ARGS:-} --out "$OUT" > "$OUT/layer_overlap.log" 2>&1
-  echo "== layer_overlap rc=$?"; tail -${SUITE_TAIL:-70} "$OUT/layer_overlap.log"
+  if [ -z "${SKIP_LAYER_OVERLAP:-}" ]; then
+    timeout ${SUITE_TIMEOUT:-75} python3 benchmarks/layer_overlap.py --tp $SUITE_TP --scale $SUITE_SCALE \
+      --reps ${SUITE_REPS:-10} --warmup 2 ${SUITE_ARGS:-} --out "$OUT" > "$OUT/layer_overlap.log" 2>&1
+    echo "== layer_overlap rc=$?"; tail -${SUITE_TAIL:-70} "$OUT/layer_overlap.log"
+  fi
   timeout ${SUITE_TIMEOUT:-75} python3 benchmarks/step_ab.py --tp $SUITE_TP --layers 4 --hidden 1024 --heads 16 \
     --seq 1024 --micro-batch 2 --vocab 8192 --steps 12 --warmup 3 --out "$OUT" > "$OUT/step_ab.log" 2>&1
   echo "== step_ab rc=$?"; tail -16 "$OUT/step_ab.log"

@@ -64,15 +64,23 @@ def test_layer_overlap_over_emulated_nodes(tmp_path):
     ring order (checked against the baseline), next to NCCL's (here gloo's) flat path."""
     doc = _run("layer_overlap.py", "--tp", "4", "--gpus-per-node", "2", "--shapes",
                "tiny:64:24:40:ag,tiny2:64:24:40:rs", "--reps", "1", "--warmup", "1",
-               "--methods", "ring_exchange,pipeline:4", out=tmp_path)
+               "--methods", "ring_exchange,ring_exchange+agg,pipeline:4,bulk", out=tmp_path)
     assert doc["all_checks_passed"]
     assert doc["meta"]["emulated_nodes"] == "2 x 2 ranks"
     assert doc["meta"]["backends"] == ["hierarchical", "torch_p2p"]
     for s in doc["shapes"]:
-        hier = {n: a for n, a in s["arms"].items() if a["backend"] == "hierarchical"}
-        assert hier and all(a["ring_order"] == "hierarchical 2x2" and a["check"]["passed"]
-                            for a in hier.values()), hier
-        assert all("ring_order" not in a for a in s["arms"].values() if a["backend"] == "torch_p2p")
+        arms = s["arms"]
+        rings = {"ag": ["ring_exchange"], "rs": ["ring_exchange", "pipeline:4"]}[s["shape"]["op"]]
+        for m in rings:  # the hierarchical order, against a floor that runs it too
+            a = arms[f"hierarchical/{m}"]
+            assert a["ring_order"] == "hierarchical 2x2" and a["check"]["passed"], a
+            assert a["floor"] == f"floor/{m}@2x2" and arms[a["floor"]]["kind"] == "floor"
+            assert "ring_order" not in arms[f"torch_p2p/{m}"]
+            assert arms[f"torch_p2p/{m}"]["floor"] == f"floor/{m}"
+        assert "ring_order" not in arms["hierarchical/bulk"]  # no ring: no ring order
+        if s["shape"]["op"] == "ag":
+            assert "hierarchical/ring_exchange+agg" in s["skipped"]
+            assert "torch_p2p/ring_exchange+agg" in arms
 
 
 def test_step_ab_cpu(tmp_path):

@@ -5,7 +5,6 @@ stuck; a device failure names every wait then pending; `poll()` gives the same
 diagnosis from the caller's thread, so a thread starved of the GIL loses nothing."""
 
 import atexit
-import time
 
 import pytest
 
@@ -22,15 +21,34 @@ class Event:
         return self.done
 
 
+class Clock:
+    """The watchdog's clock, moved by the tests: no timing can flake."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+
+clock = Clock()
+
+
 @pytest.fixture
 def dog(monkeypatch):
     failures, released, exits = [], [], []
     monkeypatch.setattr(wd.os, "_exit", exits.append)
+    monkeypatch.setattr(wd, "_clock", clock)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
     d = wd.Watchdog(timeout_s=0.2, on_failure=failures.append, poll_s=3600, abort_after_s=0.2)
-    d.failures, d.released, d.exits = failures, released, exits
+    d.failures, d.released, d.exits, d.others = failures, released, exits, []
     yield d
-    atexit.unregister(d._at_exit)
+    for w in [d, *d.others]:  # nothing left for the (sleeping) thread or atexit to act on
+        w._pending.clear()
+        atexit.unregister(w._at_exit)
 
 
 def test_a_wait_past_the_timeout_is_named_released_then_ends_the_process(dog, capfd):
@@ -40,7 +58,7 @@ def test_a_wait_past_the_timeout_is_named_released_then_ends_the_process(dog, ca
              lambda: dog.released.append(1))
     dog.poll()
     assert not dog.overdue() and not dog.failures  # within the timeout: nothing said
-    time.sleep(0.25)
+    clock.sleep(0.25)
     assert dog.overdue()
     dog.poll()
     assert dog.failures == ["rank 0/2 waited for 'fc1_fprop' chunk 1 from rank 1 "
@@ -49,7 +67,7 @@ def test_a_wait_past_the_timeout_is_named_released_then_ends_the_process(dog, ca
     assert "megatron_overlap watchdog: rank 0/2 waited for 'fc1_fprop' chunk 1" in capfd.readouterr().err
     dog.poll()
     assert dog.released == [1] and not dog.exits  # released once; not yet given up
-    time.sleep(0.25)
+    clock.sleep(0.25)
     dog.poll()
     assert dog.exits == [124] and len(dog.failures) == 1
     assert "ending the process rather than hang" in capfd.readouterr().err
@@ -58,7 +76,7 @@ def test_a_wait_past_the_timeout_is_named_released_then_ends_the_process(dog, ca
 def test_a_released_wait_that_finishes_is_forgotten(dog):
     stuck = Event()
     dog._add(stuck, "w", lambda: setattr(stuck, "done", True))
-    time.sleep(0.25)
+    clock.sleep(0.25)
     dog.poll()
     dog.poll()
     assert dog.failures == ["w (still pending after 0.2s)"] and not dog.overdue() and not dog.exits
@@ -67,8 +85,9 @@ def test_a_released_wait_that_finishes_is_forgotten(dog):
 def test_one_hardware_queue_diagnoses_without_a_release(dog, monkeypatch):
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     one_queue = wd.Watchdog(timeout_s=0.1, on_failure=dog.failures.append, poll_s=3600)
+    dog.others.append(one_queue)
     one_queue._add(Event(), "w", lambda: dog.released.append(1))
-    time.sleep(0.15)
+    clock.sleep(0.15)
     one_queue.poll()
     assert dog.failures == ["w (still pending after 0.1s)"] and dog.released == []
 
@@ -91,7 +110,7 @@ def test_a_device_failure_names_every_wait_then_pending(dog):
 def test_at_exit_pending_waits_are_named_not_released(dog, capfd):
     dog._add(Event(error="CUDA error: an illegal instruction was encountered"), "w", lambda: None)
     dog._add(Event(), "v", lambda: dog.released.append(1))
-    time.sleep(0.25)
+    clock.sleep(0.25)
     dog._at_exit()
     err = capfd.readouterr().err
     assert "megatron_overlap watchdog: v (still pending after 0.2s)" in err

@@ -119,6 +119,9 @@ def baseline_arms(shape: Shape, x: torch.Tensor, w: torch.Tensor, group: dist.Pr
             Arm("gemm", "gemm", gemm, False, None)]
 
 
+RING_METHODS = {"ag": ("ring_exchange",), "rs": ("pipeline", "ring_exchange")}  # take a ring order
+
+
 def ring_layout(tp: comm.Transport):
     """The ranks per node when `tp` spans nodes (the hierarchical ring order, as a
     layer's `ring_order: auto` picks it), else None (the flat ring)."""
@@ -150,26 +153,35 @@ def schedule_fn(shape: Shape, x: torch.Tensor, w: torch.Tensor, tp: comm.Transpo
 
 def overlap_arms(shape: Shape, x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup,
                  backends: list[str], methods: list[Method], skipped: dict[str, str]) -> list[Arm]:
-    """floor/<method> and <backend>/<method> for every method that applies; the ones
-    that do not go to `skipped` with the reason."""
+    """<backend>/<method> for every method that applies, each after its compute-only
+    floor (the same schedule on the null transport: floor/<method>, with @NxL when it
+    runs the hierarchical order over N nodes of L ranks); what does not apply goes to
+    `skipped` with the reason."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     rows = shape.m // world
-    floor_tp = FloorTransport(world, rank, seed=7)
-    arms = []
+    arms, floors = [], set()
     for m in methods:
         why = m.applies(shape.op, world, rows)
         if why:
             if why != "n/a":
                 skipped[m.label] = why
             continue
-        floor = f"floor/{m.label}"
-        arms.append(Arm(floor, "floor", schedule_fn(shape, x, w, floor_tp, m), False, None,
-                        "null", m.label))
         for b in backends:
             tp = comm.transport_for(group, b, x.device)
-            nodes = ring_layout(tp)
-            info = {**tp.describe(), **({"ring_order": f"hierarchical {len(nodes)}x{len(nodes[0])}"}
-                                        if nodes else {})}
+            nodes = ring_layout(tp) if m.method in RING_METHODS[shape.op] else None
+            if nodes and m.aggregate:
+                skipped[f"{b}/{m.label}"] = ("the hierarchical order runs its own two-level ring; "
+                                             "aggregate does not apply")
+                continue
+            floor_tp = FloorTransport(world, rank, seed=7)
+            floor_tp.topology = tp.topology if nodes else None
+            floor = f"floor/{m.label}" + (f"@{len(nodes)}x{len(nodes[0])}" if nodes else "")
+            if floor not in floors:
+                floors.add(floor)
+                arms.append(Arm(floor, "floor", schedule_fn(shape, x, w, floor_tp, m), False, None,
+                                "null", m.label))
+            info = {**tp.describe(),
+                    **({"ring_order": f"hierarchical {len(nodes)}x{len(nodes[0])}"} if nodes else {})}
             arms.append(Arm(f"{b}/{m.label}", "overlap", schedule_fn(shape, x, w, tp, m), True,
                             floor, b, m.label, info))
     return arms

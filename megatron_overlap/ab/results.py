@@ -13,7 +13,8 @@ from .launch import Layout
 
 def stem(out_dir: str, benchmark: str, layout: Layout, tag: str | None = None) -> str:
     """<out_dir>/<benchmark>_<tag>; tag defaults to cpu | shared_gpu_tpN | gpu_tpN,
-    with _nodesAxB when the ranks see emulated nodes (LOCAL_WORLD_SIZE below N)."""
+    with _nodesAxB when the ranks see several nodes (LOCAL_WORLD_SIZE below N:
+    emulated with --gpus-per-node, or real ones under torchrun)."""
     if tag is None:
         tag = {"cpu": "cpu", "shared_gpu": f"shared_gpu_tp{layout.world}",
                "gpus": f"gpu_tp{layout.world}"}[layout.mode]

@@ -98,7 +98,8 @@ class HeapTransport(Transport):
         return view
 
     def check(self) -> None:
-        if self._failure is None and self._watchdog.overdue():
+        if (self._failure is None and self._watchdog.overdue()
+                and not torch.cuda.is_current_stream_capturing()):  # a query would break it
             self._watchdog.poll()  # the watchdog thread may be starved of the GIL: poll here
         if self._failure is not None:
             raise CommError(f"megatron_overlap[{self.name}]: {self._failure}. A peer may have "

@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 
+_clock = time.monotonic  # (tests move their own clock)
 _capture_seen = False  # a transport was called inside CUDA-graph capture, and no eager call since
 
 
@@ -87,7 +88,7 @@ class Watchdog:
     def _add(self, event, what: str, release: Callable[[], None]) -> None:
         """Watch `event` (anything with a CUDA event's `query()`)."""
         with self._lock:
-            self._pending.append(_Pending(event, time.monotonic(), what, release))
+            self._pending.append(_Pending(event, _clock(), what, release))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="megatron_overlap-watchdog",
                                                 daemon=True)
@@ -114,13 +115,13 @@ class Watchdog:
     def overdue(self) -> bool:
         """Cheap (no CUDA call): is some watched wait older than the timeout?"""
         with self._lock:
-            return bool(self._pending) and time.monotonic() - self._pending[0].since > self.timeout_s
+            return bool(self._pending) and _clock() - self._pending[0].since > self.timeout_s
 
     def poll(self, exiting: bool = False) -> None:
         """Query the watched waits once: diagnose those past the timeout or failed on
         the device, release or abort as configured (`exiting`: only diagnose). Any
         thread may call it."""
-        now = time.monotonic()
+        now = _clock()
         with self._lock:
             live, expired, failed, device_error = [], [], [], None
             for p in self._pending:
@@ -167,7 +168,7 @@ class Watchdog:
         if self.abort_after_s is not None:
             p.released_at = now
             with self._lock:
-                self._pending.append(p)
+                self._pending.insert(0, p)  # oldest first, as overdue() reads it
 
     def _maybe_abort(self, p: _Pending, now: float) -> None:
         if now - p.released_at > self.abort_after_s:

@@ -70,7 +70,8 @@ class TuneResult:
             json.dump(self.to_json(), f, indent=1, default=str)
 
 
-_TE_KEYS = ("method", "num_sm", "num_splits", "aggregate", "use_ce", "set_sm_margin")
+_TE_KEYS = ("method", "num_sm", "num_splits", "aggregate", "use_ce", "set_sm_margin",
+            "ring_order")
 
 
 def _te_default_times(results: dict[Trial, dict[str, Any]]) -> dict[tuple[str, str], float]:
@@ -154,7 +155,7 @@ def tune(shapes: Sequence[Shape], layout: Layout, measure: Measure, *,
                 choice_rows.append({"shape": s.name, "model": s.model, "pass": t.name,
                                     "label": t.candidate.label_for(layout.backend),
                                     "settings": t.candidate.to_dict(), "comm_moved": t.comm_moved,
-                                    "te_default_ms": te_ms.get((s.name, t.name)),
+                                    "te_default_ms": _finite(te_ms.get((s.name, t.name))),
                                     **{k: _finite(v) for k, v in results[t].items()}})
     out = TuneResult(mode, hardware, layout, list(shapes), rows, chosen, results,
                      {m: OverlapConfig.load(c) for m, c in configs.items()}, orders,
