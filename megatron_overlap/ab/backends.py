@@ -23,7 +23,7 @@ def select(spec: str, layout: Layout, emulated_nodes: bool = False
     skipped: dict[str, str] = {}
     if spec == "auto" and emulated_nodes:
         for b in ("symm", "nvshmem"):
-            skipped[b] = "emulated nodes: a flat ring would cross them over NVLink"
+            skipped[b] = "emulated nodes: a flat ring over one symmetric heap would cross them"
         return ["hierarchical", "torch_p2p"], skipped
     if spec == "auto":
         wanted = {"gpus": list(ORDER), "shared_gpu": ["symm"], "cpu": ["torch_p2p"]}[layout.mode]
