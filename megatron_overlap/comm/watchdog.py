@@ -69,7 +69,7 @@ class Watchdog:
         # one hardware queue: a release enqueued on any stream waits behind the stuck wait
         self.can_release = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1"
         self._pending: list[_Pending] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
 
@@ -121,8 +121,8 @@ class Watchdog:
         """Query the watched waits once: diagnose those past the timeout or failed on
         the device, release or abort as configured (`exiting`: only diagnose). Any
         thread may call it."""
-        now = _clock()
-        with self._lock:
+        with self._lock:  # reentrant: one poll at a time, its reports in order
+            now = _clock()
             live, expired, failed, device_error = [], [], [], None
             for p in self._pending:
                 try:
@@ -141,15 +141,15 @@ class Watchdog:
                 else:
                     live.append(p)
             self._pending = live
-        for p in expired:
-            self._expire(p, now, release=not exiting)
-        if failed and not any(p.reported for p in failed):
-            # A dead context fails every event query, so the one that never finished
-            # cannot be told from those finished but not yet polled: name them all.
-            for p in failed:
-                p.reported = True
-            self._report(" | ".join(p.what for p in failed)
-                         + f" (the device reported an error meanwhile: {device_error})")
+            for p in expired:
+                self._expire(p, now, release=not exiting)
+            if failed and not any(p.reported for p in failed):
+                # A dead context fails every event query, so the one that never finished
+                # cannot be told from those finished but not yet polled: name them all.
+                for p in failed:
+                    p.reported = True
+                self._report(" | ".join(p.what for p in failed)
+                             + f" (the device reported an error meanwhile: {device_error})")
 
     def _report(self, msg: str) -> None:
         print(f"megatron_overlap watchdog: {msg}", file=sys.stderr, flush=True)
