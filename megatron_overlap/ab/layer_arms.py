@@ -130,12 +130,12 @@ def ring_layout(tp: comm.Transport):
     return choose("auto", getattr(tp, "topology", None)).nodes
 
 
-def schedule_fn(shape: Shape, x: torch.Tensor, w: torch.Tensor, tp: comm.Transport, m: Method
-                ) -> Callable[[], torch.Tensor]:
-    """One layer pass, as a layer runs it: open the transport's pass, run the schedule."""
+def schedule_fn(shape: Shape, x: torch.Tensor, w: torch.Tensor, tp: comm.Transport, m: Method,
+                nodes=None) -> Callable[[], torch.Tensor]:
+    """One layer pass, as a layer runs it: open the transport's pass, run the schedule
+    (in the hierarchical order over `nodes`, the ranks per node, when given)."""
     streams = ChunkStreams(n=m.streams)
     op = f"{shape.name}:{m.label}"
-    nodes = ring_layout(tp)
     if shape.op == "ag":
         def run() -> torch.Tensor:
             tp.begin_pass(op)
@@ -173,16 +173,14 @@ def overlap_arms(shape: Shape, x: torch.Tensor, w: torch.Tensor, group: dist.Pro
                 skipped[f"{b}/{m.label}"] = ("the hierarchical order runs its own two-level ring; "
                                              "aggregate does not apply")
                 continue
-            floor_tp = FloorTransport(world, rank, seed=7)
-            floor_tp.topology = tp.topology if nodes else None
             floor = f"floor/{m.label}" + (f"@{len(nodes)}x{len(nodes[0])}" if nodes else "")
             if floor not in floors:
                 floors.add(floor)
-                arms.append(Arm(floor, "floor", schedule_fn(shape, x, w, floor_tp, m), False, None,
-                                "null", m.label))
+                arms.append(Arm(floor, "floor", schedule_fn(shape, x, w, FloorTransport(world, rank, seed=7),
+                                                            m, nodes), False, None, "null", m.label))
             info = {**tp.describe(),
                     **({"ring_order": f"hierarchical {len(nodes)}x{len(nodes[0])}"} if nodes else {})}
-            arms.append(Arm(f"{b}/{m.label}", "overlap", schedule_fn(shape, x, w, tp, m), True,
+            arms.append(Arm(f"{b}/{m.label}", "overlap", schedule_fn(shape, x, w, tp, m, nodes), True,
                             floor, b, m.label, info))
     return arms
 

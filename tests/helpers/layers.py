@@ -124,10 +124,10 @@ def run_pair(ref, ours, x: torch.Tensor, seed: int = 1) -> dict[str, float]:
     return results
 
 
-def compare_case(case: Case, rank: int, tp: int) -> dict[str, float]:
+def build_pair(case: Case, tp: int, overrides, flags):
+    """Megatron's layer (random bias) and ours with `overrides` installed, same weights."""
     import megatron_overlap as mo
 
-    overrides, flags = VARIANTS[case.kind][case.variant]
     ref = build(case, tp, overlap=False)
     with torch.no_grad():
         if ref.bias is not None:
@@ -138,6 +138,12 @@ def compare_case(case: Case, rank: int, tp: int) -> dict[str, float]:
     finally:
         mo.uninstall()
     ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def compare_case(case: Case, rank: int, tp: int) -> dict[str, float]:
+    overrides, flags = VARIANTS[case.kind][case.variant]
+    ref, ours = build_pair(case, tp, overrides, flags)
     # Every flag that applies off: Megatron's own forward runs.
     expect_overlap = not (case.variant == "rs_off" or (not case.sp and case.variant == "no_bulk_bwd"))
     assert ours.overlap_plan.enabled == expect_overlap, f"{case.id}: plan {ours.overlap_plan}"

@@ -155,23 +155,14 @@ def schedule_traces(rank: int, world: int, tp, layouts: dict[str, Any]) -> dict[
 def layer_cases(rank: int, world: int, cases: list[tuple[str, str]]) -> dict[str, Any]:
     """Our layers against Megatron's (SP on) for (case name, dtype), three micro-batch
     lengths each, with the trace of every pass that should have run hierarchically."""
-    import megatron_overlap as mo
-    from helpers.layers import Case, build, make_input, run_pair
+    from helpers.layers import Case, build_pair, make_input, run_pair
     from megatron_overlap.comm import trace
 
     out = {}
     for name, dtype in cases:
         kind, overrides, flags = CASES[name]
         case = Case(kind, True, dtype, True, False, name)
-        ref = build(case, world, overlap=False)
-        with torch.no_grad():
-            ref.bias.normal_()
-        mo.install(ub_cfgs=overrides)
-        try:
-            ours = build(case, world, overlap=True, flags=flags)
-        finally:
-            mo.uninstall()
-        ours.load_state_dict(ref.state_dict())
+        ref, ours = build_pair(case, world, overrides, flags)
         errs: dict[str, float] = {}
         with trace.recording() as ev:
             for seq in (case.seq, 2 * case.seq, case.seq // 2):
