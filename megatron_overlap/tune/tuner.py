@@ -70,24 +70,13 @@ class TuneResult:
             json.dump(self.to_json(), f, indent=1, default=str)
 
 
-_TE_KEYS = ("method", "num_sm", "num_splits", "aggregate", "use_ce", "set_sm_margin",
-            "ring_order")
-
-
 def _te_default_times(results: dict[Trial, dict[str, Any]]) -> dict[tuple[str, str], float]:
     """(shape, pass) -> the time of the candidate with TE's default settings for that
     pass (get_default_config()), to say what the tuned YAML gains over them."""
-    from ..config.names import te_defaults
+    from ..config.settings import LayerSettings
 
-    out: dict[tuple[str, str], float] = {}
-    for t, r in results.items():
-        if t.comm_moved:  # a reduce-scatter dgrad: not what TE's defaults run
-            continue
-        te, mine = te_defaults(t.name), t.candidate.to_dict()
-        if all(mine.get(k) == te.get(k) for k in _TE_KEYS if te.get(k) is not None):
-            key = (t.spec.shape.name, t.name)
-            out[key] = min(out.get(key, math.inf), r["time_ms"])
-    return out
+    return {(t.spec.shape.name, t.name): r["time_ms"] for t, r in results.items()
+            if not t.comm_moved and t.candidate.settings == LayerSettings.default(t.name)}
 
 
 def _progress(enabled: bool):
