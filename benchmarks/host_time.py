@@ -1,0 +1,313 @@
+"""Host time per overlapped layer call, through the public layers, by part.
+
+Ranks share one GPU (gloo + torch symmetric memory) on one GPU, or take one GPU
+each where there are enough: host time is valid either way (what the CPU spends
+issuing a call), GPU time of shared-GPU ranks is not. Per TP size, the four TP
+linears of one transformer layer (qkv, proj, fc1, fc2; hidden H, T tokens,
+TE's default settings) are built with `install()` and Megatron's constructor,
+then each pass is timed two ways:
+
+- first-call latency: the device drained (and the ranks lined up) before the
+  call, `perf_counter` around `layer(x)` / `out.backward(g)`, no sync inside;
+- back-to-back: `--inner` forward+backward calls queued as a training step
+  queues them, one sync at the end; host time per call.
+
+`--profile` adds a cProfile of rank 0's calls, each function's own time sorted
+into parts (GEMM launches, copies, signal kernels, stream/event calls, views,
+trace/stats/watchdog, autograd, Python); `--primitives` times the CUDA calls
+alone. The schedule alone on `null` (no transport) is timed too.
+
+    python benchmarks/host_time.py --tp 2 4 8 [--backend symm] [--profile] [--primitives]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
+
+from megatron_overlap.ab.launch import init_dist, launch, plan_layout  # noqa: E402
+
+LAYERS = (("qkv", "column", 3), ("proj", "row", 1), ("fc1", "column", 4), ("fc2", "row", 4))
+
+# cProfile entries -> parts; first match wins (builtins are matched by name).
+PARTS = (
+    ("GEMM launch", ("'matmul'", "'bmm'", "'mm'", "'addmm'", "'baddbmm'")),
+    ("signal kernels", ("put_signal", "wait_signal", "'barrier' of", "stream_write_value",
+                        "stream_wait_value", "cuStream")),
+    ("copies / reductions", ("'copy_'", "'add_'", "'fill_'", "'zero_'", "'sum'", "'add'", "'clone'")),
+    ("stream / event", ("wait_stream", "wait_event", "'record'", "Event", "Stream", "stream",
+                        "capturing", "priority_range", "synchronize", "current_device")),
+    ("views / allocation", ("get_buffer", "'view'", "'split'", "'unbind'", "'reshape'", "'t'",
+                            "'expand'", "'new_empty'", "'empty'", "'data_ptr'", "'contiguous'",
+                            "'is_contiguous'", "'element_size'", "'numel'", "'__getitem__' of 'torch",
+                            "'storage_offset'", "get_signal_pad")),
+    ("trace / stats / watchdog", ("comm/trace.py", "comm/stats.py", "comm/watchdog.py")),
+    ("autograd", ("'apply'", "run_backward", "_engine_run_backward", "autograd")),
+)
+
+
+def _part(key: tuple) -> str:
+    filename, _, name = key
+    text = f"{filename}:{name}" if filename != "~" else name
+    for part, needles in PARTS:
+        if any(n in text for n in needles):
+            return part
+    return "Python (ours, torch, Megatron)"
+
+
+def breakdown(prof: cProfile.Profile, calls: int) -> dict[str, float]:
+    """µs per call by part, from each function's own (exclusive) time."""
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    out: dict[str, float] = {}
+    for key, (_, _, tottime, _, _) in stats.items():
+        part = _part(key)
+        out[part] = out.get(part, 0.0) + tottime * 1e6 / calls
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def build(tp: int, hidden: int, dtype: torch.dtype, device: torch.device, backend: str):
+    import megatron_overlap
+    from megatron.core.transformer import TransformerConfig
+
+    megatron_overlap.install(None, backend=backend)
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # patched
+
+    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=32,
+                               tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                               tp_comm_overlap=tp > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                               use_cpu_initialization=False, gradient_accumulation_fusion=False,
+                               perform_initialization=True)
+    init = torch.nn.init.xavier_normal_
+    out = {}
+    for name, kind, mult in LAYERS:
+        cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+        size = (hidden, mult * hidden) if kind == "column" else (mult * hidden, hidden)
+        kw = dict(gather_output=False) if kind == "column" else dict(input_is_parallel=True)
+        layer = cls(*size, config=config, init_method=init, bias=False, skip_bias_add=True,
+                    tp_comm_buffer_name=name, **kw)
+        out[name] = layer.to(device)
+    return out
+
+
+def _drained(device: torch.device) -> None:
+    torch.cuda.synchronize(device)
+    dist.barrier()
+
+
+def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, reps: int,
+                inner: int, profile: bool) -> dict:
+    res: dict = {}
+    for name, kind, mult in LAYERS:
+        layer = layers[name]
+        k_in = hidden if kind == "column" else mult * hidden // tp
+        rows = tokens // tp if kind == "column" else tokens
+        n_out = mult * hidden // tp if kind == "column" else hidden
+        out_rows = tokens if kind == "column" else tokens // tp
+        x = torch.randn(rows, 1, k_in, device=device, dtype=dtype, requires_grad=True)
+        g = torch.randn(out_rows, 1, n_out, device=device, dtype=dtype)
+        for _ in range(3):  # warm-up: buffers sized, kernels chosen, graphs captured
+            layer(x)[0].backward(g)
+        fwd, bwd = [], []
+        for _ in range(reps):
+            _drained(device)
+            t0 = time.perf_counter()
+            y = layer(x)[0]
+            fwd.append((time.perf_counter() - t0) * 1e6)
+            _drained(device)
+            t0 = time.perf_counter()
+            y.backward(g)
+            bwd.append((time.perf_counter() - t0) * 1e6)
+        _drained(device)
+        f_b2b, b_b2b = [], []
+        for _ in range(inner):
+            t0 = time.perf_counter()
+            y = layer(x)[0]
+            t1 = time.perf_counter()
+            y.backward(g)
+            t2 = time.perf_counter()
+            f_b2b.append((t1 - t0) * 1e6)
+            b_b2b.append((t2 - t1) * 1e6)
+        torch.cuda.synchronize(device)
+        row = dict(fwd_us=statistics.median(fwd), bwd_us=statistics.median(bwd),
+                   fwd_b2b_us=statistics.median(f_b2b), bwd_b2b_us=statistics.median(b_b2b))
+        if profile:
+            for p, fn in (("fwd", lambda: layer(x)[0]), ("bwd", None)):
+                prof = cProfile.Profile()
+                for _ in range(reps):
+                    _drained(device)
+                    if p == "fwd":
+                        prof.enable()
+                        fn()
+                        prof.disable()
+                    else:
+                        y = layer(x)[0]
+                        _drained(device)
+                        prof.enable()
+                        y.backward(g)
+                        prof.disable()
+                row[f"{p}_parts_us"] = breakdown(prof, reps)
+        layer.transport.check()
+        res[name] = row
+    return res
+
+
+def time_null(tokens: int, tp: int, hidden: int, dtype, device, reps: int) -> dict:
+    """The schedule alone on the null transport: ring AG at TP chunks (qkv), pipeline RS
+    at 4 chunks (proj), drained and back-to-back."""
+    from megatron_overlap.ab.floor import FloorTransport
+    from megatron_overlap.overlap import all_gather_matmul, matmul_reduce_scatter
+    from megatron_overlap.overlap.streams import ChunkStreams
+
+    null = FloorTransport(tp)
+    x_ag = torch.randn(tokens // tp, hidden, device=device, dtype=dtype)
+    w_ag = torch.randn(3 * hidden // tp, hidden, device=device, dtype=dtype)
+    x_rs = torch.randn(tokens, hidden // tp, device=device, dtype=dtype)
+    w_rs = torch.randn(hidden, hidden // tp, device=device, dtype=dtype)
+    cases = {f"ring AG, {tp} chunks": lambda: all_gather_matmul(
+                 x_ag, w_ag, null, "ring_exchange", op="qkv_fprop", streams=ChunkStreams()),
+             "pipeline RS, 4 chunks": lambda: matmul_reduce_scatter(
+                 x_rs, w_rs, null, "pipeline", 4, op="proj_fprop", streams=ChunkStreams())}
+    out = {}
+    for name, fn in cases.items():
+        for _ in range(3):
+            null.begin_pass(name)
+            fn()
+        drained, b2b = [], []
+        for _ in range(reps):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            null.begin_pass(name)
+            fn()
+            drained.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize(device)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            null.begin_pass(name)
+            fn()
+            b2b.append((time.perf_counter() - t0) * 1e6)
+        torch.cuda.synchronize(device)
+        out[name] = dict(drained_us=statistics.median(drained), b2b_us=statistics.median(b2b))
+    return out
+
+
+def primitives(device: torch.device, reps: int = 200) -> dict[str, float]:
+    """Host µs of single CUDA calls on this machine (median, device mostly idle)."""
+    a = torch.randn(512, 4096, device=device, dtype=torch.bfloat16)
+    b = torch.randn(1280, 4096, device=device, dtype=torch.bfloat16)
+    o = torch.empty(512, 1280, device=device, dtype=torch.bfloat16)
+    s = torch.cuda.Stream()
+    small = torch.empty(1 << 14, device=device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(8):
+            torch.matmul(a, b.t(), out=o)
+    calls = {
+        "torch.matmul (out=)": lambda: torch.matmul(a, b.t(), out=o),
+        "tensor.add_ (tiny kernel)": lambda: small.add_(1.0),
+        "tensor.copy_ 64 KiB": lambda: small.copy_(small),
+        "torch.empty": lambda: torch.empty(1 << 20, device=device),
+        "Event() + record": lambda: torch.cuda.Event().record(),
+        "stream.wait_stream": lambda: s.wait_stream(torch.cuda.current_stream()),
+        "with torch.cuda.stream(s)": lambda: torch.cuda.stream(s).__enter__() or torch.cuda.stream(
+            torch.cuda.default_stream()).__enter__(),
+        "graph replay (8 GEMMs)": g.replay,
+    }
+    out = {}
+    for name, fn in calls.items():
+        ts = []
+        for i in range(reps):
+            if i % 20 == 0:
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e6)
+        out[name] = statistics.median(ts)
+    torch.cuda.synchronize(device)
+    return out
+
+
+def _rank(rank: int, world: int, args) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    layout = plan_layout(world, "cuda")
+    device = init_dist(layout, rank)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    model_parallel_cuda_manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    layers = build(world, args.hidden, dtype, device, args.backend)
+    row = dict(tp=world, layout=layout.note, layers=time_layers(
+        layers, args.tokens, world, args.hidden, dtype, device, args.reps, args.inner,
+        args.profile and rank == 0))
+    if rank == 0:
+        row["null"] = time_null(args.tokens, world, args.hidden, dtype, device, args.reps)
+        if args.primitives:
+            row["primitives_us"] = primitives(device)
+        with open(args.out + f".tp{world}", "w") as f:
+            json.dump(row, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--backend", default="symm", choices=("symm", "torch_p2p", "nvshmem", "auto"))
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--inner", type=int, default=20, help="back-to-back calls")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--primitives", action="store_true")
+    ap.add_argument("--out", default="benchmarks/results/host_time.json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("host_time.py needs a CUDA GPU (host time of GPU launches)")
+    rows = []
+    for tp in args.tp:
+        launch(_rank, tp, args, device="cuda")
+        with open(args.out + f".tp{tp}") as f:
+            rows.append(json.load(f))
+        os.remove(args.out + f".tp{tp}")
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, backend=args.backend,
+                hidden=args.hidden, tokens=args.tokens, dtype=args.dtype, reps=args.reps,
+                date=time.strftime("%Y-%m-%d %H:%M:%S"))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print(f"{meta['device']}  torch {meta['torch']}  backend {args.backend}  hidden {args.hidden}  "
+          f"{args.tokens} tokens  {args.dtype}; host µs per call, median")
+    print(f"{'TP':>3s} {'layer':6s} {'fwd':>7s} {'bwd':>7s} {'fwd b2b':>8s} {'bwd b2b':>8s}")
+    for r in rows:
+        for name, v in r["layers"].items():
+            print(f"{r['tp']:3d} {name:6s} {v['fwd_us']:7.0f} {v['bwd_us']:7.0f} "
+                  f"{v['fwd_b2b_us']:8.0f} {v['bwd_b2b_us']:8.0f}")
+        for name, v in r["null"].items():
+            print(f"{r['tp']:3d} null {name}: drained {v['drained_us']:.0f}, b2b {v['b2b_us']:.0f}")
+    for r in rows:
+        for name, v in r["layers"].items():
+            for p in ("fwd", "bwd"):
+                if f"{p}_parts_us" in v:
+                    parts = ", ".join(f"{k} {u:.0f}" for k, u in v[f"{p}_parts_us"].items() if u >= 1)
+                    print(f"TP={r['tp']} {name} {p} (cProfile µs/call): {parts}")
+        if "primitives_us" in r:
+            print("primitives (µs): " + ", ".join(f"{k} {v:.1f}" for k, v in r["primitives_us"].items()))
+    print(f"full results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
