@@ -159,6 +159,7 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
                         prof.disable()
                 row[f"{p}_parts_us"] = breakdown(prof, reps)
         layer.transport.check()
+        row["replays"] = {p: g.replays for p, g in getattr(layer, "pass_graphs", {}).items()}
         res[name] = row
     return res
 
@@ -166,11 +167,11 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
 def time_null(tokens: int, tp: int, hidden: int, dtype, device, reps: int) -> dict:
     """The schedule alone on the null transport: ring AG at TP chunks (qkv), pipeline RS
     at 4 chunks (proj), drained and back-to-back."""
-    from megatron_overlap.ab.floor import FloorTransport
+    from megatron_overlap.comm import NullTransport
     from megatron_overlap.overlap import all_gather_matmul, matmul_reduce_scatter
     from megatron_overlap.overlap.streams import ChunkStreams
 
-    null = FloorTransport(tp)
+    null = NullTransport(tp)
     x_ag = torch.randn(tokens // tp, hidden, device=device, dtype=dtype)
     w_ag = torch.randn(3 * hidden // tp, hidden, device=device, dtype=dtype)
     x_rs = torch.randn(tokens, hidden // tp, device=device, dtype=dtype)
@@ -295,7 +296,7 @@ def main() -> None:
     for r in rows:
         for name, v in r["layers"].items():
             print(f"{r['tp']:3d} {name:6s} {v['fwd_us']:7.0f} {v['bwd_us']:7.0f} "
-                  f"{v['fwd_b2b_us']:8.0f} {v['bwd_b2b_us']:8.0f}")
+                  f"{v['fwd_b2b_us']:8.0f} {v['bwd_b2b_us']:8.0f}  replays {v.get('replays')}")
         for name, v in r["null"].items():
             print(f"{r['tp']:3d} null {name}: drained {v['drained_us']:.0f}, b2b {v['b2b_us']:.0f}")
     for r in rows:

@@ -74,7 +74,7 @@ def build_arms(args: argparse.Namespace, spec, world: int, rank: int, dtype: tor
     they would build lazily (their cached `_transport`), so every TP-linear transfer is skipped."""
     import megatron_overlap as mo
     from megatron_overlap.ab import TrainArm
-    from megatron_overlap.ab.floor import FloorTransport
+    from megatron_overlap.comm import NullTransport
     from megatron_overlap.ab.model import build_gpt, gpt_loss
 
     def build(backend: str, overlap: bool):
@@ -94,7 +94,7 @@ def build_arms(args: argparse.Namespace, spec, world: int, rank: int, dtype: tor
         model, w = build(backend, overlap=True)
         model.load_state_dict(plain.state_dict())
         if kind == "compute_only":  # every overlapped linear's transfers skipped
-            floor = FloorTransport(world, rank, seed=rank)
+            floor = NullTransport(world, rank, seed=rank)
             for m in model.modules():
                 if hasattr(m, "overlap_plan"):
                     m._transport = floor

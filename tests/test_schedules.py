@@ -26,7 +26,7 @@ def _traces(rank, world):
 
     from megatron_overlap.comm import trace
     from megatron_overlap.overlap import all_gather_matmul, matmul_reduce_scatter
-    from megatron_overlap.overlap.bulk import gemm, hide
+    from megatron_overlap.overlap import hide, matmul as gemm
 
     tp = _setup(rank, world)
     g = torch.Generator().manual_seed(1)
@@ -58,7 +58,7 @@ def _traces(rank, world):
     with trace.recording() as ev:
         buf = torch.empty(world * 8, 16)
         hide(lambda: tp.all_gather(buf, x_local, op="ag"), lambda: gemm(x_local, w.t(), op="dgrad"),
-             op="ag", overlap=True)
+             overlap=True)
     out["bulk_hide"] = [(e.kind, e.op) for e in ev]
     tdist.destroy_process_group()
     return out, errs

@@ -21,7 +21,7 @@ from .. import comm
 from ..overlap import all_gather_matmul, matmul_reduce_scatter
 from ..overlap.streams import ChunkStreams
 from . import async_tp
-from .floor import FloorTransport
+from ..comm import NullTransport
 from .shapes import Shape
 
 
@@ -176,7 +176,7 @@ def overlap_arms(shape: Shape, x: torch.Tensor, w: torch.Tensor, group: dist.Pro
             floor = f"floor/{m.label}" + (f"@{len(nodes)}x{len(nodes[0])}" if nodes else "")
             if floor not in floors:
                 floors.add(floor)
-                arms.append(Arm(floor, "floor", schedule_fn(shape, x, w, FloorTransport(world, rank, seed=7),
+                arms.append(Arm(floor, "floor", schedule_fn(shape, x, w, NullTransport(world, rank, seed=7),
                                                             m, nodes), False, None, "null", m.label))
             info = {**tp.describe(),
                     **({"ring_order": f"hierarchical {len(nodes)}x{len(nodes[0])}"} if nodes else {})}

@@ -35,13 +35,25 @@ REFERENCE: tuple[Shape, ...] = (
     Shape("8B_tp4_fc2", 8192, 3584, 4096, "rs", 4),
     Shape("8B_tp2_qkv", 4096, 4096, 3072, "ag", 2),
 )
-BY_NAME = {s.name: s for s in REFERENCE}
+# Short sequences, where the host's share is largest: 70B (hidden 8192, ffn 28672,
+# 64 heads, 8 KV groups, SwiGLU) and 8B (4096, 14336, 32 heads, 8 KV groups) at TP=8.
+SHORT: tuple[Shape, ...] = tuple(
+    Shape(f"{model}_tp8_{layer}_{m}", m, k, n, op, 8)
+    for model, m, dims in (("70B", 2048, (8192, 1280, 7168, 1024, 3584, 8192)),
+                           ("70B", 4096, (8192, 1280, 7168, 1024, 3584, 8192)),
+                           ("8B", 4096, (4096, 768, 3584, 512, 1792, 4096)))
+    for layer, k, n, op in (("qkv", dims[0], dims[1], "ag"), ("fc1", dims[0], dims[2], "ag"),
+                            ("proj", dims[3], dims[5], "rs"), ("fc2", dims[4], dims[5], "rs")))
+BY_NAME = {s.name: s for s in REFERENCE + SHORT}
 
 
 def parse(spec: str) -> list[Shape]:
-    """'all', or a comma list of reference names and custom NAME:M:K:N:OP[:TP] entries."""
+    """'all' (the reference shapes), 'short', or a comma list of reference and short
+    names and custom NAME:M:K:N:OP[:TP] entries."""
     if spec in ("", "all"):
         return list(REFERENCE)
+    if spec == "short":
+        return list(SHORT)
     out = []
     for item in spec.split(","):
         item = item.strip()

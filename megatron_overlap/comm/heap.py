@@ -106,6 +106,31 @@ class HeapTransport(Transport):
                             f"crashed, run a different schedule, or be slower than "
                             f"MEGATRON_OVERLAP_TIMEOUT_S={self.timeout.total_seconds():g}s")
 
+    # -- CUDA-graph replay of whole passes ---------------------------------------------------
+    @property
+    def generation(self) -> int:
+        return len(self._bufs)  # a new allocation: workspaces moved
+
+    @contextlib.contextmanager
+    def recording_waits(self) -> Iterator[list[str]]:
+        waits: list[str] = []
+        self._watchdog.captured = waits
+        try:
+            yield waits
+        finally:
+            self._watchdog.captured = None
+
+    def watch_replay(self, name: str, waits: Sequence[str]) -> None:
+        """Watch the replay as one wait; its diagnosis lists every wait of the pass (one
+        of them never finished), and its release sets every signal slot."""
+        what = "; ".join(w.split(" waited for ", 1)[-1] for w in waits) or "nothing"
+        self._watchdog.watch(torch.cuda.current_stream(),
+                             f"rank {self.rank}/{self.world_size}: the CUDA-graph replay of "
+                             f"'{name}' did not finish; it waits for: {what}", self._release_all)
+
+    def _release_all(self) -> None:
+        """Let every stuck wait of this rank move on (the watchdog's release)."""
+
     @property
     def bytes_held(self) -> int:
         return sum(b.local.numel() for b in self._bufs)

@@ -1,8 +1,17 @@
 """`null`: the transport contract with every transfer skipped. Running a schedule
 on it gives the schedule's compute side alone (the same chunk GEMMs, order and
 waits, with chunks treated as already resident): the floor an overlapped layer
-can reach, and what the compute-side benchmark measures against one monolithic
-GEMM. Never used for training: outputs are not the collective's result."""
+can reach, and what the compute-side benchmark and the tuner measure against one
+monolithic GEMM. Never used for training: outputs are not the collective's result.
+
+Its workspaces behave like a real transport's. A real one hands out the same
+preallocated buffers call after call (symm) or caching-allocator blocks
+(torch_p2p), holding real data. A fresh `torch.empty` per call would add
+allocations the real runs do not pay, and all-zero buffers would flatter the
+GEMMs (a GPU draws less power on zeros and clocks higher), so each workspace slot
+is allocated once, filled with random values, and handed out again at the same
+place of every later pass.
+"""
 
 from __future__ import annotations
 
@@ -23,9 +32,25 @@ _DONE = _Done()
 
 class NullTransport(Transport):
     name = "null"
+    replayable = True
 
-    def __init__(self, world_size: int, rank: int = 0):
+    def __init__(self, world_size: int, rank: int = 0, seed: int = 0):
         super().__init__(rank, world_size)
+        self._slots: dict[tuple, torch.Tensor] = {}
+        self._index = 0
+        self._seed = seed
+
+    def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
+        self._index = 0
+
+    def workspace(self, shape: Sequence[int], dtype: torch.dtype, device=None) -> torch.Tensor:
+        key = (self._index, tuple(shape), dtype, str(device))
+        self._index += 1
+        if key not in self._slots:
+            g = torch.Generator(device=device or "cpu").manual_seed(self._seed + self._index)
+            self._slots[key] = torch.randn(tuple(shape), generator=g, dtype=torch.float32,
+                                           device=device).to(dtype)
+        return self._slots[key]
 
     def _start_exchange(self, sends, recvs: Sequence[SendRecv], op: str, chunk: int) -> Handle:
         return _DONE

@@ -19,10 +19,19 @@ class OpStats:
 _stats: defaultdict[str, OpStats] = defaultdict(OpStats)
 
 
-def started(op: str, nbytes: int) -> None:
+def started(op: str, nbytes: int, transfers: int = 1) -> None:
     s = _stats[op]
-    s.transfers += 1
+    s.transfers += transfers
     s.bytes += nbytes
+
+
+def forget(counts: dict[str, tuple[int, int]]) -> None:
+    """Take back {op: (transfers, bytes)} counted for work that did not run (a CUDA-graph
+    capture: its replays count it)."""
+    for op, (transfers, nbytes) in counts.items():
+        s = _stats[op]
+        s.transfers -= transfers
+        s.bytes -= nbytes
 
 
 def waited(op: str, seconds: float) -> None:

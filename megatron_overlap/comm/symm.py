@@ -33,6 +33,7 @@ def _symm():
 
 class SymmTransport(HeapTransport):
     name = "symm"
+    replayable = True  # put/wait_signal and barrier keep no host-side state
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout=None,
                  initial_bytes: int = 1 << 20):
@@ -122,11 +123,18 @@ class SymmTransport(HeapTransport):
         self._watch(stream, what, channel, [p for p in range(self.world_size) if p != self.rank])
 
     def _watch(self, stream, what: str, channel: int, peers: list[int]) -> None:
-        def release() -> None:  # set the slots the stuck wait spins on, from a side stream
-            pad = self._signals.handle.get_signal_pad(
-                self.rank, [(EXCHANGE + 1) * self.world_size], torch.int32)
-            with torch.cuda.stream(torch.cuda.Stream(device=self.device)):
+        self._watchdog.watch(stream, f"rank {self.rank}/{self.world_size} waited for {what}",
+                             lambda: self._release([channel], peers))
+
+    def _release(self, channels: list[int], peers: list[int]) -> None:
+        """Set the signal slots a stuck wait spins on, from a side stream."""
+        pad = self._signals.handle.get_signal_pad(
+            self.rank, [(EXCHANGE + 1) * self.world_size], torch.int32)
+        with torch.cuda.stream(torch.cuda.Stream(device=self.device)):
+            for channel in channels:
                 for p in peers:
                     pad[channel * self.world_size + p].fill_(1)
-        self._watchdog.watch(stream, f"rank {self.rank}/{self.world_size} waited for {what}",
-                             release)
+
+    def _release_all(self) -> None:
+        self._release([PASS_BARRIER, BULK_BARRIER, EXCHANGE],
+                      [p for p in range(self.world_size) if p != self.rank])

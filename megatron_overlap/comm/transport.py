@@ -11,10 +11,11 @@ in the trace (`comm.trace`), so tests can check what overlapped what.
 from __future__ import annotations
 
 import abc
+import contextlib
 import datetime
 import os
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -84,6 +85,9 @@ class Transport(abc.ABC):
     """Moves chunks within one TP group. `rank` and peers are group-local ranks."""
 
     name: str = "abstract"
+    # Whether a pass on it may be captured in a CUDA graph once and replayed: its
+    # transfers keep no host-side state from call to call (`overlap.replay`).
+    replayable: bool = False
 
     def __init__(self, rank: int, world_size: int, timeout: datetime.timedelta | None = None):
         self.rank, self.world_size = rank, world_size
@@ -131,6 +135,20 @@ class Transport(abc.ABC):
 
     def check(self) -> None:
         """Raise the CommError a background watchdog diagnosed, if any."""
+
+    # -- CUDA-graph replay of whole passes (`overlap.replay`) ------------------------------
+    @property
+    def generation(self) -> int:
+        """Changes whenever workspaces move (a graph captured before is then stale)."""
+        return 0
+
+    @contextlib.contextmanager
+    def recording_waits(self) -> Iterator[list[str]]:
+        """Collect what each wait enqueued inside the block waits for (during a capture)."""
+        yield []
+
+    def watch_replay(self, name: str, waits: Sequence[str]) -> None:
+        """A replay of pass `name`, whose graph makes `waits`, was just enqueued."""
 
     # -- what a backend implements -------------------------------------------------------
     @abc.abstractmethod

@@ -72,6 +72,7 @@ class Watchdog:
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
+        self.captured: list[str] | None = None  # set: what waits captured in a graph wait for
 
     def watch(self, stream: torch.cuda.Stream, what: str, release: Callable[[], None]) -> None:
         """Watch everything enqueued on `stream` so far (not inside CUDA-graph capture:
@@ -79,6 +80,8 @@ class Watchdog:
         global _capture_seen
         if torch.cuda.is_current_stream_capturing():
             _capture_seen = True  # stop polling until a capture is over (next eager watch)
+            if self.captured is not None:
+                self.captured.append(what)
             return
         _capture_seen = False
         event = torch.cuda.Event()

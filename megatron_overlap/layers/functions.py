@@ -1,26 +1,34 @@
-"""Autograd functions of the overlapped TP linears. Each pass calls one overlap
-schedule (or the plain order when its plan says None); tensors are Megatron's
-[sequence, batch, hidden], flattened to rows, with sequence blocks in rank order."""
+"""Autograd functions of the overlapped TP linears. Tensors are Megatron's
+[sequence, batch, hidden], flattened to rows, with sequence blocks in rank order.
+
+Each pass (a forward; a backward: dgrad and wgrad together) is one function of
+explicit tensors: its inputs, and outputs allocated here by the caller. It calls
+one overlap schedule (or the plain order when its plan says None). Written that
+way, a pass can run eagerly or as a replay of its CUDA graph (`overlap.replay`,
+`graphs`: the layer's PassGraphs per pass, None for eager only); what autograd
+gets back beyond those outputs is decided on the host, outside the pass.
+"""
 
 from __future__ import annotations
+
+import functools
+from typing import Optional
 
 import torch
 
 from ..comm.transport import Transport
 from ..config import LayerSettings
 from ..config.effects import CAPS
-from ..overlap import all_gather_matmul, gemm, hide, matmul_reduce_scatter
+from ..overlap import all_gather_matmul, hide, matmul, matmul_reduce_scatter
+from ..overlap.replay import PassGraphs
 from ..overlap.streams import ChunkStreams
 from .plan import LayerPlan
-from .wgrad import weight_grad
+from .wgrad import accumulates, autograd_grad, weight_grad
+
+Graphs = Optional[dict[str, PassGraphs]]
 
 
-def _gather(x: torch.Tensor, tp: Transport, op: str):
-    out = x.new_empty(tp.world_size * x.shape[0], x.shape[1])
-    return out, (lambda: tp.all_gather(out, x, op=op))
-
-
-def _name(s, fallback: str) -> str:
+def _name(s: LayerSettings | None, fallback: str) -> str:
     return s.name if s is not None else fallback
 
 
@@ -39,65 +47,137 @@ def _begin(tp: Transport, s: LayerSettings | None, fallback: str) -> tuple[str, 
     return name, ChunkStreams(priority=gemm_p, sm_margin=margin)
 
 
+def _run(graphs: Graphs, key: str, tp: Transport, body, *tensors) -> None:
+    if graphs is None or key not in graphs:
+        body()
+    else:
+        graphs[key].run(tp, body, tensors)
+
+
+def _gathered(x2: torch.Tensor, tp: Transport) -> torch.Tensor:
+    return x2.new_empty(tp.world_size * x2.shape[0], x2.shape[1])
+
+
+# -- the passes: every tensor they touch is an argument --------------------------------------
+def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes) -> None:
+    """out = gather_sp(x2) @ weight^T (+ bias)."""
+    op, streams = _begin(tp, plan.fprop, "fprop")
+    if plan.sequence_parallel and plan.fprop is not None:
+        all_gather_matmul(x2, weight, tp, plan.fprop.method, op=op, aggregate=plan.fprop.aggregate,
+                          streams=streams, nodes=nodes, out=out)
+    elif plan.sequence_parallel:
+        full = _gathered(x2, tp)
+        tp.all_gather(full, x2, op=op).wait()
+        matmul(full, weight.t(), out, op=op)
+    else:
+        matmul(x2, weight.t(), out, op=op)
+    if bias is not None:
+        out.add_(bias)
+
+
+def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transport, nodes,
+               fuse: bool, allreduce_dgrad: bool) -> None:
+    """grad_in (reduce-scattered under SP, all-reduced when asked), grad_w (or main_grad),
+    grad_b, with the input gather / the reduction hidden under the other GEMM."""
+    dname, streams = _begin(tp, plan.dgrad, "dgrad")
+    wgemm = functools.partial(matmul, op=_name(plan.wgrad, "wgrad"))
+    wgrad = lambda inp: weight_grad(weight, g, inp, fuse, wgemm, grad_w)  # noqa: E731
+    if plan.sequence_parallel and plan.rs_dgrad:
+        # dgrad is a GEMM->RS; the input's all-gather for wgrad runs alongside it.
+        full = _gathered(x2, tp)
+        handle = tp.all_gather(full, x2, op=dname)
+        matmul_reduce_scatter(g, weight.t(), tp, plan.dgrad.method, plan.dgrad.splits(tp.world_size),
+                              op=dname, streams=streams, nodes=nodes, out=grad_in)
+        handle.wait()
+        wgrad(full)
+    elif plan.sequence_parallel:
+        full = _gathered(x2, tp)
+        dgrad = hide(lambda: tp.all_gather(full, x2, op=dname),
+                     lambda: matmul(g, weight, op=dname), overlap=plan.dgrad is not None)
+        hide(lambda: tp.reduce_scatter(grad_in, dgrad, op=wgemm.keywords["op"]),
+             lambda: wgrad(full), overlap=plan.wgrad is not None)
+    else:
+        matmul(g, weight, grad_in, op=dname)
+        start = (lambda: tp.all_reduce(grad_in, op=wgemm.keywords["op"])) if allreduce_dgrad else None
+        hide(start, lambda: wgrad(x2), overlap=plan.wgrad is not None)
+    if grad_b is not None:
+        torch.sum(g, 0, out=grad_b)
+
+
+def row_fprop(x2, weight, out, plan: LayerPlan, tp: Transport, nodes) -> None:
+    """out = reduce_sp(x2 @ weight^T): reduce-scattered under SP, all-reduced otherwise."""
+    op, streams = _begin(tp, plan.fprop, "fprop")
+    s, sp = plan.fprop, plan.sequence_parallel
+    if s is not None:
+        matmul_reduce_scatter(x2, weight, tp, s.method, s.splits(tp.world_size), op=op,
+                              scatter=sp, streams=streams, nodes=nodes, out=out)
+    else:
+        matmul_reduce_scatter(x2, weight, tp, "bulk", 1, op=op, scatter=sp, out=out)
+
+
+def row_bwd(g, x2, weight, grad_in, grad_w, plan: LayerPlan, tp: Transport, nodes,
+            fuse: bool) -> None:
+    """grad_in = gather_sp(g) @ weight, the gather hidden under it; grad_w reuses it."""
+    dname, streams = _begin(tp, plan.dgrad, "dgrad")
+    if plan.sequence_parallel and plan.dgrad is not None:
+        # g_full is the transport's workspace: used by the wgrad below, within this pass.
+        _, g_full = all_gather_matmul(g, weight.t(), tp, plan.dgrad.method, op=dname,
+                                      aggregate=plan.dgrad.aggregate, streams=streams,
+                                      nodes=nodes, out=grad_in)
+    elif plan.sequence_parallel:
+        g_full = _gathered(g, tp)
+        tp.all_gather(g_full, g, op=dname).wait()
+        matmul(g_full, weight, grad_in, op=dname)
+    else:
+        g_full = g
+        matmul(g, weight, grad_in, op=dname)
+    # wgrad reuses the gathered gradient: no communication of its own ("external").
+    weight_grad(weight, g_full, x2, fuse, functools.partial(matmul, op=_name(plan.wgrad, "wgrad")),
+                grad_w)
+
+
+# -- autograd ------------------------------------------------------------------------------
+def _grad_w(weight: torch.Tensor, like: torch.Tensor, fuse: bool) -> Optional[torch.Tensor]:
+    return None if accumulates(weight, fuse) else like.new_empty(weight.shape)
+
+
+def _main_grad(weight: torch.Tensor, fuse: bool) -> Optional[torch.Tensor]:
+    return weight.main_grad if accumulates(weight, fuse) else None
+
+
 class ColumnParallelMatmul(torch.autograd.Function):
     """Y = gather_sp(X) @ W^T (+ b). X: [s/tp or s, b, k]. layouts: per pass, the
     hierarchical ring layout (ranks per node) or None for the flat ring."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool, allreduce_dgrad: bool,
-                layouts: dict | None = None):
+                layouts: dict | None = None, graphs: Graphs = None):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.allreduce_dgrad = plan, tp, fuse_wgrad, allreduce_dgrad
         ctx.layouts = layouts = layouts or {}
-        ctx.use_bias = bias is not None
+        ctx.graphs, ctx.use_bias = graphs, bias is not None
         ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
-        op, streams = _begin(tp, plan.fprop, "fprop")
-        if plan.sequence_parallel and plan.fprop is not None:
-            out, _ = all_gather_matmul(x2, weight, tp, plan.fprop.method, op=op,
-                                       aggregate=plan.fprop.aggregate, streams=streams,
-                                       nodes=layouts.get("fprop"))
-        elif plan.sequence_parallel:
-            full, start = _gather(x2, tp, op)
-            start().wait()
-            out = gemm(full, weight.t(), op=op)
-        else:
-            out = gemm(x2, weight.t(), op=op)
-        if bias is not None:
-            out = out + bias
-        return out.view(out.shape[0] // x2.shape[0] * x.shape[0], *x.shape[1:-1], -1)
+        rows = x2.shape[0] * (tp.world_size if plan.sequence_parallel else 1)
+        out = x2.new_empty(rows, weight.shape[0])
+        _run(graphs, "fprop", tp, lambda: column_fprop(x2, weight, bias, out, plan, tp, layouts.get("fprop")),
+             x2, weight, bias, out)
+        return out.view(rows // x2.shape[0] * x.shape[0], *x.shape[1:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        plan, tp = ctx.plan, ctx.tp
+        plan, tp, fuse = ctx.plan, ctx.tp, ctx.fuse_wgrad
         g = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        dname, streams = _begin(tp, plan.dgrad, "dgrad")
-        wname = _name(plan.wgrad, "wgrad")
-        wgrad = lambda inp: weight_grad(weight, g, inp, ctx.fuse_wgrad,  # noqa: E731
-                                        lambda a, b: gemm(a, b, op=wname))
-        if plan.sequence_parallel and plan.rs_dgrad:
-            # dgrad is a GEMM->RS; the input's all-gather for wgrad runs alongside it.
-            full, start = _gather(x2, tp, dname)
-            handle = start()
-            grad_in = matmul_reduce_scatter(g, weight.t(), tp, plan.dgrad.method,
-                                            plan.dgrad.splits(tp.world_size), op=dname,
-                                            streams=streams, nodes=ctx.layouts.get("dgrad"))
-            handle.wait()
-            grad_w = wgrad(full)
-        elif plan.sequence_parallel:
-            full, start = _gather(x2, tp, dname)
-            dgrad = hide(start, lambda: gemm(g, weight, op=dname), op=dname,
-                         overlap=plan.dgrad is not None)
-            grad_in = dgrad.new_empty(x2.shape)
-            grad_w = hide(lambda: tp.reduce_scatter(grad_in, dgrad, op=wname), lambda: wgrad(full),
-                          op=wname, overlap=plan.wgrad is not None)
-        else:
-            grad_in = gemm(g, weight, op=dname)
-            start = (lambda: tp.all_reduce(grad_in, op=wname)) if ctx.allreduce_dgrad else None
-            grad_w = hide(start, lambda: wgrad(x2), op=wname, overlap=plan.wgrad is not None)
-        grad_b = g.sum(0) if ctx.use_bias else None
-        return grad_in.view(x.shape), grad_w, grad_b, None, None, None, None, None
+        grad_in, grad_w = x2.new_empty(x2.shape), _grad_w(weight, g, fuse)
+        grad_b = g.new_empty(g.shape[1]) if ctx.use_bias else None
+        _run(ctx.graphs, "bwd", tp,
+             lambda: column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan, tp,
+                                ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad),
+             g, x2, weight, grad_in, grad_w, grad_b, _main_grad(weight, fuse))
+        if grad_w is None:
+            grad_w = autograd_grad(weight, x2)
+        return grad_in.view(x.shape), grad_w, grad_b, None, None, None, None, None, None
 
 
 class RowParallelMatmul(torch.autograd.Function):
@@ -105,40 +185,27 @@ class RowParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, plan: LayerPlan, tp: Transport, fuse_wgrad: bool,
-                layouts: dict | None = None):
-        ctx.plan, ctx.tp, ctx.fuse_wgrad = plan, tp, fuse_wgrad
+                layouts: dict | None = None, graphs: Graphs = None):
+        ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs = plan, tp, fuse_wgrad, graphs
         ctx.layouts = layouts = layouts or {}
         ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
-        (op, streams), sp = _begin(tp, plan.fprop, "fprop"), plan.sequence_parallel
-        if plan.fprop is not None:
-            s = plan.fprop
-            out = matmul_reduce_scatter(x2, weight, tp, s.method, s.splits(tp.world_size),
-                                        op=op, scatter=sp, streams=streams,
-                                        nodes=layouts.get("fprop"))
-        else:
-            out = matmul_reduce_scatter(x2, weight, tp, "bulk", 1, op=op, scatter=sp)
-        return out.view(out.shape[0] * x.shape[0] // x2.shape[0], *x.shape[1:-1], -1)
+        rows = x2.shape[0] // (tp.world_size if plan.sequence_parallel else 1)
+        out = x2.new_empty(rows, weight.shape[0])
+        _run(graphs, "fprop", tp, lambda: row_fprop(x2, weight, out, plan, tp, layouts.get("fprop")),
+             x2, weight, out)
+        return out.view(rows * x.shape[0] // x2.shape[0], *x.shape[1:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        plan, tp = ctx.plan, ctx.tp
+        plan, tp, fuse = ctx.plan, ctx.tp, ctx.fuse_wgrad
         g = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
-        dname, streams = _begin(tp, plan.dgrad, "dgrad")
-        if plan.sequence_parallel and plan.dgrad is not None:
-            # g_full is the transport's workspace: used by the wgrad below, within this pass.
-            grad_in, g_full = all_gather_matmul(g, weight.t(), tp, plan.dgrad.method, op=dname,
-                                                aggregate=plan.dgrad.aggregate, streams=streams,
-                                                nodes=ctx.layouts.get("dgrad"))
-        elif plan.sequence_parallel:
-            g_full, start = _gather(g, tp, dname)
-            start().wait()
-            grad_in = gemm(g_full, weight, op=dname)
-        else:
-            g_full, grad_in = g, gemm(g, weight, op=dname)
-        # wgrad reuses the gathered gradient: no communication of its own ("external").
-        wname = _name(plan.wgrad, "wgrad")
-        grad_w = weight_grad(weight, g_full, x2, ctx.fuse_wgrad, lambda a, b: gemm(a, b, op=wname))
-        return grad_in.view(x.shape), grad_w, None, None, None, None
+        grad_in, grad_w = x2.new_empty(x2.shape), _grad_w(weight, g, fuse)
+        _run(ctx.graphs, "bwd", tp,
+             lambda: row_bwd(g, x2, weight, grad_in, grad_w, plan, tp, ctx.layouts.get("dgrad"), fuse),
+             g, x2, weight, grad_in, grad_w, _main_grad(weight, fuse))
+        if grad_w is None:
+            grad_w = autograd_grad(weight, x2)
+        return grad_in.view(x.shape), grad_w, None, None, None, None, None

@@ -25,6 +25,7 @@ from .. import comm
 from ..config import LayerSettings
 from ..megatron import state
 from ..overlap.hierarchical import RingOrder, choose
+from ..overlap.replay import PassGraphs
 from .functions import ColumnParallelMatmul, RowParallelMatmul
 from .plan import LayerPlan, build_plan
 from .wgrad import HAVE_APEX_WGRAD
@@ -85,6 +86,8 @@ class _OverlapMixin:
         self._transport = None
         self._orders: dict[str, RingOrder] | None = None
         self._max_tokens = 0  # largest [sequence x batch] seen, across the TP group
+        # each pass captured in a CUDA graph and replayed where it can be (overlap.replay)
+        self.pass_graphs = {p: PassGraphs(f"{self.overlap_plan.layer} {p}") for p in ("fprop", "bwd")}
 
     @property
     def transport(self) -> comm.Transport:
@@ -171,7 +174,7 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
         bias = None if self.skip_bias_add else self.bias
         out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
                                          self.gradient_accumulation_fusion, allreduce_dgrad,
-                                         self._layouts())
+                                         self._layouts(), self.pass_graphs)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
@@ -196,7 +199,8 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(
             input_, group=self.tp_group)
         out = RowParallelMatmul.apply(x, self.weight, self.overlap_plan, self.transport,
-                                      self.gradient_accumulation_fusion, self._layouts())
+                                      self.gradient_accumulation_fusion, self._layouts(),
+                                      self.pass_graphs)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None

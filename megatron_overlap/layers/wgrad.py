@@ -1,8 +1,13 @@
 """Weight-gradient accumulation into `main_grad` (Megatron's
 gradient_accumulation_fusion): apex's fused kernel when it is importable, a torch
-addmm otherwise, with Megatron's conventions for what autograd gets back."""
+addmm otherwise, with Megatron's conventions for what autograd gets back.
+
+Split in two so a pass can be replayed from a CUDA graph: the device work
+(`weight_grad`) and what autograd gets back (`autograd_grad`, host only)."""
 
 from __future__ import annotations
+
+from typing import Callable, Optional
 
 import torch
 
@@ -13,13 +18,21 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 HAVE_APEX_WGRAD = _apex_wgrad is not None
 
+GemmInto = Callable[..., torch.Tensor]  # gemm(a, b, out=None) -> a @ b
 
-def weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor,
-                fuse: bool, gemm) -> torch.Tensor | None:
-    """dW = grad_out^T @ inp, returned, or accumulated into weight.main_grad when
-    `fuse` (then autograd gets Megatron's placeholder, or None)."""
-    if not (fuse and hasattr(weight, "main_grad")):
-        return gemm(grad_out.t(), inp)
+
+def accumulates(weight: torch.Tensor, fuse: bool) -> bool:
+    """Whether dW goes into `weight.main_grad` instead of back to autograd."""
+    return fuse and hasattr(weight, "main_grad")
+
+
+def weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor, fuse: bool,
+                gemm: GemmInto, out: Optional[torch.Tensor] = None) -> None:
+    """dW = grad_out^T @ inp, into `out`, or accumulated into weight.main_grad when
+    `accumulates(weight, fuse)` (then `out` is unused)."""
+    if not accumulates(weight, fuse):
+        gemm(grad_out.t(), inp, out)
+        return
     main_grad = weight.main_grad
     if _apex_wgrad is not None and main_grad.is_cuda:
         kernel = (_apex_wgrad.wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32
@@ -27,8 +40,13 @@ def weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor,
         kernel(inp, grad_out, main_grad)
     else:
         main_grad.add_(gemm(grad_out.t().to(main_grad.dtype), inp.to(main_grad.dtype)))
+
+
+def autograd_grad(weight: torch.Tensor, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """What autograd gets for a weight whose grad went into main_grad: Megatron's
+    placeholder (and `grad_added_to_main_grad` set), or None."""
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-    return make(main_grad.shape, dtype=inp.dtype, device=inp.device)
+    return make(weight.main_grad.shape, dtype=like.dtype, device=like.device)

@@ -12,8 +12,8 @@ from typing import Sequence
 
 import torch
 
-from ..comm import trace
 from ..comm.transport import Transport
+from .gemm import Gemm, matmul
 from .streams import ChunkStreams, plain
 
 
@@ -36,13 +36,9 @@ def ring_steps(rank: int, world: int, aggregate: bool) -> list[list[int]]:
     return steps
 
 
-def _gemm(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, op: str, chunk: int) -> None:
-    trace.record("gemm", op, chunk)
-    torch.matmul(a, wt, out=out)
-
-
 def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
-                  aggregate: bool = False, streams: ChunkStreams | None = None
+                  aggregate: bool = False, streams: ChunkStreams | None = None,
+                  out: torch.Tensor | None = None, gemm: Gemm = matmul
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring all-gather, one block per step, each block's GEMM run while the next
     block is on the wire: start(i+1) -> gemm(i) -> wait(i+1), the wait enqueued on
@@ -50,7 +46,7 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     ([world * rows, k], valid until the transport's next pass), which is returned."""
     world, rank, rows = tp.world_size, tp.rank, x.shape[0]
     gathered = tp.workspace((world * rows, x.shape[1]), x.dtype, x.device)
-    out = x.new_empty(world * rows, w.shape[0])
+    out = x.new_empty(world * rows, w.shape[0]) if out is None else out
     g_blocks, out_blocks, wt = gathered.split(rows), out.split(rows), w.t()  # views made once
     g_blocks[rank].copy_(x)
     steps = ring_steps(rank, world, aggregate)
@@ -68,35 +64,40 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
                 handle = tp.exchange(sends, recvs, op=op, chunk=i + 1)
             with st.chunk(i):
                 for b in blocks:
-                    _gemm(g_blocks[b], wt, out_blocks[b], op, i)
+                    gemm(g_blocks[b], wt, out_blocks[b], op=op, chunk=i)
             if handle is not None:
                 with st.chunk(i + 1):
                     handle.wait()
     return out, gathered
 
 
-def bulk(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather everything, then one GEMM: the plain path, for layers where nothing
-    else is there to hide the gather under."""
+def bulk(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
+         out: torch.Tensor | None = None, gemm: Gemm = matmul) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather everything, then one GEMM: no overlap at all (the plain path, for layers
+    where nothing else is there to hide the gather under)."""
     gathered = x.new_empty(tp.world_size * x.shape[0], x.shape[1])
     tp.all_gather(gathered, x, op=op).wait()
-    out = x.new_empty(gathered.shape[0], w.shape[0])
-    _gemm(gathered, w.t(), out, op, 0)
+    out = x.new_empty(gathered.shape[0], w.shape[0]) if out is None else out
+    gemm(gathered, w.t(), out, op=op)
     return out, gathered
 
 
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: str, *,
                       op: str, aggregate: bool = False, streams: ChunkStreams | None = None,
-                      nodes: Sequence[Sequence[int]] | None = None
+                      nodes: Sequence[Sequence[int]] | None = None,
+                      out: torch.Tensor | None = None, gemm: Gemm = matmul
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch on the layer's `method`; returns (output, gathered input). `nodes`: the
-    group's ranks per node, for the hierarchical ring order (None or one node: flat)."""
+    group's ranks per node, for the hierarchical ring order (None or one node: flat).
+    `out`: where the output goes ([world * rows, n]; new when None)."""
     if method == "ring_exchange" and nodes is not None and len(nodes) > 1:
         from . import hierarchical
-        return hierarchical.all_gather_matmul(x, w, tp, nodes, op=op, streams=streams)
+        return hierarchical.all_gather_matmul(x, w, tp, nodes, op=op, streams=streams, out=out,
+                                              gemm=gemm)
     if method == "ring_exchange":
-        return ring_exchange(x, w, tp, op=op, aggregate=aggregate, streams=streams)
+        return ring_exchange(x, w, tp, op=op, aggregate=aggregate, streams=streams, out=out,
+                             gemm=gemm)
     if method == "bulk":
-        return bulk(x, w, tp, op=op)
+        return bulk(x, w, tp, op=op, out=out, gemm=gemm)
     raise ValueError(f"{op}: method '{method}' cannot overlap an all-gather with a GEMM; "
                      f"use ring_exchange or bulk")

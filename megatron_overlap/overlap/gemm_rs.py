@@ -14,15 +14,9 @@ from typing import Sequence
 
 import torch
 
-from ..comm import trace
 from ..comm.transport import Handle, Transport
+from .gemm import Gemm, matmul
 from .streams import ChunkStreams, plain
-
-
-def _gemm(a: torch.Tensor, w: torch.Tensor, op: str, chunk: int, out: torch.Tensor | None = None):
-    trace.record("gemm", op, chunk)
-    return torch.matmul(a, w.t(), out=out)
-
 
 def _check_rows(op: str, total: int, parts: int, what: str) -> int:
     if total % parts:
@@ -32,7 +26,8 @@ def _check_rows(op: str, total: int, parts: int, what: str) -> int:
 
 
 def pipeline(x: torch.Tensor, w: torch.Tensor, tp: Transport, num_splits: int, *, op: str,
-             scatter: bool = True, streams: ChunkStreams | None = None) -> torch.Tensor:
+             scatter: bool = True, streams: ChunkStreams | None = None,
+             out: torch.Tensor | None = None, gemm: Gemm = matmul) -> torch.Tensor:
     """num_splits GEMM chunks; each chunk's reduction starts as soon as its GEMM is
     issued and runs under the next chunk's GEMM: gemm(i) -> start(i) -> gemm(i+1) ...
     wait(all). With `scatter`, chunk i is the i-th slice of every rank's row block,
@@ -50,70 +45,80 @@ def pipeline(x: torch.Tensor, w: torch.Tensor, tp: Transport, num_splits: int, *
     else:
         sub = _check_rows(op, x.shape[0], num_splits, "pipeline chunks")
         x_chunks = x.split(sub)
-    out = x.new_empty(num_splits, sub, n)
-    out_chunks = out.unbind(0)
+    out = x.new_empty(num_splits * sub, n) if out is None else out
+    out_chunks = out.view(num_splits, sub, n).unbind(0)
     handles: list[Handle] = []
     with streams or plain() as st:
         for i in range(num_splits):
             with st.chunk(i):
                 if scatter:
                     part = tp.workspace((world, sub, n), x.dtype, x.device)
-                    trace.record("gemm", op, i)
-                    torch.bmm(x_chunks[i], wt_batch, out=part)
+                    gemm(x_chunks[i], wt_batch, part, op=op, chunk=i)
                     handles.append(tp.reduce_scatter(out_chunks[i], part.view(world * sub, n),
                                                      op=op, chunk=i))
                 else:
-                    _gemm(x_chunks[i], w, op, i, out=out_chunks[i])
+                    gemm(x_chunks[i], wt, out_chunks[i], op=op, chunk=i)
                     handles.append(tp.all_reduce(out_chunks[i], op=op, chunk=i))
         for h in handles:
             h.wait()
-    return out.view(-1, n)
+    return out
 
 
 def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
-                  streams: ChunkStreams | None = None) -> torch.Tensor:
+                  streams: ChunkStreams | None = None, out: torch.Tensor | None = None,
+                  gemm: Gemm = matmul) -> torch.Tensor:
     """Ring reduce-scatter: at step s a rank computes its partial of block
     (rank - s - 1), adds the running sum that arrived from the left, and sends it
     right; the last step lands on its own block. The send of step s is in flight
     while the GEMM of step s+1 runs: gemm(s+1) -> wait(s)."""
     world, rank, n = tp.world_size, tp.rank, w.shape[0]
     rows = _check_rows(op, x.shape[0], world, "TP ranks")
-    blocks = x.split(rows)
+    blocks, wt = x.split(rows), w.t()
     incoming = tp.workspace((max(world - 1, 1), rows, n), x.dtype, x.device).unbind(0)
-    accs = x.new_empty(world, rows, n).unbind(0)  # on the caller's stream: safe to hand back
+    # running sums on the caller's stream (safe to hand back); the last one is the result
+    out = x.new_empty(rows, n) if out is None else out
+    accs = [*x.new_empty(world - 1, rows, n).unbind(0), out]
     handle = None
     with streams or plain() as st:
         for s in range(world):
             with st.chunk(s):
                 acc = accs[s]
-                _gemm(blocks[(rank - s - 1) % world], w, op, s, out=acc)
+                gemm(blocks[(rank - s - 1) % world], wt, acc, op=op, chunk=s)
                 if handle is not None:
                     handle.wait()
                     acc += incoming[s - 1]
                 if s + 1 < world:
                     handle = tp.exchange([(acc, tp.right, incoming[s])], [(incoming[s], tp.left)],
                                          op=op, chunk=s)
-    return accs[world - 1]
+    return out
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: str,
                           num_splits: int, *, op: str, scatter: bool = True,
                           streams: ChunkStreams | None = None,
-                          nodes: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+                          nodes: Sequence[Sequence[int]] | None = None,
+                          out: torch.Tensor | None = None, gemm: Gemm = matmul) -> torch.Tensor:
     """Dispatch on the layer's `method`. `nodes`: the group's ranks per node; with more
     than one, pipeline and ring_exchange reduce-scatters run the hierarchical order
-    (an all-reduce, `scatter=False`, keeps its pipeline)."""
+    (an all-reduce, `scatter=False`, keeps its pipeline). `out`: where the result goes
+    ([rows / world, n] with `scatter`, else [rows, n]; new when None)."""
     if method in ("pipeline", "ring_exchange") and scatter and nodes is not None and len(nodes) > 1:
         from . import hierarchical
-        return hierarchical.matmul_reduce_scatter(x, w, tp, nodes, op=op, streams=streams)
+        return hierarchical.matmul_reduce_scatter(x, w, tp, nodes, op=op, streams=streams,
+                                                  out=out, gemm=gemm)
     if method == "pipeline" or (method == "ring_exchange" and not scatter):
-        return pipeline(x, w, tp, num_splits, op=op, scatter=scatter, streams=streams)
+        return pipeline(x, w, tp, num_splits, op=op, scatter=scatter, streams=streams, out=out,
+                        gemm=gemm)
     if method == "ring_exchange":
-        return ring_exchange(x, w, tp, op=op, streams=streams)
+        return ring_exchange(x, w, tp, op=op, streams=streams, out=out, gemm=gemm)
     if method == "bulk":
-        out = _gemm(x, w, op, 0)
-        red = out.new_empty(out.shape[0] // tp.world_size, out.shape[1]) if scatter else out
-        (tp.reduce_scatter(red, out, op=op) if scatter else tp.all_reduce(out, op=op)).wait()
+        if not scatter:
+            full = gemm(x, w.t(), out, op=op)
+            tp.all_reduce(full, op=op).wait()
+            return full
+        full = gemm(x, w.t(), op=op)
+        red = full.new_empty(full.shape[0] // tp.world_size, full.shape[1]) if out is None else out
+        tp.reduce_scatter(red, full, op=op).wait()
         return red
     raise ValueError(f"{op}: method '{method}' cannot overlap a GEMM with a reduce-scatter; "
                      f"use pipeline or ring_exchange")

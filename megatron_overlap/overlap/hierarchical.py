@@ -26,9 +26,9 @@ from typing import Sequence
 
 import torch
 
-from ..comm import trace
 from ..comm.topology import Topology
 from ..comm.transport import Handle, Transport
+from .gemm import Gemm, matmul
 from .streams import ChunkStreams, plain
 
 Layout = Sequence[Sequence[int]]
@@ -100,13 +100,9 @@ def _check_layout(nodes: Layout, world: int, op: str) -> None:
                          f"{world} TP ranks once, the same number per node; use ring_order flat")
 
 
-def _gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, op: str, chunk: int) -> None:
-    trace.record("gemm", op, chunk)
-    torch.matmul(a, w.t(), out=out)
-
-
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes: Layout, *, op: str,
-                      streams: ChunkStreams | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      streams: ChunkStreams | None = None, out: torch.Tensor | None = None,
+                      gemm: Gemm = matmul) -> tuple[torch.Tensor, torch.Tensor]:
     """all_gather(x) @ w.T in the hierarchical order; returns (output, gathered input),
     both in rank order. GEMM chunk ids count GEMMs in the order they run; a transfer's
     chunk id is that of the first GEMM that needs it."""
@@ -118,8 +114,8 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes: La
     right, left = mine[(me_l + 1) % size], mine[(me_l - 1) % size]
     others = partners(me_n, n_nodes)
     gathered = tp.workspace((world * rows, x.shape[1]), x.dtype, x.device)
-    out = x.new_empty(world * rows, w.shape[0])
-    g, o = gathered.split(rows), out.split(rows)
+    out = x.new_empty(world * rows, w.shape[0]) if out is None else out
+    g, o, wt = gathered.split(rows), out.split(rows), w.t()
     g[rank].copy_(x)
     local = [[mine[(me_l - s) % size]] for s in range(size)]
     remote = [[nodes[m][(me_l - s) % size] for m in others] for s in range(size)]
@@ -144,7 +140,7 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes: La
                                for j, (a, b) in enumerate(zip(blocks, steps[nxt]))]
             with st.chunk(t):
                 for j, b in enumerate(blocks):
-                    _gemm(g[b], w, o[b], op, first[t] + j)
+                    gemm(g[b], wt, o[b], op=op, chunk=first[t] + j)
             if nxt is not None:
                 with st.chunk(nxt):
                     for h in pending:
@@ -153,7 +149,8 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes: La
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes: Layout, *,
-                          op: str, streams: ChunkStreams | None = None) -> torch.Tensor:
+                          op: str, streams: ChunkStreams | None = None,
+                          out: torch.Tensor | None = None, gemm: Gemm = matmul) -> torch.Tensor:
     """reduce_scatter(x @ w.T) over row blocks in the hierarchical order: returns this
     rank's [rows, n] block summed over ranks. GEMM chunk ids count GEMMs in order; a
     transfer's chunk id is that of the GEMM whose (partial) sum it carries."""
@@ -168,11 +165,12 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes
     mine = nodes[me_n]
     right, left = mine[(me_l + 1) % size], mine[(me_l - 1) % size]
     rounds = partners(me_n, n_nodes) + [me_n]  # other nodes first, the own node last
-    blocks = x.split(rows)
+    blocks, wt = x.split(rows), w.t()
     ring_in = tp.workspace((n_nodes * max(size - 1, 1), rows, n), x.dtype, x.device).unbind(0)
     node_in = tp.workspace((n_nodes, rows, n), x.dtype, x.device).unbind(0)  # by sending node
-    accs = x.new_empty(world, rows, n).unbind(0)  # on the caller's stream: safe to hand back
-    out = x.new_empty(rows, n)
+    out = x.new_empty(rows, n) if out is None else out
+    # running sums on the caller's stream; with one node the last one is the result
+    accs = [*x.new_empty(world - (n_nodes == 1), rows, n).unbind(0)] + ([out] if n_nodes == 1 else [])
     inter: list[Handle] = []
     t = 0
     with streams or plain() as st:
@@ -181,7 +179,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes
             for s in range(size):
                 with st.chunk(t):
                     acc = accs[t]
-                    _gemm(blocks[nodes[m][(me_l - s - 1) % size]], w, acc, op, t)
+                    gemm(blocks[nodes[m][(me_l - s - 1) % size]], wt, acc, op=op, chunk=t)
                     if handle is not None:
                         handle.wait()
                         acc += ring_in[k * (size - 1) + s - 1]
@@ -194,7 +192,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes
                                                  [(node_in[m], peer)], op=op, chunk=t))
                 t += 1
         if n_nodes == 1:
-            return accs[t - 1]
+            return out
         with st.chunk(t - 1):
             for h in inter:
                 h.wait()

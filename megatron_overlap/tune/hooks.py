@@ -205,7 +205,7 @@ def run_pass(trial: Trial, tp: Any, device: Any, dtype: Any, overlap: bool = Tru
 
 def _pass_fn(trial: Trial, tp: Any, x: Any, w: Any, comm_full: Any, comm_part: Any,
              streams: Any, overlap: bool, nodes: Any) -> Callable[[], Any]:
-    from ..overlap import all_gather_matmul, gemm, hide, matmul_reduce_scatter
+    from ..overlap import all_gather_matmul, hide, matmul, matmul_reduce_scatter
 
     spec, s, name = trial.spec, trial.candidate.settings, trial.name
     m, world = x.shape[0], tp.world_size
@@ -219,18 +219,18 @@ def _pass_fn(trial: Trial, tp: Any, x: Any, w: Any, comm_full: Any, comm_part: A
         return tp.reduce_scatter(comm_part, comm_full, op=name)
 
     if kind == "none" or world == 1:
-        return lambda: gemm(x, w.t(), op=name)
+        return lambda: matmul(x, w.t(), op=name)
     if not overlap:  # Megatron's order: gather then GEMM, or GEMM then reduce-scatter
         def plain():
             if kind == "ag":
                 collective().wait()
-                return gemm(x, w.t(), op=name)
-            out = gemm(x, w.t(), op=name)
+                return matmul(x, w.t(), op=name)
+            out = matmul(x, w.t(), op=name)
             collective().wait()
             return out
         return plain
     if s.method == "bulk":
-        return lambda: hide(collective, lambda: gemm(x, w.t(), op=name), op=name, overlap=True)
+        return lambda: hide(collective, lambda: matmul(x, w.t(), op=name), overlap=True)
     if not s.is_reduce_scatter:
         local = x[: m // world]
         return lambda: all_gather_matmul(local, w, tp, s.method, op=name, aggregate=s.aggregate,

@@ -16,6 +16,7 @@ import torch
 
 from ..comm import NullTransport
 from ..overlap import all_gather_matmul, matmul_reduce_scatter
+from ..overlap.replay import PassGraphs
 from ..overlap.streams import ChunkStreams
 
 
@@ -32,6 +33,23 @@ def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 5) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b))
     return statistics.median(times)
+
+
+def time_b2b(fn: Callable[[], Any], reps: int, warmup: int = 5) -> tuple[float, float]:
+    """(device ms, host us) per call with `reps` calls queued back to back and one sync
+    at the end, as a training step queues them (the host may run ahead of the GPU)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t0) * 1e6 / reps
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps, host
 
 
 def host_us(fn: Callable[[], Any], reps: int) -> float:
@@ -61,16 +79,27 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
 
 
 def schedule_fn(x: torch.Tensor, w: torch.Tensor, op: str, tp: int, method: str, splits: int,
-                streams: ChunkStreams, aggregate: bool = False, name: str = "schedule"
-                ) -> Callable[[], Any]:
-    """The overlapped schedule of one GEMM on the null transport. op 'ag': x is all the
-    rows, the schedule gathers a 1/tp block of them; 'rs': x is all the rows."""
+                streams: ChunkStreams, aggregate: bool = False, name: str = "schedule",
+                replay: bool = False) -> Callable[[], Any]:
+    """The overlapped schedule of one GEMM on the null transport, as a layer pass runs it
+    (`replay`: captured once and replayed, as the layers do on a replayable transport).
+    op 'ag': x is all the rows, the schedule gathers a 1/tp block of them; 'rs': x is
+    all the rows."""
     null = NullTransport(tp)
-    if op == "ag":
-        local = x[: x.shape[0] // tp]
-        return lambda: all_gather_matmul(local, w, null, method, op=name, aggregate=aggregate,
-                                         streams=streams)
-    return lambda: matmul_reduce_scatter(x, w, null, method, splits, op=name, streams=streams)
+    local = x[: x.shape[0] // tp] if op == "ag" else x
+    out = x.new_empty(x.shape[0] // (1 if op == "ag" else tp), w.shape[0])
+
+    def body() -> None:
+        null.begin_pass(name)
+        if op == "ag":
+            all_gather_matmul(local, w, null, method, op=name, aggregate=aggregate,
+                              streams=streams, out=out)
+        else:
+            matmul_reduce_scatter(x, w, null, method, splits, op=name, streams=streams, out=out)
+    if not replay:
+        return body
+    graphs = PassGraphs(name)
+    return lambda: graphs.run(null, body, (local, w, out))
 
 
 def measure_schedule(m: int, k: int, n: int, op: str, tp: int, method: str, splits: int, *,
@@ -81,14 +110,21 @@ def measure_schedule(m: int, k: int, n: int, op: str, tp: int, method: str, spli
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     mono = lambda: torch.matmul(x, w.t())  # noqa: E731
-    sched = schedule_fn(x, w, op, tp, method, splits, ChunkStreams(n=gemm_streams), aggregate, name)
+    streams = ChunkStreams(n=gemm_streams)
+    sched = schedule_fn(x, w, op, tp, method, splits, streams, aggregate, name)
+    replayed = schedule_fn(x, w, op, tp, method, splits, streams, aggregate, name, replay=True)
     t_mono, t_sched = time_ms(mono, reps), time_ms(sched, reps)
+    (b_mono, hb_mono), (b_sched, hb_sched) = time_b2b(mono, reps), time_b2b(sched, reps)
+    b_replay, hb_replay = time_b2b(replayed, reps)
     g_mono, g_sched = graphed(mono), graphed(sched)
     tg_mono, tg_sched = time_ms(g_mono, reps), time_ms(g_sched, reps)
     out = dict(mono_ms=t_mono, sched_ms=t_sched, eager_ratio=t_mono / t_sched,
+               mono_b2b_ms=b_mono, sched_b2b_ms=b_sched, b2b_ratio=b_mono / b_sched,
+               replay_b2b_ms=b_replay, replay_ratio=b_mono / b_replay,
                mono_graph_ms=tg_mono, sched_graph_ms=tg_sched, graph_ratio=tg_mono / tg_sched,
                mono_tflops=2 * m * k * n / t_mono / 1e9, host_us_sched=host_us(sched, reps),
-               host_us_mono=host_us(mono, reps))
+               host_us_mono=host_us(mono, reps), host_us_replay=host_us(replayed, reps),
+               host_us_b2b_sched=hb_sched, host_us_b2b_replay=hb_replay, host_us_b2b_mono=hb_mono)
     del g_mono, g_sched
     return out
 

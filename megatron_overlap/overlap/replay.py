@@ -1,0 +1,142 @@
+"""A layer pass captured once in a CUDA graph and replayed, to take its host cost
+out of eager training.
+
+An overlapped pass issues tens of small launches (chunk GEMMs, copies, signals,
+events, stream switches); on a GPU host each costs microseconds, so issuing a pass
+can take longer than its GEMMs run. A replay issues it in one launch.
+
+- What a graph is valid for: the tensors it reads and writes, by address, shape,
+  strides and dtype, and the transport's workspace generation (a workspace that
+  grew has moved). Every input and output of the pass is passed in (outputs
+  allocated by the caller, so they are ordinary tensors of the caching allocator);
+  whatever the pass allocates inside is scratch, from one memory pool that all
+  pass graphs of a device share (passes run one after another on the caller's
+  stream, and no scratch tensor outlives its pass).
+- When: a signature seen `capture_after` times is captured; earlier calls run
+  eagerly (the first one also sizes the workspaces). Training allocates the same
+  addresses step after step, so steady state replays; a call whose tensors moved
+  runs eagerly, exactly as before. At most `max_graphs` per pass are kept (oldest
+  dropped first).
+- Ranks need not agree on replay versus eager: a replay enqueues the same
+  transfers into the same workspace places as the eager pass.
+- What does not change: the trace and the per-op stats (recorded at capture,
+  re-emitted at each replay), and the watchdog: each replay is watched as one
+  wait, and a replay that does not finish is diagnosed with every wait the pass
+  makes (rank, pass, chunk, peer), the device-side timeout as backstop.
+- Not used inside someone else's capture (the pass is captured there), on CPU,
+  or on transports whose transfers keep host-side state (`Transport.replayable`).
+  MEGATRON_OVERLAP_GRAPHS=0 (or install(graphs=False)) turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..comm import stats, trace
+from ..comm.transport import Transport
+
+_pools: dict[int, tuple] = {}  # device index -> the shared scratch pool of pass graphs
+_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the capture stream
+_enabled: Optional[bool] = None  # install(graphs=...) sets it; None: the environment's default
+
+
+def enabled() -> bool:
+    """Whether passes are captured and replayed (MEGATRON_OVERLAP_GRAPHS, default on)."""
+    if _enabled is not None:
+        return _enabled
+    return os.environ.get("MEGATRON_OVERLAP_GRAPHS", "1") not in ("0", "false", "off", "no")
+
+
+def set_enabled(value: Optional[bool]) -> Optional[bool]:
+    """Override the environment's default (None restores it); returns the previous value."""
+    global _enabled
+    previous, _enabled = _enabled, value
+    return previous
+
+
+def _signature(tp: Transport, tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
+    return (tp.generation,) + tuple(
+        None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
+
+
+class _Graph:
+    __slots__ = ("graph", "events", "stats", "waits")
+
+    def __init__(self, graph, events, op_stats, waits):
+        self.graph, self.events, self.stats, self.waits = graph, events, op_stats, waits
+
+
+class PassGraphs:
+    """The captured graphs of one layer pass (one per signature)."""
+
+    def __init__(self, name: str, max_graphs: int = 8, capture_after: int = 2):
+        self.name, self.max_graphs, self.capture_after = name, max_graphs, capture_after
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._seen: OrderedDict[tuple, int] = OrderedDict()
+        self.replays = self.captures = 0
+
+    def run(self, tp: Transport, body: Callable[[], None],
+            tensors: Sequence[Optional[torch.Tensor]]) -> None:
+        """Run `body` (the whole pass: every tensor it reads or writes is in `tensors`)
+        eagerly, or as a replay of its graph."""
+        if not self._usable(tp, tensors):
+            body()
+            return
+        key = _signature(tp, tensors)
+        entry = self._graphs.get(key)
+        if entry is None:
+            seen = self._seen.pop(key, 0) + 1
+            if seen < self.capture_after:
+                self._seen[key] = seen
+                while len(self._seen) > 4 * self.max_graphs:
+                    self._seen.popitem(last=False)
+                body()
+                return
+            entry = self._capture(tp, body)
+            self._graphs[key] = entry
+            while len(self._graphs) > self.max_graphs:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        tp.check()
+        entry.graph.replay()
+        self.replays += 1
+        tp.watch_replay(self.name, entry.waits)
+        for op, (transfers, nbytes) in entry.stats.items():
+            stats.started(op, nbytes, transfers)
+        for ev in entry.events:
+            trace.record(ev.kind, ev.op, ev.chunk, ev.via)
+
+    def _usable(self, tp: Transport, tensors) -> bool:
+        return (tp.replayable and enabled() and tensors[0] is not None and tensors[0].is_cuda
+                and not torch.cuda.is_current_stream_capturing())
+
+    def _capture(self, tp: Transport, body: Callable[[], None]) -> _Graph:
+        dev = torch.cuda.current_device()
+        if dev not in _pools:
+            _pools[dev] = torch.cuda.graph_pool_handle()
+            _streams[dev] = torch.cuda.Stream()
+        stream, main = _streams[dev], torch.cuda.current_stream()
+        graph = torch.cuda.CUDAGraph()
+        before = stats.snapshot(reset=False)
+        stream.wait_stream(main)  # before the capture: the pass's inputs are ready
+        with trace.recording() as events, tp.recording_waits() as waits, torch.cuda.stream(stream):
+            graph.capture_begin(pool=_pools[dev], capture_error_mode="thread_local")
+            try:
+                body()
+            finally:
+                graph.capture_end()
+        main.wait_stream(stream)
+        after = stats.snapshot(reset=False)
+        delta = {}
+        for op, s in after.items():
+            b = before.get(op, {"transfers": 0, "bytes": 0})
+            if s["transfers"] > b["transfers"]:
+                delta[op] = (s["transfers"] - b["transfers"], s["bytes"] - b["bytes"])
+        stats.forget(delta)  # the capture moved nothing; each replay counts
+        self.captures += 1
+        return _Graph(graph, tuple(events), delta, tuple(waits))

@@ -1,0 +1,142 @@
+"""Whole layer passes replayed from CUDA graphs (`overlap.replay`) through the public
+layers on `symm`: every call equals the eager pass bit for bit and Megatron's own
+layer within tolerance; token counts change between calls; fused wgrad
+accumulates; a peer that never answers a replayed pass is diagnosed."""
+
+import pytest
+
+from helpers import dist, gpu
+
+CASES = [  # (kind, variant of helpers.layers.VARIANTS, bias, gradient_accumulation_fusion)
+    ("column", "ring", True, False), ("column", "ring_aggregate", False, True),
+    ("column", "rs_dgrad_pipeline2", False, False), ("column", "no_bulk_bwd", True, False),
+    ("row", "pipeline2", True, False), ("row", "ring", False, True),
+    ("row", "ring_dgrad_aggregate", False, False),
+]
+
+
+def _init(world):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    device = gpu.init()
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    model_parallel_cuda_manual_seed(0)
+    return device
+
+
+def _step(layer, x, dy):
+    """One forward + backward; what it produced, cloned (the originals are freed, so the
+    next call's allocations land where these did, as in training)."""
+    import torch
+
+    xi = x.detach().requires_grad_(True)
+    for p in layer.parameters():
+        p.grad = None
+    y, _ = layer(xi)
+    y.backward(dy)
+    out = {"y": y.detach().clone(), "dx": xi.grad.clone(),
+           "dw": None if layer.weight.grad is None else layer.weight.grad.clone()}
+    if layer.bias is not None:
+        out["db"] = layer.bias.grad.clone()
+    if hasattr(layer.weight, "main_grad"):
+        out["main_grad"] = layer.weight.main_grad.clone()
+    del y, xi
+    torch.cuda.synchronize()
+    return out
+
+
+def _replay_vs_eager(rank, world):
+    import torch
+
+    from helpers.layers import VARIANTS, Case, build_pair, make_input
+    from megatron_overlap.overlap import replay
+
+    _init(world)
+    errs, counts = {}, {}
+    for kind, variant, bias, fuse in CASES:
+        case = Case(kind, True, "bfloat16", bias, False, variant, seq=64, batch=2)
+        overrides, flags = VARIANTS[kind][variant]
+        ref, ours = build_pair(case, world, overrides, {**flags, "gradient_accumulation_fusion": fuse})
+        ref, ours = ref.cuda(), ours.cuda()
+        if fuse:
+            ours.weight.main_grad = torch.zeros(ours.weight.shape, dtype=torch.float32, device="cuda")
+        for seq in (64, 64, 64, 64, 32, 32, 32, 64, 64):  # replays, a new token count, back
+            x = make_input(case, rank, world, ours, seq=seq, seed=seq).cuda()
+            y_shape = ours(x.detach())[0].shape  # (warm, and the output shape)
+            dy = torch.randn(y_shape, generator=torch.Generator().manual_seed(seq)).to(x.dtype).cuda()
+            if fuse:
+                ours.weight.main_grad.zero_()
+            got = _step(ours, x, dy)
+            replay.set_enabled(False)
+            try:
+                if fuse:
+                    ours.weight.main_grad.zero_()
+                eager = _step(ours, x, dy)
+            finally:
+                replay.set_enabled(None)
+            mega = _step(ref, x, dy)
+            for key in got:
+                if got[key] is None or eager[key] is None:  # dW in main_grad: both None
+                    errs[(kind, variant, seq, key, "eager")] = 0.0 if got[key] is eager[key] else 1.0
+                    continue
+                errs[(kind, variant, seq, key, "eager")] = (got[key] - eager[key]).abs().max().item()
+            for key in ("y", "dx", "db"):
+                if key in got:
+                    errs[(kind, variant, seq, key, "megatron")] = gpu.rel(got[key], mega[key])
+        counts[(kind, variant)] = {p: (g.replays, g.captures) for p, g in ours.pass_graphs.items()}
+    ours.transport.check()
+    return errs, counts
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_public_layers_replay_equal_eager(world):
+    for errs, counts in dist.run(_replay_vs_eager, world, env=gpu.ENV, timeout=400):
+        bad = {k: v for k, v in errs.items()
+               if (k[-1] == "eager" and v != 0.0) or (k[-1] == "megatron" and not v <= 1e-2)}
+        assert errs and not bad, bad
+        for layer, passes in counts.items():  # steady state replayed, not silently eager
+            for p, (replays, captures) in passes.items():
+                assert replays >= 4 and captures >= 2, (layer, p, replays, captures)
+
+
+def _silent_peer_in_replay(rank, world):
+    import torch
+    import torch.distributed as tdist
+
+    from helpers.layers import VARIANTS, Case, build_pair, make_input
+    from megatron_overlap.comm import CommError
+
+    _init(world)
+    case = Case("column", True, "bfloat16", False, False, "ring", seq=64, batch=2)
+    _, ours = build_pair(case, world, *VARIANTS["column"]["ring"])
+    ours = ours.cuda()
+    x = make_input(case, rank, world, ours, seq=64).cuda()
+    with torch.no_grad():
+        for _ in range(3):  # eager, capture + replay, replay
+            ours(x)
+    torch.cuda.synchronize()
+    tdist.barrier()
+    message = None
+    if rank == 0:  # rank 1 never calls: rank 0's replay waits for it
+        try:
+            with torch.no_grad():
+                ours(x)
+            torch.cuda.synchronize()
+        except RuntimeError:
+            pass
+        try:
+            ours.transport.check()
+        except CommError as exc:
+            message = str(exc)
+    tdist.barrier()
+    return message, ours.pass_graphs["fprop"].replays
+
+
+def test_silent_peer_in_a_replayed_pass_is_diagnosed():
+    env = {**gpu.ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "8", "MEGATRON_OVERLAP_TIMEOUT_S": "3"}
+    message, replays = dist.run(_silent_peer_in_replay, 2, env=env, timeout=90)[0]
+    assert replays >= 2
+    assert message is not None and "CUDA-graph replay of" in message, message
+    assert "'qkv_fprop' chunk 1 from rank 1" in message and "rank 0/2" in message, message
