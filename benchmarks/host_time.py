@@ -5,14 +5,16 @@ each where there are enough: host time is valid either way (what the CPU spends
 issuing a call), GPU time of shared-GPU ranks is not. Per TP size, the four TP
 linears of one transformer layer (qkv, proj, fc1, fc2; hidden H, T tokens,
 TE's default settings) are built with `install()` and Megatron's constructor,
-then each pass is timed two ways:
+then each pass is timed two ways, with whole-pass CUDA-graph replay off (the eager
+schedule, every launch from Python) and on (`overlap.replay`, the default), side
+by side in one run:
 
 - first-call latency: the device drained (and the ranks lined up) before the
   call, `perf_counter` around `layer(x)` / `out.backward(g)`, no sync inside;
 - back-to-back: `--inner` forward+backward calls queued as a training step
   queues them, one sync at the end; host time per call.
 
-`--profile` adds a cProfile of rank 0's calls, each function's own time sorted
+`--profile` adds a cProfile of rank 0's calls (every rank runs them), each function's own time sorted
 into parts (GEMM launches, copies, signal kernels, stream/event calls, views,
 trace/stats/watchdog, autograd, Python); `--primitives` times the CUDA calls
 alone. The schedule alone on `null` (no transport) is timed too.
@@ -107,7 +109,10 @@ def _drained(device: torch.device) -> None:
 
 
 def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, reps: int,
-                inner: int, profile: bool) -> dict:
+                inner: int, profile: bool, replayed: bool) -> dict:
+    from megatron_overlap.overlap import replay
+
+    replay.set_enabled(replayed)
     res: dict = {}
     for name, kind, mult in LAYERS:
         layer = layers[name]
@@ -165,41 +170,39 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
 
 
 def time_null(tokens: int, tp: int, hidden: int, dtype, device, reps: int) -> dict:
-    """The schedule alone on the null transport: ring AG at TP chunks (qkv), pipeline RS
-    at 4 chunks (proj), drained and back-to-back."""
-    from megatron_overlap.comm import NullTransport
-    from megatron_overlap.overlap import all_gather_matmul, matmul_reduce_scatter
+    """The schedule alone on the null transport (nothing moved): ring AG at TP chunks
+    (qkv's shape), pipeline RS at 4 chunks (proj's), eager and replayed, device drained
+    before each call and back to back."""
     from megatron_overlap.overlap.streams import ChunkStreams
+    from megatron_overlap.tune.measure import schedule_fn
 
-    null = NullTransport(tp)
-    x_ag = torch.randn(tokens // tp, hidden, device=device, dtype=dtype)
+    x_ag = torch.randn(tokens, hidden, device=device, dtype=dtype)
     w_ag = torch.randn(3 * hidden // tp, hidden, device=device, dtype=dtype)
     x_rs = torch.randn(tokens, hidden // tp, device=device, dtype=dtype)
     w_rs = torch.randn(hidden, hidden // tp, device=device, dtype=dtype)
-    cases = {f"ring AG, {tp} chunks": lambda: all_gather_matmul(
-                 x_ag, w_ag, null, "ring_exchange", op="qkv_fprop", streams=ChunkStreams()),
-             "pipeline RS, 4 chunks": lambda: matmul_reduce_scatter(
-                 x_rs, w_rs, null, "pipeline", 4, op="proj_fprop", streams=ChunkStreams())}
     out = {}
-    for name, fn in cases.items():
-        for _ in range(3):
-            null.begin_pass(name)
-            fn()
-        drained, b2b = [], []
-        for _ in range(reps):
+    for replayed in (False, True):
+        cases = {f"ring AG, {tp} chunks": schedule_fn(x_ag, w_ag, "ag", tp, "ring_exchange", tp,
+                                                      ChunkStreams(), name="qkv_fprop", replay=replayed),
+                 "pipeline RS, 4 chunks": schedule_fn(x_rs, w_rs, "rs", tp, "pipeline", 4,
+                                                      ChunkStreams(), name="proj_fprop", replay=replayed)}
+        for name, fn in cases.items():
+            for _ in range(3):
+                fn()
+            drained, b2b = [], []
+            for _ in range(reps):
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                fn()
+                drained.append((time.perf_counter() - t0) * 1e6)
             torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            null.begin_pass(name)
-            fn()
-            drained.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize(device)
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            null.begin_pass(name)
-            fn()
-            b2b.append((time.perf_counter() - t0) * 1e6)
-        torch.cuda.synchronize(device)
-        out[name] = dict(drained_us=statistics.median(drained), b2b_us=statistics.median(b2b))
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                b2b.append((time.perf_counter() - t0) * 1e6)
+            torch.cuda.synchronize(device)
+            out[f"{name} ({'replayed' if replayed else 'eager'})"] = dict(
+                drained_us=statistics.median(drained), b2b_us=statistics.median(b2b))
     return out
 
 
@@ -250,9 +253,10 @@ def _rank(rank: int, world: int, args) -> None:
     model_parallel_cuda_manual_seed(0)
     dtype = getattr(torch, args.dtype)
     layers = build(world, args.hidden, dtype, device, args.backend)
-    row = dict(tp=world, layout=layout.note, layers=time_layers(
-        layers, args.tokens, world, args.hidden, dtype, device, args.reps, args.inner,
-        args.profile and rank == 0))
+    row = dict(tp=world, layout=layout.note)
+    for mode, replayed in (("eager", False), ("replay", True)):
+        row[mode] = time_layers(layers, args.tokens, world, args.hidden, dtype, device, args.reps,
+                                args.inner, args.profile, replayed)
     if rank == 0:
         row["null"] = time_null(args.tokens, world, args.hidden, dtype, device, args.reps)
         if args.primitives:
@@ -292,19 +296,23 @@ def main() -> None:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"{meta['device']}  torch {meta['torch']}  backend {args.backend}  hidden {args.hidden}  "
           f"{args.tokens} tokens  {args.dtype}; host µs per call, median")
-    print(f"{'TP':>3s} {'layer':6s} {'fwd':>7s} {'bwd':>7s} {'fwd b2b':>8s} {'bwd b2b':>8s}")
+    print(f"{'TP':>3s} {'layer':6s} {'mode':7s} {'fwd':>7s} {'bwd':>7s} {'fwd b2b':>8s} "
+          f"{'bwd b2b':>8s}  (first call: device drained before it; b2b: back to back)")
     for r in rows:
-        for name, v in r["layers"].items():
-            print(f"{r['tp']:3d} {name:6s} {v['fwd_us']:7.0f} {v['bwd_us']:7.0f} "
-                  f"{v['fwd_b2b_us']:8.0f} {v['bwd_b2b_us']:8.0f}  replays {v.get('replays')}")
+        for mode in ("eager", "replay"):
+            for name, v in r[mode].items():
+                print(f"{r['tp']:3d} {name:6s} {mode:7s} {v['fwd_us']:7.0f} {v['bwd_us']:7.0f} "
+                      f"{v['fwd_b2b_us']:8.0f} {v['bwd_b2b_us']:8.0f}  replays {v.get('replays')}")
         for name, v in r["null"].items():
             print(f"{r['tp']:3d} null {name}: drained {v['drained_us']:.0f}, b2b {v['b2b_us']:.0f}")
     for r in rows:
-        for name, v in r["layers"].items():
-            for p in ("fwd", "bwd"):
-                if f"{p}_parts_us" in v:
-                    parts = ", ".join(f"{k} {u:.0f}" for k, u in v[f"{p}_parts_us"].items() if u >= 1)
-                    print(f"TP={r['tp']} {name} {p} (cProfile µs/call): {parts}")
+        for mode in ("eager", "replay"):
+            for name, v in r[mode].items():
+                for p in ("fwd", "bwd"):
+                    if f"{p}_parts_us" in v:
+                        parts = ", ".join(f"{k} {u:.0f}" for k, u in v[f"{p}_parts_us"].items()
+                                          if u >= 1)
+                        print(f"TP={r['tp']} {name} {mode} {p} (cProfile µs/call): {parts}")
         if "primitives_us" in r:
             print("primitives (µs): " + ", ".join(f"{k} {v:.1f}" for k, v in r["primitives_us"].items()))
     print(f"full results: {args.out}")

@@ -45,14 +45,17 @@ _enabled: Optional[bool] = None  # install(graphs=...) sets it; None: the enviro
 
 
 def enabled() -> bool:
-    """Whether passes are captured and replayed (MEGATRON_OVERLAP_GRAPHS, default on)."""
-    if _enabled is not None:
-        return _enabled
-    return os.environ.get("MEGATRON_OVERLAP_GRAPHS", "1") not in ("0", "false", "off", "no")
+    """Whether passes are captured and replayed (MEGATRON_OVERLAP_GRAPHS, default on;
+    read once)."""
+    global _enabled
+    if _enabled is None:
+        _enabled = os.environ.get("MEGATRON_OVERLAP_GRAPHS", "1").lower() not in (
+            "0", "false", "off", "no")
+    return _enabled
 
 
 def set_enabled(value: Optional[bool]) -> Optional[bool]:
-    """Override the environment's default (None restores it); returns the previous value."""
+    """Override the environment's default (None: read it again); returns the previous value."""
     global _enabled
     previous, _enabled = _enabled, value
     return previous
