@@ -524,3 +524,16 @@ def test_config_layer_does_not_import_torch():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] == "torch" for n in names), path.name
+
+
+def test_gemm_streams_is_our_key_written_only_off_its_default(defaults):
+    assert all(defaults[name].gemm_streams == 0 for name in LAYER_NAMES)  # the global default
+    assert "gemm_streams" not in yaml.safe_load(defaults.to_yaml())["fc1_fprop"]  # TE reads it
+    cfg = defaults.replace("fc1_fprop", gemm_streams=2)
+    assert yaml.safe_load(cfg.to_yaml())["fc1_fprop"]["gemm_streams"] == 2
+    assert OverlapConfig.load(cfg.to_yaml()) == cfg
+    assert cfg["fc1_fprop"].effects("symm")["gemm_streams"] == "active"
+    assert cfg["qkv_dgrad"].effects("symm")["gemm_streams"].startswith("no effect: bulk")
+    for bad in (-1, 9, 1.5, "two"):
+        with pytest.raises(ConfigError, match=r"fc1_fprop.*gemm_streams.*0\.\.8"):
+            OverlapConfig.load({"fc1_fprop": {"gemm_streams": bad}})

@@ -73,3 +73,28 @@ def test_overlap_layer_spec_swaps_the_four_linears_only():
     assert _sub(spec.submodules.mlp).linear_fc2 is RowParallelLinear
     assert ours.submodules.self_attention.submodules.core_attention is attn.core_attention
     assert ours.submodules.input_layernorm is spec.submodules.input_layernorm
+
+
+def test_install_takes_every_environment_knob_and_uninstall_restores_them(monkeypatch):
+    from megatron_overlap import comm
+    from megatron_overlap.overlap import replay, streams
+
+    monkeypatch.setenv("MEGATRON_OVERLAP_GEMM_STREAMS", "3")
+    monkeypatch.setenv("MEGATRON_OVERLAP_INTER_BACKEND", "torch_p2p")
+    monkeypatch.setenv("MEGATRON_OVERLAP_GRAPHS", "1")
+    replay.set_enabled(None)
+    before = (replay.enabled(), streams.default_gemm_streams(), comm.inter_backend())
+    assert before == (True, 3, "torch_p2p")  # the variables are the defaults
+    mo.install(graphs=False, gemm_streams=2, inter_backend="nvshmem")
+    try:
+        assert (replay.enabled(), streams.default_gemm_streams(), comm.inter_backend()) == (
+            False, 2, "nvshmem")
+    finally:
+        mo.uninstall()
+    assert (replay.enabled(), streams.default_gemm_streams(), comm.inter_backend()) == before
+    for kw, match in (({"graphs": "yes"}, "graphs"), ({"gemm_streams": 0}, "gemm_streams"),
+                      ({"inter_backend": "symm"}, "inter_backend")):
+        with pytest.raises(ValueError, match=match):
+            mo.install(**kw)
+        assert (replay.enabled(), streams.default_gemm_streams(), comm.inter_backend()) == before
+        assert not mo.megatron.state.installed()

@@ -23,10 +23,26 @@ _cache: dict[tuple[dist.ProcessGroup, str], Transport] = {}
 log = logging.getLogger("megatron_overlap")
 
 
+_inter: str | None = None  # install(inter_backend=...)
+INTER_BACKENDS = ("torch_p2p", "nvshmem")
+
+
 def inter_backend() -> str:
-    """The transport between domains of a per-peer transport: MEGATRON_OVERLAP_INTER_BACKEND
-    (torch_p2p by default; nvshmem where its transport is available)."""
-    return os.environ.get("MEGATRON_OVERLAP_INTER_BACKEND", "torch_p2p")
+    """The transport between domains of a per-peer transport: install()'s inter_backend,
+    else MEGATRON_OVERLAP_INTER_BACKEND, else torch_p2p (nvshmem where its transport is
+    available)."""
+    return _inter if _inter is not None else os.environ.get("MEGATRON_OVERLAP_INTER_BACKEND",
+                                                            "torch_p2p")
+
+
+def set_inter_backend(name: str | None) -> str | None:
+    """Override the environment's default (None restores it); returns the previous override."""
+    global _inter
+    if name is not None and name not in INTER_BACKENDS:
+        raise ValueError(f"megatron_overlap: inter_backend must be one of {INTER_BACKENDS}, "
+                         f"not {name!r}")
+    previous, _inter = _inter, name
+    return previous
 
 
 def symm_domain(group: dist.ProcessGroup, device: torch.device) -> bool:

@@ -164,6 +164,11 @@ def layer_effects(s: "LayerSettings", backend: str) -> dict[str, str]:
             return f"no effect: {m} runs no ring"
         return ACTIVE
 
+    def gemm_streams() -> str:
+        if m in ("bulk", "external"):
+            return f"no effect: {m} runs one GEMM"
+        return ACTIVE
+
     def first_gemm() -> str:
         if m != "pipeline":
             return "no effect: only the pipeline reduce-scatter reads it"
@@ -178,7 +183,7 @@ def layer_effects(s: "LayerSettings", backend: str) -> dict[str, str]:
         "fp8_buf": fp8_buf(), "comm_priority": priority("comm_priority"),
         "gemm_priority": priority("gemm_priority"),
         "pipeline_rs_overlap_first_gemm": first_gemm(),
-        "ring_order": ring_order(),
+        "ring_order": ring_order(), "gemm_streams": gemm_streams(),
     }
     assert tuple(out) == KEYS
     return out

@@ -27,9 +27,13 @@ TE_KEYS: tuple[str, ...] = (
 )
 # Keys TE does not have. TE's add_ub() takes its keys as keyword arguments and would
 # refuse these, so they are written out only when not at their default.
-EXTENSION_KEYS: tuple[str, ...] = ("ring_order",)
+EXTENSION_KEYS: tuple[str, ...] = ("ring_order", "gemm_streams")
 KEYS: tuple[str, ...] = TE_KEYS + EXTENSION_KEYS
-EXTENSION_DEFAULTS: dict[str, str] = {"ring_order": "auto"}
+EXTENSION_DEFAULTS: dict[str, object] = {"ring_order": "auto", "gemm_streams": 0}
+# gemm_streams: CUDA streams the chunk GEMMs round-robin over (2 fills the wave-quantization
+# gap of one chunk's last wave with the next chunk's first); 0: the global default
+# (install(gemm_streams=...), else MEGATRON_OVERLAP_GEMM_STREAMS, else 1).
+MAX_GEMM_STREAMS = 8
 # ring_order: the ring's order over the TP group's nodes. auto: hierarchical when the
 # group spans nodes; flat: rank order; hierarchical: inter-node transfers first.
 RING_ORDERS: tuple[str, ...] = ("auto", "flat", "hierarchical")

@@ -9,7 +9,8 @@ from typing import Any
 from . import effects as _effects
 from .errors import bad_value, did_you_mean, listed, unknown_layer
 from .names import (
-    BULK_LAYERS, EXTENSION_DEFAULTS, EXTERNAL_PAIRS, LAYER_NAMES, MAX_CGA_SIZE, METHODS,
+    BULK_LAYERS, EXTENSION_DEFAULTS, EXTERNAL_PAIRS, LAYER_NAMES, MAX_CGA_SIZE, MAX_GEMM_STREAMS,
+    METHODS,
     RING_ORDERS, TE_PIPELINE_SPLITS, is_reduce_scatter, te_defaults,
 )
 
@@ -52,6 +53,8 @@ _INT_RANGES = {  # key -> (lowest, highest or None, what the message says is all
     "num_splits": (1, None, "an int >= 1, or null for TE's default"),
     "comm_priority": (None, None, "an int (CUDA stream priority; 0 and lower)"),
     "gemm_priority": (None, None, "an int (CUDA stream priority; 0 and lower)"),
+    "gemm_streams": (0, MAX_GEMM_STREAMS, f"an int in 0..{MAX_GEMM_STREAMS} (0: the global "
+                     f"default, install(gemm_streams=...) or MEGATRON_OVERLAP_GEMM_STREAMS)"),
 }
 
 
@@ -97,6 +100,8 @@ class LayerSettings:
     pipeline_rs_overlap_first_gemm: bool
     # ours, not TE's: the ring's order over the TP group's nodes (auto | flat | hierarchical)
     ring_order: str = "auto"
+    # ours: streams the chunk GEMMs round-robin over (0: the global default)
+    gemm_streams: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in LAYER_NAMES:

@@ -44,7 +44,7 @@ def _begin(tp: Transport, s: LayerSettings | None, fallback: str) -> tuple[str, 
     tp.begin_pass(name, comm_p)
     held = any(CAPS[b].sm_margin for b in tp.backends if b in CAPS)  # some link's kernels need SMs
     margin = s.num_sm if s.set_sm_margin and held else 0
-    return name, ChunkStreams(priority=gemm_p, sm_margin=margin)
+    return name, ChunkStreams(n=s.gemm_streams or None, priority=gemm_p, sm_margin=margin)
 
 
 def _run(graphs: Graphs, key: str, tp: Transport, body, *tensors) -> None:

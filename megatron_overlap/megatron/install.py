@@ -6,13 +6,34 @@ import logging
 
 from .. import comm
 from ..config import OverlapConfig
+from ..overlap import replay, streams
 from . import norms, state, swap
 
 log = logging.getLogger("megatron_overlap")
-_previous: list[state.State | None] = []
+_previous: list[tuple[state.State | None, tuple]] = []
 
 
-def install(ub_cfgs: state.Source = None, backend: str = "auto") -> OverlapConfig:
+def _check_knobs(graphs, gemm_streams, inter) -> None:
+    if graphs is not None and not isinstance(graphs, bool):
+        raise ValueError(f"megatron_overlap.install: graphs must be True, False or None, not {graphs!r}")
+    if gemm_streams is not None and (not isinstance(gemm_streams, int) or isinstance(gemm_streams, bool)
+                                     or not 1 <= gemm_streams <= 8):
+        raise ValueError(f"megatron_overlap.install: gemm_streams must be an int in 1..8 or None, "
+                         f"not {gemm_streams!r}")
+    if inter is not None and inter not in comm.INTER_BACKENDS:
+        raise ValueError(f"megatron_overlap.install: inter_backend must be one of "
+                         f"{comm.INTER_BACKENDS} or None, not {inter!r}")
+
+
+def _set_knobs(knobs: tuple) -> tuple:
+    """(graphs, gemm_streams, inter_backend) overrides in force; returns the previous ones."""
+    graphs, gemm_streams, inter = knobs
+    return (replay.set_enabled(graphs), streams.set_default_gemm_streams(gemm_streams),
+            comm.set_inter_backend(inter))
+
+
+def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool | None = None,
+            gemm_streams: int | None = None, inter_backend: str | None = None) -> OverlapConfig:
     """Turn the overlap on for layers built from now on: Megatron's TP linears
     built for the 'qkv' / 'proj' / 'fc1' / 'fc2' buffers of a config with
     `tp_comm_overlap=True` become overlapped, and torch norms accept sequence
@@ -21,14 +42,22 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto") -> OverlapConfi
     ub_cfgs: None (Transformer Engine's defaults), a path to a TE-style
     `--tp-comm-overlap-cfg` YAML, or the same as a dict. backend: "auto" or a
     transport name. Returns the effective per-layer settings. Calling it again
-    replaces the settings; uninstall() restores what was there before."""
+    replaces the settings; uninstall() restores what was there before.
+
+    The knobs an environment variable also sets (None: the variable's value):
+    graphs: capture each pass in a CUDA graph and replay it (MEGATRON_OVERLAP_GRAPHS, on);
+    gemm_streams: streams for chunk GEMMs where a layer's `gemm_streams` key is 0
+    (MEGATRON_OVERLAP_GEMM_STREAMS, 1); inter_backend: the transport between nodes of a
+    TP group that spans them (MEGATRON_OVERLAP_INTER_BACKEND, torch_p2p)."""
     if backend != "auto":
         comm.resolve_backend(backend)  # fail now, not at the first forward
+    _check_knobs(graphs, gemm_streams, inter_backend)
     new = state.make(ub_cfgs, backend)
+    previous_knobs = _set_knobs((graphs, gemm_streams, inter_backend))
     if not _previous:
         swap.patch()
         norms.patch()
-    _previous.append(state.set_state(new))
+    _previous.append((state.set_state(new), previous_knobs))
     if log.isEnabledFor(logging.INFO):
         # per-peer transports: the table shows what the inter-node link honours
         shown = comm.resolve_backend(backend)
@@ -41,7 +70,9 @@ def uninstall() -> None:
     """Restore the state before the matching install(); a no-op when not installed."""
     if not _previous:
         return
-    state.set_state(_previous.pop())
+    old, knobs = _previous.pop()
+    state.set_state(old)
+    _set_knobs(knobs)
     if not _previous:
         swap.unpatch()
         norms.unpatch()

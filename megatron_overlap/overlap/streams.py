@@ -19,9 +19,24 @@ _cache: dict[tuple[int, int, int], torch.cuda.Stream] = {}
 _NOTHING = contextlib.nullcontext()
 
 
+_default: int | None = None  # install(gemm_streams=...)
+
+
 def default_gemm_streams() -> int:
-    """Streams for chunk GEMMs; MEGATRON_OVERLAP_GEMM_STREAMS overrides (see BENCHMARKS.md)."""
+    """Streams for chunk GEMMs of a layer whose `gemm_streams` key is 0: install()'s
+    gemm_streams, else MEGATRON_OVERLAP_GEMM_STREAMS, else 1 (see BENCHMARKS.md)."""
+    if _default is not None:
+        return _default
     return int(os.environ.get("MEGATRON_OVERLAP_GEMM_STREAMS", "1"))
+
+
+def set_default_gemm_streams(n: int | None) -> int | None:
+    """Override the environment's default (None restores it); returns the previous override."""
+    global _default
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 8):
+        raise ValueError(f"megatron_overlap: gemm_streams must be an int in 1..8, not {n!r}")
+    previous, _default = _default, n
+    return previous
 
 
 class ChunkStreams:
