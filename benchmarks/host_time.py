@@ -69,14 +69,18 @@ def _part(key: tuple) -> str:
     return "Python (ours, torch, Megatron)"
 
 
-def breakdown(prof: cProfile.Profile, calls: int) -> dict[str, float]:
-    """µs per call by part, from each function's own (exclusive) time."""
+def breakdown(prof: cProfile.Profile, calls: int) -> tuple[dict[str, float], list]:
+    """µs per call by part, from each function's own (exclusive) time; and the 12
+    functions with the most own time (name, µs per call, calls per call)."""
     stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
     out: dict[str, float] = {}
     for key, (_, _, tottime, _, _) in stats.items():
         part = _part(key)
         out[part] = out.get(part, 0.0) + tottime * 1e6 / calls
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
+    named = [(f"{os.path.basename(k[0])}:{k[1]}({k[2]})" if k[0] != "~" else k[2],
+              round(v[2] * 1e6 / calls, 1), round(v[1] / calls, 1)) for k, v in top]
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])), named
 
 
 def build(tp: int, hidden: int, dtype: torch.dtype, device: torch.device, backend: str):
@@ -162,7 +166,7 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
                         prof.enable()
                         y.backward(g)
                         prof.disable()
-                row[f"{p}_parts_us"] = breakdown(prof, reps)
+                row[f"{p}_parts_us"], row[f"{p}_top"] = breakdown(prof, reps)
         layer.transport.check()
         row["replays"] = {p: g.replays for p, g in getattr(layer, "pass_graphs", {}).items()}
         res[name] = row
@@ -313,6 +317,9 @@ def main() -> None:
                         parts = ", ".join(f"{k} {u:.0f}" for k, u in v[f"{p}_parts_us"].items()
                                           if u >= 1)
                         print(f"TP={r['tp']} {name} {mode} {p} (cProfile µs/call): {parts}")
+                        if name == "fc1":
+                            print("    top own time (µs, calls): " + "; ".join(
+                                f"{n} {u} x{c}" for n, u, c in v[f"{p}_top"][:10]))
         if "primitives_us" in r:
             print("primitives (µs): " + ", ".join(f"{k} {v:.1f}" for k, v in r["primitives_us"].items()))
     print(f"full results: {args.out}")

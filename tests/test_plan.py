@@ -69,3 +69,12 @@ def test_bad_buffer_names_and_contradictory_settings_are_clear_errors():
     cfg = OverlapConfig.load({"qkv_dgrad": {"method": "pipeline"}, "qkv_wgrad": None})
     with pytest.raises(ValueError, match="qkv_dgrad has method 'pipeline'.*tp_comm_overlap_rs_dgrad"):
         plan(flags(), "qkv", "column", settings=cfg)
+
+
+def test_a_ring_exchange_that_runs_as_a_pipeline_is_reported():
+    ring = OverlapConfig.load({"proj_fprop": {"method": "ring_exchange"}})
+    row = plan(flags(), "proj", "row", sp=False, settings=ring)
+    assert any("proj_fprop: method ring_exchange runs as a pipeline" in n for n in row.notes)
+    shown = row.rows(4, "symm")
+    assert shown and "runs as a pipeline" in shown[0]["notes"]  # the settings table and wandb
+    assert not any("runs as a pipeline" in n for n in plan(flags(), "proj", "row", settings=ring).notes)

@@ -120,13 +120,15 @@ class HeapTransport(Transport):
         finally:
             self._watchdog.captured = None
 
-    def watch_replay(self, name: str, waits: Sequence[str]) -> None:
-        """Watch the replay as one wait; its diagnosis lists every wait of the pass (one
-        of them never finished), and its release sets every signal slot."""
+    def replay_diagnosis(self, name: str, waits: Sequence[str]) -> str:
         what = "; ".join(w.split(" waited for ", 1)[-1] for w in waits) or "nothing"
-        self._watchdog.watch(torch.cuda.current_stream(),
-                             f"rank {self.rank}/{self.world_size}: the CUDA-graph replay of "
-                             f"'{name}' did not finish; it waits for: {what}", self._release_all)
+        return (f"rank {self.rank}/{self.world_size}: the CUDA-graph replay of '{name}' did not "
+                f"finish; it waits for: {what}")
+
+    def watch_replay(self, diagnosis: str) -> None:
+        """Watch the replay as one wait (its diagnosis lists every wait of the pass: one of
+        them never finished); the release sets every signal slot."""
+        self._watchdog.watch(torch.cuda.current_stream(), diagnosis, self._release_all)
 
     def _release_all(self) -> None:
         """Let every stuck wait of this rank move on (the watchdog's release)."""

@@ -147,8 +147,13 @@ class Transport(abc.ABC):
         """Collect what each wait enqueued inside the block waits for (during a capture)."""
         yield []
 
-    def watch_replay(self, name: str, waits: Sequence[str]) -> None:
-        """A replay of pass `name`, whose graph makes `waits`, was just enqueued."""
+    def replay_diagnosis(self, name: str, waits: Sequence[str]) -> str:
+        """What a replay of pass `name`, whose graph makes `waits`, is reported as if it
+        never finishes (made once, at capture)."""
+        return f"the CUDA-graph replay of '{name}'"
+
+    def watch_replay(self, diagnosis: str) -> None:
+        """A replay was just enqueued on the current stream; `diagnosis`: see above."""
 
     # -- what a backend implements -------------------------------------------------------
     @abc.abstractmethod

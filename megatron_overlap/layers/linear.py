@@ -132,8 +132,9 @@ class _OverlapMixin:
 
     def _note_tokens(self, x: torch.Tensor, full: bool) -> None:
         tokens = x.shape[0] * x.shape[1] if x.dim() > 2 else x.shape[0]
-        self._max_tokens = max(self._max_tokens, tokens * (1 if full else self.transport.world_size))
-        self._elem = x.element_size()
+        tokens *= 1 if full else self.transport.world_size
+        if tokens > self._max_tokens:  # (nn.Module attribute writes are slow: only on change)
+            self._max_tokens, self._elem = tokens, x.element_size()
 
     def overlap_rows(self) -> list[dict]:
         """This layer's effective per-pass settings (console table, wandb), with the

@@ -120,5 +120,8 @@ def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_para
     if not sp:
         notes.append("no sequence parallelism: fprop reduces with chunked all-reduces "
                      "(pipeline); the backward has no communication")
+        if fprop is not None and fprop.method == "ring_exchange":
+            notes.append(f"{fprop.name}: method ring_exchange runs as a pipeline of TP-size "
+                         f"chunked all-reduces (an all-reduce has no ring schedule)")
     wgrad = get(settings, "wgrad") if dgrad is not None else None  # reuses dgrad's gathered grad
     return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, False, tuple(notes))

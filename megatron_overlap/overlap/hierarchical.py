@@ -100,52 +100,84 @@ def _check_layout(nodes: Layout, world: int, op: str) -> None:
                          f"{world} TP ranks once, the same number per node; use ring_order flat")
 
 
+def _ring(tp: Transport, g, o, wt, steps: list[list[int]], *, step: int, chunk: int,
+          right: int, left: int, st: ChunkStreams, op: str, gemm: Gemm,
+          arrived: Sequence[Handle] = ()) -> None:
+    """Ring `steps` (the row blocks each step multiplies) around the node's ranks: while
+    a step's GEMMs run, what it holds goes right and the next step's blocks come from
+    the left. `step` / `chunk`: the first step's index (it picks the GEMM stream) and
+    its first GEMM's chunk id; a transfer carries the chunk id of the GEMM that needs
+    it. `arrived`: transfers the first step's blocks wait for; that wait, and the
+    forwarding of what arrived, go on the first step's stream (the transport orders
+    its copies after the stream that issues them)."""
+    for t, blocks in enumerate(steps):
+        nxt = steps[t + 1] if t + 1 < len(steps) else None
+        pending: list[Handle] = []
+        with st.chunk(step + t) if arrived and t == 0 else contextlib.nullcontext():
+            for h in arrived if t == 0 else ():
+                h.wait()
+            for j, (a, b) in enumerate(zip(blocks, nxt or ())):
+                pending.append(tp.exchange([(g[a], right)], [(g[b], left)], op=op,
+                                           chunk=chunk + len(blocks) + j))
+        with st.chunk(step + t):
+            for j, b in enumerate(blocks):
+                gemm(g[b], wt, o[b], op=op, chunk=chunk + j)
+        if pending:
+            with st.chunk(step + t + 1):
+                for h in pending:
+                    h.wait()
+        chunk += len(blocks)
+
+
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes: Layout, *, op: str,
                       streams: ChunkStreams | None = None, out: torch.Tensor | None = None,
                       gemm: Gemm = matmul) -> tuple[torch.Tensor, torch.Tensor]:
     """all_gather(x) @ w.T in the hierarchical order; returns (output, gathered input),
-    both in rank order. GEMM chunk ids count GEMMs in the order they run; a transfer's
-    chunk id is that of the first GEMM that needs it."""
+    both in rank order. GEMM chunk ids count GEMMs in the order they run."""
     world, rank, rows = tp.world_size, tp.rank, x.shape[0]
     _check_layout(nodes, world, op)
-    n_nodes, size = len(nodes), len(nodes[0])
     me_n, me_l = _position(nodes, rank)
-    mine = nodes[me_n]
-    right, left = mine[(me_l + 1) % size], mine[(me_l - 1) % size]
-    others = partners(me_n, n_nodes)
+    mine, size = nodes[me_n], len(nodes[me_n])
+    others = partners(me_n, len(nodes))
     gathered = tp.workspace((world * rows, x.shape[1]), x.dtype, x.device)
     out = x.new_empty(world * rows, w.shape[0]) if out is None else out
     g, o, wt = gathered.split(rows), out.split(rows), w.t()
     g[rank].copy_(x)
-    local = [[mine[(me_l - s) % size]] for s in range(size)]
-    remote = [[nodes[m][(me_l - s) % size] for m in others] for s in range(size)]
-    steps = local + remote  # the blocks each step multiplies
-    first = [sum(len(b) for b in steps[:t]) for t in range(len(steps))]  # chunk id of a step
+    ring = dict(right=mine[(me_l + 1) % size], left=mine[(me_l - 1) % size], op=op, gemm=gemm)
     with streams or plain() as st:
-        # The slow link first: the own block to every counterpart, theirs back.
+        # 1. The slow link first: the own block to every counterpart (the same local
+        #    index on each other node), theirs back; in flight under everything below.
         inter = [tp.exchange([(g[rank], nodes[m][me_l])], [(g[nodes[m][me_l]], nodes[m][me_l])],
-                             op=op, chunk=first[size] + i) for i, m in enumerate(others)]
-        pending: list[Handle] = []
-        for t, blocks in enumerate(steps):
-            nxt = t + 1 if t + 1 < len(steps) and t + 1 != size else None
-            # The node's own blocks are done: wait for the remote ones, and forward them from
-            # the stream that waited (the intra transport orders its copies after that stream).
-            with st.chunk(t) if t == size else contextlib.nullcontext():
-                if t == size:
-                    for h in inter:
-                        h.wait()
-                if nxt is not None:  # forward what this step holds, receive the next step's
-                    pending = [tp.exchange([(g[a], right)], [(g[b], left)], op=op,
-                                           chunk=first[nxt] + j)
-                               for j, (a, b) in enumerate(zip(blocks, steps[nxt]))]
-            with st.chunk(t):
-                for j, b in enumerate(blocks):
-                    gemm(g[b], wt, o[b], op=op, chunk=first[t] + j)
-            if nxt is not None:
-                with st.chunk(nxt):
-                    for h in pending:
-                        h.wait()
+                             op=op, chunk=size + i) for i, m in enumerate(others)]
+        # 2. The node's own blocks, one per step.
+        _ring(tp, g, o, wt, [[mine[(me_l - s) % size]] for s in range(size)], step=0, chunk=0,
+              st=st, **ring)
+        # 3. The other nodes' blocks: wait for the counterparts', then ring them in the
+        #    node, one block per other node per step.
+        _ring(tp, g, o, wt, [[nodes[m][(me_l - s) % size] for m in others] for s in range(size)],
+              step=size, chunk=size, st=st, arrived=inter, **ring)
     return out, gathered
+
+
+def _reduce_ring(tp: Transport, blocks, wt, members: Sequence[int], slots, accs, *, me_l: int,
+                 right: int, left: int, chunk: int, st: ChunkStreams, op: str, gemm: Gemm):
+    """Ring-reduce the partials of `members`' row blocks (one node's ranks) among this
+    node's ranks: step s computes the partial of block (me_l - s - 1), adds the running
+    sum that came from the left, and sends it right; the send of step s is in flight
+    under the GEMM of step s+1. Returns the last running sum: the node's partial of
+    block `members[me_l]`. `slots`: the receive workspaces, `accs`: the running sums."""
+    handle, size = None, len(members)
+    for s in range(size):
+        with st.chunk(chunk + s):
+            acc = accs[s]
+            gemm(blocks[members[(me_l - s - 1) % size]], wt, acc, op=op, chunk=chunk + s)
+            if handle is not None:
+                handle.wait()
+                acc += slots[s - 1]
+            if s + 1 < size:
+                handle = tp.exchange([(acc, right, slots[s])], [(slots[s], left)], op=op,
+                                     chunk=chunk + s)
+    return accs[size - 1]
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes: Layout, *,
@@ -159,44 +191,35 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes
     if x.shape[0] % world:
         raise ValueError(f"{op}: {x.shape[0]} rows do not split into {world} TP ranks; "
                          f"pick a sequence length so that it divides")
-    rows = x.shape[0] // world
-    n_nodes, size = len(nodes), len(nodes[0])
+    rows, n_nodes = x.shape[0] // world, len(nodes)
     me_n, me_l = _position(nodes, rank)
-    mine = nodes[me_n]
-    right, left = mine[(me_l + 1) % size], mine[(me_l - 1) % size]
-    rounds = partners(me_n, n_nodes) + [me_n]  # other nodes first, the own node last
+    mine, size = nodes[me_n], len(nodes[me_n])
     blocks, wt = x.split(rows), w.t()
-    ring_in = tp.workspace((n_nodes * max(size - 1, 1), rows, n), x.dtype, x.device).unbind(0)
+    ring_in = tp.workspace((n_nodes, max(size - 1, 1), rows, n), x.dtype, x.device)
     node_in = tp.workspace((n_nodes, rows, n), x.dtype, x.device).unbind(0)  # by sending node
+    accs = x.new_empty(n_nodes, size, rows, n)  # running sums, on the caller's stream
     out = x.new_empty(rows, n) if out is None else out
-    # running sums on the caller's stream; with one node the last one is the result
-    accs = [*x.new_empty(world - (n_nodes == 1), rows, n).unbind(0)] + ([out] if n_nodes == 1 else [])
+    ring = dict(me_l=me_l, right=mine[(me_l + 1) % size], left=mine[(me_l - 1) % size], op=op,
+                gemm=gemm)
     inter: list[Handle] = []
-    t = 0
     with streams or plain() as st:
-        for k, m in enumerate(rounds):
-            handle = None
-            for s in range(size):
-                with st.chunk(t):
-                    acc = accs[t]
-                    gemm(blocks[nodes[m][(me_l - s - 1) % size]], wt, acc, op=op, chunk=t)
-                    if handle is not None:
-                        handle.wait()
-                        acc += ring_in[k * (size - 1) + s - 1]
-                    if s + 1 < size:
-                        slot = ring_in[k * (size - 1) + s]
-                        handle = tp.exchange([(acc, right, slot)], [(slot, left)], op=op, chunk=t)
-                    elif m != me_n:  # node m's partial of block (m, me_l): off to its owner
-                        peer = nodes[m][me_l]
-                        inter.append(tp.exchange([(acc, peer, node_in[me_n])],
-                                                 [(node_in[m], peer)], op=op, chunk=t))
-                t += 1
-        if n_nodes == 1:
-            return out
-        with st.chunk(t - 1):
+        # 1. Every other node's blocks, in pairing order: reduce them in this node's ring,
+        #    then send the node's partial to its owner (the same local index there) at once.
+        for k, m in enumerate(partners(me_n, n_nodes)):
+            part = _reduce_ring(tp, blocks, wt, nodes[m], ring_in[k], accs[k], chunk=k * size,
+                                st=st, **ring)
+            inter.append(tp.exchange([(part, nodes[m][me_l], node_in[me_n])],
+                                     [(node_in[m], nodes[m][me_l])], op=op, chunk=(k + 1) * size - 1))
+        # 2. The own node's blocks, hiding those sends.
+        last = (n_nodes - 1) * size
+        own = _reduce_ring(tp, blocks, wt, mine, ring_in[n_nodes - 1], accs[n_nodes - 1],
+                           chunk=last, st=st, **ring)
+        # 3. The other nodes' partials of the own block, added in node order (the same
+        #    order on every rank).
+        with st.chunk(last + size - 1):
             for h in inter:
                 h.wait()
-            parts = [accs[t - 1] if m == me_n else node_in[m] for m in range(n_nodes)]
+            parts = [own if m == me_n else node_in[m] for m in range(n_nodes)]
             torch.add(parts[0], parts[1], out=out)
             for p in parts[2:]:
                 out.add_(p)

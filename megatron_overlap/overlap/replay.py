@@ -39,8 +39,7 @@ import torch
 from ..comm import stats, trace
 from ..comm.transport import Transport
 
-_pools: dict[int, tuple] = {}  # device index -> the shared scratch pool of pass graphs
-_streams: dict[int, torch.cuda.Stream] = {}  # device index -> the capture stream
+_pools: dict[int, tuple] = {}  # device index -> (scratch pool, capture stream, keeper graph, its tensor)
 _enabled: Optional[bool] = None  # install(graphs=...) sets it; None: the environment's default
 
 
@@ -61,13 +60,29 @@ def set_enabled(value: Optional[bool]) -> Optional[bool]:
     return previous
 
 
+def _pool(dev: int) -> tuple:
+    """The device's shared scratch pool of pass graphs. A pool whose graphs are all gone
+    cannot take a new capture (the caching allocator asserts), and layers come and go, so
+    a one-node graph captured into it at creation keeps it alive."""
+    if dev not in _pools:
+        pool, stream, keeper = torch.cuda.graph_pool_handle(), torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        flag = torch.zeros(1, device=torch.device("cuda", dev))
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            keeper.capture_begin(pool=pool, capture_error_mode="thread_local")
+            flag.add_(1)  # never replayed
+            keeper.capture_end()
+        _pools[dev] = (pool, stream, keeper, flag)
+    return _pools[dev]
+
+
 def _signature(tp: Transport, tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
     return (tp.generation,) + tuple(
         None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
 
 
 class _Graph:
-    __slots__ = ("graph", "events", "stats", "waits")
+    __slots__ = ("graph", "events", "stats", "waits")  # waits: what tp.watch_replay reports
 
     def __init__(self, graph, events, op_stats, waits):
         self.graph, self.events, self.stats, self.waits = graph, events, op_stats, waits
@@ -108,7 +123,7 @@ class PassGraphs:
         tp.check()
         entry.graph.replay()
         self.replays += 1
-        tp.watch_replay(self.name, entry.waits)
+        tp.watch_replay(entry.waits)
         for op, (transfers, nbytes) in entry.stats.items():
             stats.started(op, nbytes, transfers)
         for ev in entry.events:
@@ -119,16 +134,13 @@ class PassGraphs:
                 and not torch.cuda.is_current_stream_capturing())
 
     def _capture(self, tp: Transport, body: Callable[[], None]) -> _Graph:
-        dev = torch.cuda.current_device()
-        if dev not in _pools:
-            _pools[dev] = torch.cuda.graph_pool_handle()
-            _streams[dev] = torch.cuda.Stream()
-        stream, main = _streams[dev], torch.cuda.current_stream()
+        pool, stream = _pool(torch.cuda.current_device())[:2]
+        main = torch.cuda.current_stream()
         graph = torch.cuda.CUDAGraph()
         before = stats.snapshot(reset=False)
         stream.wait_stream(main)  # before the capture: the pass's inputs are ready
         with trace.recording() as events, tp.recording_waits() as waits, torch.cuda.stream(stream):
-            graph.capture_begin(pool=_pools[dev], capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 body()
             finally:
@@ -142,4 +154,4 @@ class PassGraphs:
                 delta[op] = (s["transfers"] - b["transfers"], s["bytes"] - b["bytes"])
         stats.forget(delta)  # the capture moved nothing; each replay counts
         self.captures += 1
-        return _Graph(graph, tuple(events), delta, tuple(waits))
+        return _Graph(graph, tuple(events), delta, tp.replay_diagnosis(self.name, waits))
