@@ -32,19 +32,27 @@ def _name(s: LayerSettings | None, fallback: str) -> str:
     return s.name if s is not None else fallback
 
 
+def pass_streams(tp: Transport, s: LayerSettings) -> tuple[int, ChunkStreams]:
+    """(communication stream priority, GEMM streams) of a pass with settings `s` on `tp`:
+    priorities, stream count, and the SM margin only where some link's kernels need SMs.
+    The tuner times candidates with exactly this."""
+    comm_p = gemm_p = 0
+    if torch.cuda.is_available():
+        comm_p, gemm_p = s.stream_priorities(*torch.cuda.Stream.priority_range())
+    held = any(CAPS[b].sm_margin for b in tp.backends if b in CAPS)
+    margin = s.num_sm if s.set_sm_margin and held else 0
+    return comm_p, ChunkStreams(n=s.gemm_streams or None, priority=gemm_p, sm_margin=margin)
+
+
 def _begin(tp: Transport, s: LayerSettings | None, fallback: str) -> tuple[str, ChunkStreams | None]:
     """Open the transport's pass for this layer pass; the GEMM streams its settings ask for."""
     name = _name(s, fallback)
     if s is None:
         tp.begin_pass(name)
         return name, None
-    comm_p = gemm_p = 0
-    if torch.cuda.is_available():
-        comm_p, gemm_p = s.stream_priorities(*torch.cuda.Stream.priority_range())
+    comm_p, streams = pass_streams(tp, s)
     tp.begin_pass(name, comm_p)
-    held = any(CAPS[b].sm_margin for b in tp.backends if b in CAPS)  # some link's kernels need SMs
-    margin = s.num_sm if s.set_sm_margin and held else 0
-    return name, ChunkStreams(n=s.gemm_streams or None, priority=gemm_p, sm_margin=margin)
+    return name, streams
 
 
 def _run(graphs: Graphs, key: str, tp: Transport, body, *tensors) -> None:

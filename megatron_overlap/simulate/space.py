@@ -21,6 +21,7 @@ from .shapes import Shape
 
 SPLITS = (1, 2, 4, 8, 16)
 NUM_SMS = (4, 8, 16, 24, 32)
+GEMM_STREAMS = (0, 2)  # 0: the global default (1 stream unless install() / the environment says)
 ACTIVE = "active"
 
 
@@ -53,6 +54,8 @@ class Candidate:
             s.method, s.method)]
         if schedule == "ag_ring" and s.aggregate:
             parts.append("aggregate")
+        if s.gemm_streams > 1 and s.method in ("ring_exchange", "pipeline"):
+            parts.append(f"{s.gemm_streams} GEMM streams")
         if schedule.endswith("hier"):
             parts.append("hierarchical")
         elif self.layout.nodes > 1 and s.method != "bulk" and s.method != "external":
@@ -126,6 +129,7 @@ def candidates(name: str, layout: Layout, rows_per_rank: int, *, rs_dgrad: bool 
         if layout.nodes > 1:
             variants = _vary(variants, "ring_order", ("auto", "flat"), backend)
         variants = _vary(variants, "aggregate", (False, True), backend)
+        variants = _vary(variants, "gemm_streams", GEMM_STREAMS, backend)
         variants = _vary(variants, "use_ce", (True, False), backend)
         variants = _vary(variants, "num_sm", NUM_SMS, backend)
         out += [_canonical(v, layout) for v in variants]

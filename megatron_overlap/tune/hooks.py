@@ -164,7 +164,8 @@ class DistributedMeasure:
         over = self._slowest(self.timer(run_pass(trial, tp, self.device, self.dtype, nodes=nodes)))
         base = self._slowest(self.timer(run_pass(trial, tp, self.device, self.dtype, overlap=False)))
         floor = self._slowest(self.timer(run_pass(
-            trial, NullTransport(tp.world_size, tp.rank), self.device, self.dtype, nodes=nodes)))
+            trial, NullTransport(tp.world_size, tp.rank), self.device, self.dtype, nodes=nodes,
+            like=tp)))
         room = base - floor
         return {"time_ms": over, "baseline_ms": base, "compute_only_ms": floor,
                 "exposed_ms": over - floor, "hidden_fraction": (base - over) / room if room > 0
@@ -172,13 +173,14 @@ class DistributedMeasure:
 
 
 def run_pass(trial: Trial, tp: Any, device: Any, dtype: Any, overlap: bool = True,
-             nodes: Any = None) -> Callable[[], Any]:
+             nodes: Any = None, like: Any = None) -> Callable[[], Any]:
     """A closure that runs the trial's pass once on transport `tp` (one rank's part):
     the overlapped schedule, or with overlap=False the GEMM then the collective.
-    nodes: the group's ranks per node when the hierarchical ring order runs."""
+    nodes: the group's ranks per node when the hierarchical ring order runs; like: the
+    transport whose streams and SM margin to run with (a floor's: the real one's)."""
     import torch
 
-    from ..overlap.streams import ChunkStreams
+    from ..layers.functions import pass_streams
 
     spec, s = trial.spec, trial.candidate.settings
     m, k, n = spec.gemm
@@ -190,10 +192,7 @@ def run_pass(trial: Trial, tp: Any, device: Any, dtype: Any, overlap: bool = Tru
     width = spec.shape.k if spec.shape.column else spec.shape.n
     comm_full = torch.zeros(block * world, width, device=device, dtype=dtype)
     comm_part = torch.zeros(block, width, device=device, dtype=dtype)
-    comm_p = gemm_p = 0
-    if device.type == "cuda":
-        comm_p, gemm_p = s.stream_priorities(*torch.cuda.Stream.priority_range())
-    streams = ChunkStreams(priority=gemm_p, sm_margin=s.num_sm if s.set_sm_margin else 0)
+    comm_p, streams = pass_streams(like or tp, s)  # the layer's own: SM margin where it acts
     name = trial.name
     fn = _pass_fn(trial, tp, x, w, comm_full, comm_part, streams, overlap, nodes)
 
