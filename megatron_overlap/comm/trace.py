@@ -32,6 +32,11 @@ def recording() -> Iterator[list[Event]]:
         _current.reset(token)
 
 
+def active() -> bool:
+    """Whether something is recording (checked once before replaying many events)."""
+    return _current.get() is not None
+
+
 def record(kind: str, op: str, chunk: int, via: str = "") -> None:
     events = _current.get()
     if events is not None:

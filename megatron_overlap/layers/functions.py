@@ -153,9 +153,18 @@ def _main_grad(weight: torch.Tensor, fuse: bool) -> Optional[torch.Tensor]:
     return weight.main_grad if accumulates(weight, fuse) else None
 
 
+def _rows(t: torch.Tensor) -> int:
+    return t.numel() // t.shape[-1] if t.shape[-1] else 0
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
 class ColumnParallelMatmul(torch.autograd.Function):
     """Y = gather_sp(X) @ W^T (+ b). X: [s/tp or s, b, k]. layouts: per pass, the
-    hierarchical ring layout (ranks per node) or None for the flat ring."""
+    hierarchical ring layout (ranks per node) or None for the flat ring. The passes
+    flatten their inputs themselves, so a replay costs no host-side reshape."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool, allreduce_dgrad: bool,
@@ -164,28 +173,27 @@ class ColumnParallelMatmul(torch.autograd.Function):
         ctx.layouts = layouts = layouts or {}
         ctx.graphs, ctx.use_bias = graphs, bias is not None
         ctx.save_for_backward(x, weight)
-        x2 = x.reshape(-1, x.shape[-1])
-        rows = x2.shape[0] * (tp.world_size if plan.sequence_parallel else 1)
-        out = x2.new_empty(rows, weight.shape[0])
-        _run(graphs, "fprop", tp, lambda: column_fprop(x2, weight, bias, out, plan, tp, layouts.get("fprop")),
-             x2, weight, bias, out)
-        return out.view(rows // x2.shape[0] * x.shape[0], *x.shape[1:-1], -1)
+        local = _rows(x)
+        rows = local * (tp.world_size if plan.sequence_parallel else 1)
+        out = x.new_empty(rows, weight.shape[0])
+        _run(graphs, "fprop", tp,
+             lambda: column_fprop(_flat(x), weight, bias, out, plan, tp, layouts.get("fprop")),
+             x, weight, bias, out)
+        return out.view(rows // max(local, 1) * x.shape[0], *x.shape[1:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         plan, tp, fuse = ctx.plan, ctx.tp, ctx.fuse_wgrad
-        g = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        grad_in, grad_w = x2.new_empty(x2.shape), _grad_w(weight, g, fuse)
-        grad_b = g.new_empty(g.shape[1]) if ctx.use_bias else None
+        grad_in, grad_w = x.new_empty(x.shape), _grad_w(weight, grad_out, fuse)
+        grad_b = grad_out.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
         _run(ctx.graphs, "bwd", tp,
-             lambda: column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan, tp,
-                                ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad),
-             g, x2, weight, grad_in, grad_w, grad_b, _main_grad(weight, fuse))
+             lambda: column_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, grad_b,
+                                plan, tp, ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad),
+             grad_out, x, weight, grad_in, grad_w, grad_b, _main_grad(weight, fuse))
         if grad_w is None:
-            grad_w = autograd_grad(weight, x2)
-        return grad_in.view(x.shape), grad_w, grad_b, None, None, None, None, None, None
+            grad_w = autograd_grad(weight, x)
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None
 
 
 class RowParallelMatmul(torch.autograd.Function):
@@ -197,23 +205,23 @@ class RowParallelMatmul(torch.autograd.Function):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs = plan, tp, fuse_wgrad, graphs
         ctx.layouts = layouts = layouts or {}
         ctx.save_for_backward(x, weight)
-        x2 = x.reshape(-1, x.shape[-1])
-        rows = x2.shape[0] // (tp.world_size if plan.sequence_parallel else 1)
-        out = x2.new_empty(rows, weight.shape[0])
-        _run(graphs, "fprop", tp, lambda: row_fprop(x2, weight, out, plan, tp, layouts.get("fprop")),
-             x2, weight, out)
-        return out.view(rows * x.shape[0] // x2.shape[0], *x.shape[1:-1], -1)
+        local = _rows(x)
+        rows = local // (tp.world_size if plan.sequence_parallel else 1)
+        out = x.new_empty(rows, weight.shape[0])
+        _run(graphs, "fprop", tp,
+             lambda: row_fprop(_flat(x), weight, out, plan, tp, layouts.get("fprop")),
+             x, weight, out)
+        return out.view(rows * x.shape[0] // max(local, 1), *x.shape[1:-1], -1)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         plan, tp, fuse = ctx.plan, ctx.tp, ctx.fuse_wgrad
-        g = grad_out.reshape(-1, grad_out.shape[-1])
-        x2 = x.reshape(-1, x.shape[-1])
-        grad_in, grad_w = x2.new_empty(x2.shape), _grad_w(weight, g, fuse)
+        grad_in, grad_w = x.new_empty(x.shape), _grad_w(weight, grad_out, fuse)
         _run(ctx.graphs, "bwd", tp,
-             lambda: row_bwd(g, x2, weight, grad_in, grad_w, plan, tp, ctx.layouts.get("dgrad"), fuse),
-             g, x2, weight, grad_in, grad_w, _main_grad(weight, fuse))
+             lambda: row_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, plan, tp,
+                             ctx.layouts.get("dgrad"), fuse),
+             grad_out, x, weight, grad_in, grad_w, _main_grad(weight, fuse))
         if grad_w is None:
-            grad_w = autograd_grad(weight, x2)
-        return grad_in.view(x.shape), grad_w, None, None, None, None, None
+            grad_w = autograd_grad(weight, x)
+        return grad_in, grad_w, None, None, None, None, None

@@ -126,8 +126,9 @@ class PassGraphs:
         tp.watch_replay(entry.waits)
         for op, (transfers, nbytes) in entry.stats.items():
             stats.started(op, nbytes, transfers)
-        for ev in entry.events:
-            trace.record(ev.kind, ev.op, ev.chunk, ev.via)
+        if entry.events and trace.active():
+            for ev in entry.events:
+                trace.record(ev.kind, ev.op, ev.chunk, ev.via)
 
     def _usable(self, tp: Transport, tensors) -> bool:
         return (tp.replayable and enabled() and tensors[0] is not None and tensors[0].is_cuda

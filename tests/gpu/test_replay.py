@@ -62,13 +62,16 @@ def _replay_vs_eager(rank, world):
         ref, ours = ref.cuda(), ours.cuda()
         if fuse:
             ours.weight.main_grad = torch.zeros(ours.weight.shape, dtype=torch.float32, device="cuda")
-        for seq in (64, 64, 64, 64, 32, 32, 32, 64, 64):  # replays, a new token count, back
+        for seq in (64, 32, 64):  # a new token count, then back to the first
             x = make_input(case, rank, world, ours, seq=seq, seed=seq).cuda()
-            y_shape = ours(x.detach())[0].shape  # (warm, and the output shape)
+            with torch.no_grad():
+                y_shape = ours(x)[0].shape
             dy = torch.randn(y_shape, generator=torch.Generator().manual_seed(seq)).to(x.dtype).cuda()
-            if fuse:
-                ours.weight.main_grad.zero_()
-            got = _step(ours, x, dy)
+            got = []
+            for _ in range(4):  # steps as training runs them: eager, capture, replays
+                if fuse:
+                    ours.weight.main_grad.zero_()
+                got.append(_step(ours, x, dy))
             replay.set_enabled(False)
             try:
                 if fuse:
@@ -77,14 +80,15 @@ def _replay_vs_eager(rank, world):
             finally:
                 replay.set_enabled(None)
             mega = _step(ref, x, dy)
-            for key in got:
-                if got[key] is None or eager[key] is None:  # dW in main_grad: both None
-                    errs[(kind, variant, seq, key, "eager")] = 0.0 if got[key] is eager[key] else 1.0
-                    continue
-                errs[(kind, variant, seq, key, "eager")] = (got[key] - eager[key]).abs().max().item()
+            for i, step in enumerate(got):
+                for key, val in step.items():
+                    if val is None or eager[key] is None:  # dW in main_grad: both None
+                        errs[(kind, variant, seq, i, key, "eager")] = 0.0 if val is eager[key] else 1.0
+                    else:
+                        errs[(kind, variant, seq, i, key, "eager")] = (val - eager[key]).abs().max().item()
             for key in ("y", "dx", "db"):
-                if key in got:
-                    errs[(kind, variant, seq, key, "megatron")] = gpu.rel(got[key], mega[key])
+                if key in got[-1]:
+                    errs[(kind, variant, seq, key, "megatron")] = gpu.rel(got[-1][key], mega[key])
         counts[(kind, variant)] = {p: (g.replays, g.captures) for p, g in ours.pass_graphs.items()}
     ours.transport.check()
     return errs, counts
@@ -98,7 +102,7 @@ def test_public_layers_replay_equal_eager(world):
         assert errs and not bad, bad
         for layer, passes in counts.items():  # steady state replayed, not silently eager
             for p, (replays, captures) in passes.items():
-                assert replays >= 4 and captures >= 2, (layer, p, replays, captures)
+                assert replays >= 4 and captures >= 1, (layer, p, replays, captures)
 
 
 def _silent_peer_in_replay(rank, world):
