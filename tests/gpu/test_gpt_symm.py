@@ -36,6 +36,9 @@ def _gpt(rank, world, variant):
     rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()  # noqa: E731
     param_err = max(rel(p, q) for p, q in zip(ours.parameters(), plain.parameters()))
     transports = {m.transport.name for m in ours.modules() if hasattr(m, "overlap_plan")}
+    replays = {name: {p: g.replays for p, g in m.pass_graphs.items()}
+               for name, m in ours.named_modules() if hasattr(m, "pass_graphs")}
+    print(f"rank {rank}: pass replays over the 5 training steps: {replays}")
 
     # One transformer layer (SP: the sequence is split over ranks), eager vs graph replay.
     layer = layer_model.decoder.layers[0]
@@ -90,7 +93,7 @@ def _gpt(rank, world, variant):
         graph_err.append(max((a - b).abs().max().item() for a, b in zip(got, ref)))
     torch.cuda.synchronize()
     return dict(losses=(losses_plain, losses_ours), param_err=param_err, transports=transports,
-                graph_err=graph_err)
+                graph_err=graph_err, replays=replays)
 
 
 # TP=8 (gelu_bias: 8 heads, 8 query groups) is the GPU count of an 8-GPU machine, where
@@ -103,3 +106,5 @@ def test_gpt_on_symm_matches_plain_tp_and_graphs(world, variant):
         assert ours == pytest.approx(plain, rel=1e-5)
         assert r["param_err"] <= 1e-5
         assert r["graph_err"] == [0.0, 0.0]
+        # steady-state training steps replay their passes (overlap.replay), not only eager
+        assert sum(n for passes in r["replays"].values() for n in passes.values()) > 0, r["replays"]
