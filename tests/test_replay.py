@@ -1,0 +1,112 @@
+"""The bookkeeping of whole-pass replay (`overlap.replay`), on CPU: when a pass is
+captured, replayed or run eagerly, what each replay re-emits, and when a graph is
+stale. The graphs themselves run on the GPU (tests/gpu/test_replay.py): here a
+stand-in records what a capture would have captured and replays nothing."""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_overlap.comm import NullTransport, stats, trace
+from megatron_overlap.overlap import replay
+
+
+class _Graph:
+    def __init__(self):
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+class _Recorded(replay.PassGraphs):
+    """Captures run the body once (to record what it issues) under a stand-in graph."""
+
+    def _usable(self, tp, tensors):
+        return replay.enabled()
+
+    def _capture(self, tp, body):
+        before = stats.snapshot(reset=False)
+        with trace.recording() as events:
+            body()
+        after = stats.snapshot(reset=False)
+        delta = {op: (s["transfers"] - before.get(op, {}).get("transfers", 0),
+                      s["bytes"] - before.get(op, {}).get("bytes", 0)) for op, s in after.items()}
+        stats.forget(delta)
+        self.captures += 1
+        return replay._Graph(_Graph(), tuple(events), delta, "diagnosis")
+
+
+class _Growing(NullTransport):
+    gen = 0
+
+    @property
+    def generation(self):
+        return self.gen
+
+
+def _pass(tp, x, out, calls):
+    def body():
+        calls.append(1)
+        tp.begin_pass("qkv_fprop")
+        tp.all_gather(out, x, op="qkv_fprop").wait()
+    return body
+
+
+def test_second_sighting_captures_then_replays_and_re_emits_trace_and_stats():
+    tp, x, out, calls = NullTransport(2), torch.ones(2, 3), torch.empty(4, 3), []
+    graphs = _Recorded("qkv fprop")
+    stats.snapshot(reset=True)
+    with trace.recording() as events:
+        for _ in range(4):
+            graphs.run(tp, _pass(tp, x, out, calls), (x, out))
+    assert len(calls) == 2  # first sighting eager, second captured; then replays only
+    assert (graphs.captures, graphs.replays) == (1, 3)
+    # every call, eager or replayed, is in the trace and the stats once
+    assert [e.kind for e in events] == ["start", "wait"] * 4
+    assert stats.snapshot()["qkv_fprop"]["transfers"] == 4
+
+
+def test_moved_tensors_run_eagerly_and_a_new_generation_recaptures():
+    tp, calls = _Growing(2), []
+    graphs = _Recorded("proj fprop")
+    x, out = torch.ones(2, 3), torch.empty(4, 3)
+    for _ in range(3):
+        graphs.run(tp, _pass(tp, x, out, calls), (x, out))
+    assert (graphs.captures, graphs.replays) == (1, 2)
+    moved = torch.empty(4, 3)  # another output address: another signature, eager first
+    graphs.run(tp, _pass(tp, x, moved, calls), (x, moved))
+    assert (graphs.captures, graphs.replays) == (1, 2)
+    tp.gen = 1  # workspaces grew: every graph of the old generation is stale
+    graphs.run(tp, _pass(tp, x, out, calls), (x, out))
+    graphs.run(tp, _pass(tp, x, out, calls), (x, out))
+    assert (graphs.captures, graphs.replays) == (2, 3)
+
+
+def test_graphs_per_pass_are_bounded_oldest_dropped():
+    tp, calls = NullTransport(2), []
+    graphs = _Recorded("fc1 fprop", max_graphs=2)
+    x = torch.ones(2, 3)
+    outs = [torch.empty(4, 3) for _ in range(3)]
+    for out in outs:
+        for _ in range(2):
+            graphs.run(tp, _pass(tp, x, out, calls), (x, out))
+    assert graphs.captures == 3 and len(graphs._graphs) == 2
+    graphs.run(tp, _pass(tp, x, outs[0], calls), (x, outs[0]))  # dropped: eager again
+    assert graphs.replays == 3
+
+
+def test_disabled_and_cpu_run_the_pass_eagerly():
+    tp, x, out, calls = NullTransport(2), torch.ones(2, 3), torch.empty(4, 3), []
+    plain = replay.PassGraphs("qkv fprop")  # CPU tensors: never captured
+    for _ in range(3):
+        plain.run(tp, _pass(tp, x, out, calls), (x, out))
+    assert len(calls) == 3 and plain.captures == plain.replays == 0
+    previous = replay.set_enabled(False)
+    try:
+        graphs = _Recorded("qkv fprop")
+        for _ in range(3):
+            graphs.run(tp, _pass(tp, x, out, calls), (x, out))
+        assert graphs.captures == graphs.replays == 0 and len(calls) == 6
+    finally:
+        replay.set_enabled(previous)
