@@ -384,3 +384,36 @@ def test_same_loss_and_grads_on_and_off(models):
     for on, off in zip(models["on"], models["off"]):
         assert on["loss"] == pytest.approx(off["loss"], rel=1e-5)
         assert on["grad_norm_sum"] == pytest.approx(off["grad_norm_sum"], rel=1e-5)
+
+
+# --- the GPU parity run's log check (benchmarks/megatron_lm_parity.py) ------------------------
+
+def _log(path: Path, arm: str, losses: list[str]) -> Path:
+    why = "--tp-comm-overlap" if arm == "on" else "every overlap off (no --tp-comm-overlap)"
+    lines = [f"megatron_overlap.megatron_lm: megatron_overlap.install(ub_cfgs=None, "
+             f"backend='symm'): {why} [Megatron-LM with megatron-core 0.16.1 (at /x)]"]
+    lines += [f" [2026-12-03 15:00:00] iteration {i:8d}/{len(losses):8d} | consumed samples: "
+              f"{2 * i:12d} | elapsed time per iteration (ms): 120.{i} | learning rate: "
+              f"3.000000E-04 | lm loss: {loss} | loss scale: 1.0 | grad norm: 3.21{i} |"
+              for i, loss in enumerate(losses, 1)]
+    built = ', "OverlapColumnParallelLinear": 8, "OverlapRowParallelLinear": 8' if arm == "on" else ""
+    lines.append('MLM-PARITY-LAYERS {"rank": 0%s}' % built)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_parity_check_of_two_logs(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import megatron_lm_parity as parity
+    finally:
+        sys.path.pop(0)
+    losses = ["9.011234E+00", "8.912345E+00", "8.800001E+00"]
+    on, off = _log(tmp_path / "on.log", "on", losses), _log(tmp_path / "off.log", "off", losses)
+    assert parity.main([str(on), str(off), "--iters", "3", "--label", "t"]) == 0
+    assert "PARITY OK" in capsys.readouterr().out
+    _log(on, "on", losses[:1] + ["8.912346E+00"] + losses[2:])
+    assert parity.main([str(on), str(off), "--iters", "3"]) == 1
+    assert "iteration 2: lm loss 8.912346E+00 (on) != 8.912345E+00 (off)" in capsys.readouterr().out
+    assert parity.main([str(off), str(off), "--iters", "3"]) == 1  # "on" built no layer of ours
+    assert parity.main([str(on), str(on), "--iters", "4"]) == 1  # iteration 4 missing

@@ -31,11 +31,11 @@ def main(argv: list[str] | None = None) -> None:
     tree = os.path.dirname(script)
     # As `python SCRIPT` does: the script's folder first, so its megatron/ is imported.
     sys.path.insert(0, tree)
-    loaded = sys.modules.get("megatron")
-    if loaded is not None and os.path.isdir(os.path.join(tree, "megatron")) and \
-            not os.path.abspath(loaded.__file__ or "").startswith(os.path.join(tree, "megatron")):
-        raise SystemExit(f"megatron_overlap.megatron_lm: megatron was imported from "
-                         f"{loaded.__file__} before {script} could use {tree}/megatron")
+    ours, core = os.path.join(tree, "megatron", ""), sys.modules.get("megatron.core")
+    if core is not None and os.path.isdir(ours) and \
+            not os.path.realpath(core.__file__ or "").startswith(os.path.realpath(ours) + os.sep):
+        raise SystemExit(f"megatron_overlap.megatron_lm: megatron.core was imported from "
+                         f"{core.__file__} before {script} could use {ours}")
 
     from .hooks import install_hooks
 
