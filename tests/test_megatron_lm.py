@@ -222,6 +222,51 @@ def test_entry_point_usage():
     assert out.returncode != 0 and "no such script: no_such_script.py" in out.stderr
 
 
+def _stand_in_tree(root: Path, initialize: str = INITIALIZE) -> Path:
+    """A folder shaped like Megatron-LM (megatron/training/..., a script) whose
+    megatron.core is the installed one (megatron/ is a namespace package)."""
+    training = root / "megatron" / "training"
+    training.mkdir(parents=True)
+    (training / "__init__.py").write_text("ARGS = None\ndef get_args():\n    return ARGS\n")
+    (training / "arguments.py").write_text("ARGV = None\n" + textwrap.dedent(ARGUMENTS))
+    (training / "initialize.py").write_text(textwrap.dedent(initialize))
+    (root / "train.py").write_text(textwrap.dedent("""
+        import json, sys
+        import megatron_overlap
+        from megatron.training import initialize
+        calls = []
+        megatron_overlap.install = lambda **kw: calls.append(kw)
+        initialize.initialize_megatron()
+        print("RESULT " + json.dumps({"calls": calls, "te": initialize.TE_CALLS,
+                                      "argv0": sys.argv[0], "path0": sys.path[0]}))
+    """))
+    return root / "train.py"
+
+
+def test_entry_point_runs_the_script_with_the_hooks(tmp_path):
+    script = _stand_in_tree(tmp_path)
+    run = subprocess.run([sys.executable, "-m", "megatron_overlap.megatron_lm", str(script), *OURS],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(run.stdout.split("RESULT ", 1)[1])
+    assert result == {"calls": [{"ub_cfgs": "ub.yaml", "backend": "symm"}], "te": [],
+                      "argv0": str(script), "path0": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-m", "megatron_overlap.megatron_lm", str(script),
+                          "--help"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 0 and "--tp-comm-overlap-impl {te,megatron_overlap}" in run.stdout
+
+
+def test_entry_point_refuses_an_unservable_tree_before_running_it(tmp_path):
+    script = _stand_in_tree(tmp_path, UNSERVABLE["tp-init missing"][1])
+    run = subprocess.run([sys.executable, "-m", "megatron_overlap.megatron_lm", str(script), *OURS],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert run.returncode == 1 and "RESULT" not in run.stdout
+    last = run.stderr.splitlines()[-1]
+    assert last.startswith("error: megatron_overlap.megatron_lm cannot serve Megatron-LM with "
+                           f"megatron-core {hooks.megatron_core_version()} (at ")
+    assert "_initialize_tp_communicators is missing" in last and "Traceback" not in run.stderr
+
+
 def test_importing_the_package_imports_no_megatron():
     code = ("import sys, megatron_overlap, megatron_overlap.megatron_lm; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))")

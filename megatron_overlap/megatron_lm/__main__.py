@@ -37,9 +37,12 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"megatron_overlap.megatron_lm: megatron.core was imported from "
                          f"{core.__file__} before {script} could use {ours}")
 
-    from .hooks import install_hooks
+    from .hooks import UnsupportedMegatronLM, install_hooks
 
-    install_hooks()
+    try:
+        install_hooks()
+    except UnsupportedMegatronLM as e:  # a start-up refusal, not a crash: no traceback
+        raise SystemExit(f"error: {e}") from None
     sys.argv = [script, *argv[1:]]
     runpy.run_path(script, run_name="__main__")
 
