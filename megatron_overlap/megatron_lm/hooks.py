@@ -69,6 +69,7 @@ TARGETS = (ADD_ARGUMENTS, VALIDATE, TP_INIT)
 
 _originals: dict[Target, Callable[..., Any]] = {}
 _rebound: list[tuple[Any, str, Callable[..., Any]]] = []  # (module, attribute, original)
+_off_installed: list[bool] = []
 
 
 def megatron_core_version() -> str:
@@ -160,8 +161,9 @@ def check_args(args: argparse.Namespace) -> None:
             "use --transformer-impl local (TE layers need --tp-comm-overlap-impl te); got "
             f"--transformer-impl {args.transformer_impl}"
             + (" with --use-legacy-models" if getattr(args, "use_legacy_models", False) else ""))
-    if not args.tp_comm_overlap:
+    if not args.tp_comm_overlap and not _off_installed:
         _install(args, ub_cfgs=None, why="every overlap off (no --tp-comm-overlap)")
+        _off_installed.append(True)  # once, however often validate_args runs
 
 
 def initialize_tp_communicators() -> None:
@@ -210,8 +212,14 @@ def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
     return validate_args
 
 
-_WRAPPERS = {ADD_ARGUMENTS: _wrap_add_arguments, VALIDATE: _wrap_validate,
-             TP_INIT: lambda original: functools.wraps(original)(initialize_tp_communicators)}
+def _wrap_tp_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _initialize_tp_communicators(*a, **k):
+        return initialize_tp_communicators()
+    return _initialize_tp_communicators
+
+
+_WRAPPERS = {ADD_ARGUMENTS: _wrap_add_arguments, VALIDATE: _wrap_validate, TP_INIT: _wrap_tp_init}
 
 
 def installed() -> bool:
@@ -241,3 +249,4 @@ def uninstall_hooks() -> None:
         module, name, original = _rebound.pop()
         setattr(module, name, original)
     _originals.clear()
+    _off_installed.clear()
