@@ -12,6 +12,8 @@ library must not do:
 - Megatron's `make` of its C++ dataset helpers is skipped: the tree must hold a prebuilt
   megatron/core/datasets/helpers_cpp*.so (benchmarks/megatron_lm_trees.sh copies the one
   of the megatron-core wheel), which is imported instead.
+- Where there is no CUDA toolkit (pip's torch has none), core_v0.14-0.16's
+  `fused_kernels.load`, which builds nothing but asks nvcc for its version, is skipped.
 - At exit, each rank prints `MLM-PARITY-LAYERS {json}`: how many of our overlapped
   layers were built (benchmarks/megatron_lm_parity.py checks each arm's count).
 
@@ -82,6 +84,13 @@ def install_shims() -> None:
 
     param_and_grad_buffer._coalescing_manager = _one_by_one
     dataset_utils.compile_helpers = _prebuilt_helpers
+    try:  # core_v0.14-0.16: load() builds no kernel, it only runs `$CUDA_HOME/bin/nvcc -V`
+        from megatron.legacy import fused_kernels
+        from torch.utils import cpp_extension
+    except ImportError:
+        fused_kernels = None
+    if fused_kernels is not None and cpp_extension.CUDA_HOME is None:
+        fused_kernels.load = lambda *args, **kwargs: None
     _count_builds()
 
 
