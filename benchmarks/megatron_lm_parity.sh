@@ -10,6 +10,12 @@
 # From the project root, with the trees from benchmarks/megatron_lm_trees.sh and the
 # wheels in .whl/mlm/ (carry ".mlm" and ".whl"):
 #   bash benchmarks/megatron_lm_parity.sh .mlm/core_v0.14.0 .mlm/core_v0.16.1 .mlm/core_v0.19.0
+# The wheels (Python 3.12; Megatron-LM imports pydantic at start-up, core_v0.14's tokenizers
+# six and regex), fetched here with the platform flags of shared/device/wheels.sh:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl/mlm pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+#     typing-inspection==0.4.5 typing-extensions==4.16.0 six regex psutil
 # Env: OUT (logs, default /tmp/out), ITERS (20), RUN_TIMEOUT (s per run, 240), MODEL_ARGS
 # (replaces the model size flags). Exit code: the number of trees that failed.
 set -uo pipefail
