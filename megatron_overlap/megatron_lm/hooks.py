@@ -134,6 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Our two flags, beside Megatron-LM's --tp-comm-overlap (skipped when present,
     e.g. in a tree patched with patches/)."""
     have = parser._option_string_actions  # noqa: SLF001 - argparse has no public lookup
+    if "--tp-comm-overlap-impl" in have and "--tp-comm-overlap-backend" in have:
+        return parser
     group = parser.add_argument_group("megatron_overlap", "tensor-parallel comm/GEMM overlap "
                                       "of Megatron-core's own linears (--transformer-impl local)")
     if "--tp-comm-overlap-impl" not in have:
@@ -154,14 +156,15 @@ def check_args(args: argparse.Namespace) -> None:
     --sequence-parallel for --tp-comm-overlap)."""
     if getattr(args, "tp_comm_overlap_impl", "te") != IMPL:
         return
-    if args.tp_comm_overlap and (getattr(args, "transformer_impl", "local") != "local"
-                                 or getattr(args, "use_legacy_models", False)):
+    overlap = bool(getattr(args, "tp_comm_overlap", False))
+    if overlap and (getattr(args, "transformer_impl", "local") != "local"
+                    or getattr(args, "use_legacy_models", False)):
         raise ValueError(
             "--tp-comm-overlap-impl megatron_overlap overlaps Megatron-core's own TP linears: "
             "use --transformer-impl local (TE layers need --tp-comm-overlap-impl te); got "
             f"--transformer-impl {args.transformer_impl}"
             + (" with --use-legacy-models" if getattr(args, "use_legacy_models", False) else ""))
-    if not args.tp_comm_overlap and not _off_installed:
+    if not overlap and not _off_installed:
         _install(args, ub_cfgs=None, why="every overlap off (no --tp-comm-overlap)")
         _off_installed.append(True)  # once, however often validate_args runs
 
