@@ -1,0 +1,90 @@
+"""Compare two Megatron-LM pretrain_gpt.py logs, overlap on and off, iteration by iteration.
+
+    python benchmarks/megatron_lm_parity.py ON.log OFF.log --iters 20 [--label TAG] [--json OUT]
+
+Reads Megatron-LM's per-iteration lines (`iteration N/M | ... lm loss: X | ... grad norm: G`)
+and megatron_lm_shared_gpu.py's layer counts, prints a table, and exits 1 unless: both
+logs have every iteration 1..iters, the losses are equal at every iteration (as Megatron
+prints them), the ON arm went through megatron_overlap.install for --tp-comm-overlap and
+built overlapped layers, and the OFF arm built none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
+FIELD = re.compile(r"\s*([a-z][a-z /()-]*?):\s*([-+0-9.eE]+|nan|inf)\s*\|", re.I)
+LAYERS = re.compile(r"MLM-PARITY-LAYERS (\{.*\})")
+
+
+def read(path: Path) -> dict:
+    text = path.read_text(errors="replace")
+    iters: dict[int, dict[str, str]] = {}
+    for line in text.splitlines():
+        m = ITER.search(line)
+        if m:
+            iters[int(m.group(1))] = {k.strip(): v for k, v in FIELD.findall(m.group(2) + "|")}
+    built = [json.loads(m.group(1)) for m in LAYERS.finditer(text)]
+    installed = re.findall(r"megatron_overlap\.install\((.*?)\): (.*?) \[", text)
+    version = re.search(r"megatron-core ([0-9][^ )]*)", text)
+    return {"iters": iters, "built": built, "installed": installed,
+            "version": version.group(1) if version else "?"}
+
+
+def compare(on: dict, off: dict, iters: int) -> tuple[list[list[str]], list[str]]:
+    rows, errors = [], []
+    for i in range(1, iters + 1):
+        a, b = on["iters"].get(i, {}), off["iters"].get(i, {})
+        la, lb = a.get("lm loss"), b.get("lm loss")
+        if la is None or lb is None:
+            errors.append(f"iteration {i}: no lm loss in the {'on' if la is None else 'off'} log")
+        elif float(la) != float(lb):
+            errors.append(f"iteration {i}: lm loss {la} (on) != {lb} (off)")
+        rows.append([str(i), la or "-", lb or "-", "=" if la == lb and la else "DIFF",
+                     a.get("grad norm", "-"), b.get("grad norm", "-"),
+                     a.get("elapsed time per iteration (ms)", "-"),
+                     b.get("elapsed time per iteration (ms)", "-")])
+    if not any(why == "--tp-comm-overlap" for _, why in on["installed"]):
+        errors.append("on: megatron_overlap.install was not called for --tp-comm-overlap")
+    if not off["installed"] or any(why == "--tp-comm-overlap" for _, why in off["installed"]):
+        errors.append("off: expected install with every overlap off, got "
+                      f"{off['installed'] or 'none'}")
+    n_on = sum(v for r in on["built"] for k, v in r.items() if k != "rank")
+    n_off = sum(v for r in off["built"] for k, v in r.items() if k != "rank")
+    if not on["built"] or n_on == 0:
+        errors.append(f"on: no overlapped layer was built ({on['built']})")
+    if n_off:
+        errors.append(f"off: {n_off} overlapped layers were built")
+    return rows, errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("on", type=Path)
+    ap.add_argument("off", type=Path)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args(argv)
+    on, off = read(a.on), read(a.off)
+    rows, errors = compare(on, off, a.iters)
+    head = ["iter", "loss on", "loss off", "", "grad norm on", "grad norm off", "ms on", "ms off"]
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
+    print(f"== {a.label} (megatron-core {on['version']}): overlap on vs every overlap off; "
+          f"overlapped layers built per rank: {on['built']} (on), {off['built']} (off)")
+    for r in [head, *rows]:
+        print("  ".join(x.rjust(w) for x, w in zip(r, widths)))
+    print("PARITY " + ("OK" if not errors else "FAILED: " + "; ".join(errors)), flush=True)
+    if a.json:
+        a.json.write_text(json.dumps({"label": a.label, "version": on["version"], "rows": rows,
+                                      "errors": errors, "built_on": on["built"]}, indent=1))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

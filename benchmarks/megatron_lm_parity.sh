@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Loss parity of real Megatron-LM trees on one GPU: pretrain_gpt.py with mock data and the
+# null tokenizer, TP=2 with both ranks sharing GPU 0 (gloo process group, symm transport),
+# bf16, ITERS iterations, --transformer-impl local, --sequence-parallel; run twice through
+# `python -m megatron_overlap.megatron_lm` (benchmarks/megatron_lm_shared_gpu.py adds the
+# shared-GPU shims): ON with --tp-comm-overlap (our overlapped linears on symm), OFF
+# without it (Megatron's own linears; install() still gives the SP torch norms). Then
+# benchmarks/megatron_lm_parity.py asserts equal losses at every iteration.
+#
+# From the project root, with the trees from benchmarks/megatron_lm_trees.sh and the
+# wheels in .whl/mlm/ (carry ".mlm" and ".whl"):
+#   bash benchmarks/megatron_lm_parity.sh .mlm/core_v0.14.0 .mlm/core_v0.16.1 .mlm/core_v0.19.0
+# The wheels (Python 3.12; Megatron-LM imports pydantic at start-up, core_v0.14's tokenizers
+# six and regex), fetched here with the platform flags of shared/device/wheels.sh:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     -d .whl/mlm pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+#     typing-inspection==0.4.5 typing-extensions==4.16.0 six regex psutil
+# Env: OUT (logs, default /tmp/out), ITERS (20), RUN_TIMEOUT (s per run, 240), MODEL_ARGS
+# (replaces the model size flags). Exit code: the number of trees that failed.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; ITERS=${ITERS:-20}; mkdir -p "$OUT"
+if ls .whl/mlm/*.whl >/dev/null 2>&1; then  # pydantic & co.: Megatron-LM imports them at start-up
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site_mlm .whl/mlm/*.whl || exit 100
+fi
+export TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 CUDA_DEVICE_MAX_CONNECTIONS=1 NO_VCS_VERSION=1 \
+  PYTHONUNBUFFERED=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0
+MODEL_ARGS=${MODEL_ARGS:---num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 \
+  --max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size 2 --vocab-size 8192}
+ARGS="$MODEL_ARGS --tensor-model-parallel-size 2 --sequence-parallel --transformer-impl local
+  --bf16 --train-iters $ITERS --lr 3e-4 --lr-decay-style constant --weight-decay 0.01
+  --clip-grad 1.0 --attention-dropout 0 --hidden-dropout 0 --seed 1234 --mock-data
+  --tokenizer-type NullTokenizer --num-workers 0 --log-interval 1 --eval-interval 1000
+  --eval-iters 0 --distributed-backend gloo --local-rank 0 --no-persist-layer-norm
+  --no-gradient-accumulation-fusion --no-masked-softmax-fusion
+  --tp-comm-overlap-impl megatron_overlap --tp-comm-overlap-backend symm"
+failed=0
+for tree in "$@"; do
+  tag=$(basename "$tree"); tree=$(cd "$tree" && pwd)
+  for arm in on off; do
+    flag=$([ $arm = on ] && echo --tp-comm-overlap || true)
+    PYTHONPATH="$tree:$PWD:/tmp/site_mlm:${PYTHONPATH:-}" timeout "${RUN_TIMEOUT:-240}" \
+      python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+      benchmarks/megatron_lm_shared_gpu.py "$tree/pretrain_gpt.py" $ARGS $flag \
+      > "$OUT/mlm_${tag}_$arm.log" 2>&1
+    rc=$?; echo "== $tag $arm: rc=$rc ($(grep -c ' iteration ' "$OUT/mlm_${tag}_$arm.log") iteration lines)"
+    [ $rc = 0 ] || grep -E "Error|error:|Traceback" "$OUT/mlm_${tag}_$arm.log" | grep -v Warning | tail -6
+  done
+  python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_on.log" "$OUT/mlm_${tag}_off.log" \
+    --iters "$ITERS" --label "$tag" --json "$OUT/mlm_${tag}_parity.json" || failed=$((failed + 1))
+done
+exit $failed

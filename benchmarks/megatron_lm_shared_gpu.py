@@ -1,0 +1,100 @@
+"""Megatron-LM's pretrain_gpt.py with its ranks sharing one GPU (benchmarks only).
+
+    torchrun --nproc-per-node 2 benchmarks/megatron_lm_shared_gpu.py TREE/pretrain_gpt.py ARGS
+
+is `torchrun ... -m megatron_overlap.megatron_lm TREE/pretrain_gpt.py ARGS` with what the
+shared-GPU layout (gloo process group, `--local-rank 0` on every rank) needs and the
+library must not do:
+
+- Megatron DDP's gradient buckets are all-reduced one by one: its coalesced call is
+  refused by gloo for CUDA tensors ("allreduce_coalesced: unsupported device type cuda").
+  Synchronous only (no --overlap-grad-reduce).
+- Megatron's `make` of its C++ dataset helpers is skipped: the tree must hold a prebuilt
+  megatron/core/datasets/helpers_cpp*.so (benchmarks/megatron_lm_trees.sh copies the one
+  of the megatron-core wheel), which is imported instead.
+- Where there is no CUDA toolkit (pip's torch has none), core_v0.14-0.16's
+  `fused_kernels.load`, which builds nothing but asks nvcc for its version, is skipped.
+- At exit, each rank prints `MLM-PARITY-LAYERS {json}`: how many of our overlapped
+  layers were built (benchmarks/megatron_lm_parity.py checks each arm's count).
+
+TREE must come first on PYTHONPATH (the shim imports megatron before the entry point).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import runpy
+import sys
+from collections import Counter
+from typing import Any, Iterator
+
+BUILT: Counter = Counter()
+
+
+class _Done:
+    """The handle of ops that already completed."""
+
+    def wait(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _one_by_one(group: Any = None, device: Any = None, async_ops: bool = False) -> Iterator[_Done]:
+    """Stands in for torch.distributed._coalescing_manager: the collectives inside run
+    one by one, synchronously."""
+    if async_ops:
+        raise RuntimeError("megatron_lm_shared_gpu: asynchronous coalesced collectives "
+                           "(--overlap-grad-reduce / --overlap-param-gather) are not "
+                           "supported on the shared-GPU gloo layout")
+    yield _Done()
+
+
+def _prebuilt_helpers() -> None:
+    """Instead of Megatron's `make -C megatron/core/datasets`."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError as e:
+        raise SystemExit("megatron_lm_shared_gpu: no prebuilt megatron/core/datasets/helpers_cpp "
+                         f"for this Python in the tree ({e}); run benchmarks/megatron_lm_trees.sh") from e
+
+
+def _count_builds() -> None:
+    from megatron_overlap.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+
+    def counting(cls: type) -> Any:
+        init = cls.__dict__["__init__"]
+
+        def __init__(self, *args, **kwargs):
+            BUILT[cls.__name__] += 1
+            return init(self, *args, **kwargs)
+        return __init__
+
+    for cls in (OverlapColumnParallelLinear, OverlapRowParallelLinear):
+        cls.__init__ = counting(cls)
+    atexit.register(lambda: print("MLM-PARITY-LAYERS " + json.dumps(
+        {"rank": int(os.environ.get("RANK", 0)), **BUILT}), flush=True))
+
+
+def install_shims() -> None:
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.core.distributed import param_and_grad_buffer
+
+    param_and_grad_buffer._coalescing_manager = _one_by_one
+    dataset_utils.compile_helpers = _prebuilt_helpers
+    try:  # core_v0.14-0.16: load() builds no kernel, it only runs `$CUDA_HOME/bin/nvcc -V`
+        from megatron.legacy import fused_kernels
+        from torch.utils import cpp_extension
+    except ImportError:
+        fused_kernels = None
+    if fused_kernels is not None and cpp_extension.CUDA_HOME is None:
+        fused_kernels.load = lambda *args, **kwargs: None
+    _count_builds()
+
+
+if __name__ == "__main__":
+    install_shims()
+    sys.argv = ["megatron_overlap.megatron_lm", *sys.argv[1:]]
+    runpy.run_module("megatron_overlap.megatron_lm", run_name="__main__", alter_sys=True)

@@ -1,0 +1,255 @@
+"""Hooks that turn megatron_overlap on inside an unmodified Megatron-LM.
+
+They do, at the level of functions, what `patches/megatron-lm-core_v0.16.1.patch`
+does by editing two files:
+
+- `megatron.training.arguments.add_megatron_arguments` (which `parse_args` calls)
+  also adds `--tp-comm-overlap-impl {te,megatron_overlap}` (default te: Megatron-LM's
+  own Transformer Engine path) and `--tp-comm-overlap-backend`;
+- `validate_args` (wherever Megatron-LM's modules bound it) also requires
+  `--transformer-impl local` when `--tp-comm-overlap` runs on megatron_overlap;
+- `megatron.training.initialize._initialize_tp_communicators` (which
+  `initialize_megatron` calls for `--tp-comm-overlap`, before the model is built)
+  calls `megatron_overlap.install(ub_cfgs=..., backend=...)` instead of building
+  TE's Userbuffers.
+
+`--tp-comm-overlap-impl megatron_overlap` without `--tp-comm-overlap` installs the
+package with every overlap off: Megatron's own linears, and torch norms that accept
+`--sequence-parallel` on the local spec without apex.
+
+`install_hooks()` checks every target first (present, expected parameters, called
+where expected) and raises `UnsupportedMegatronLM`, naming the megatron-core
+version and what is missing, before anything is changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import inspect
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+IMPL = "megatron_overlap"
+IMPLS = ("te", IMPL)
+BACKENDS = ("auto", "torch_p2p", "symm", "nvshmem")
+ARGS_MODULE = "megatron.training.arguments"
+INIT_MODULE = "megatron.training.initialize"
+
+
+class UnsupportedMegatronLM(RuntimeError):
+    """This Megatron-LM lacks a function the hooks need, or has it in another shape."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A Megatron-LM function to wrap: `module.name(*params)`, looked up by its global
+    name from at least one of `callers` (module, function) that exist."""
+
+    module: str
+    name: str
+    params: tuple[str, ...]
+    callers: tuple[tuple[str, str], ...]
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.name}({', '.join(self.params)})"
+
+
+ADD_ARGUMENTS = Target(ARGS_MODULE, "add_megatron_arguments", ("parser",),
+                       ((ARGS_MODULE, "parse_args"),))
+VALIDATE = Target(ARGS_MODULE, "validate_args", ("args",),
+                  ((INIT_MODULE, "initialize_megatron"), (ARGS_MODULE, "parse_and_validate_args")))
+TP_INIT = Target(INIT_MODULE, "_initialize_tp_communicators", (),
+                 ((INIT_MODULE, "initialize_megatron"),))
+TARGETS = (ADD_ARGUMENTS, VALIDATE, TP_INIT)
+
+_originals: dict[Target, Callable[..., Any]] = {}
+_rebound: list[tuple[Any, str, Callable[..., Any]]] = []  # (module, attribute, original)
+_off_installed: list[bool] = []
+
+
+def megatron_core_version() -> str:
+    try:
+        from megatron.core.package_info import __version__
+    except Exception as e:  # noqa: BLE001 - any failure here is reported as such
+        return f"unknown ({type(e).__name__}: {e})"
+    return str(__version__)
+
+
+def _where() -> str:
+    core = sys.modules.get("megatron.core")  # megatron/ itself is a namespace package
+    path = os.path.dirname(os.path.dirname(os.path.dirname(core.__file__))) if core else "?"
+    return f"Megatron-LM with megatron-core {megatron_core_version()} (at {path})"
+
+
+def _import(name: str) -> Any:
+    """The module, or None where this Megatron-LM has no such module (other import
+    errors, such as a missing dependency, propagate as they are)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name and (name == e.name or name.startswith(e.name + ".")):
+            return None
+        raise
+
+
+def problems(target: Target) -> list[str]:
+    """What keeps `target` from being hooked in the Megatron-LM on sys.path (empty: fine)."""
+    module = _import(target.module)
+    if module is None:
+        return [f"module {target.module} is missing"]
+    fn = getattr(module, target.name, None)
+    if not inspect.isfunction(fn):
+        return [f"{target.module}.{target.name} is missing"]
+    required = [p.name for p in inspect.signature(fn).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    errors = []
+    if required != list(target.params):
+        errors.append(f"{target.module}.{target.name} takes ({', '.join(required)}), "
+                      f"expected ({', '.join(target.params)})")
+    callers = [getattr(_import(m), f, None) for m, f in target.callers]
+    if not any(inspect.isfunction(c) and target.name in c.__code__.co_names for c in callers):
+        names = " or ".join(f"{m}.{f}" for m, f in target.callers)
+        errors.append(f"{target.name} is not called from {names}")
+    return errors
+
+
+def check() -> None:
+    """Raise UnsupportedMegatronLM listing every target this Megatron-LM cannot serve."""
+    found = [p for t in TARGETS for p in problems(t)]
+    if found:
+        raise UnsupportedMegatronLM(
+            f"megatron_overlap.megatron_lm cannot serve {_where()}: "
+            + "; ".join(found)
+            + ". It needs " + ", ".join(t.qualname for t in TARGETS)
+            + " (Megatron-LM core_v0.14 to core_v0.19 and main have them). Nothing was changed; "
+            "use megatron_overlap.install() from your own script, or patches/.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Our two flags, beside Megatron-LM's --tp-comm-overlap (skipped when present,
+    e.g. in a tree patched with patches/)."""
+    have = parser._option_string_actions  # noqa: SLF001 - argparse has no public lookup
+    if "--tp-comm-overlap-impl" in have and "--tp-comm-overlap-backend" in have:
+        return parser
+    group = parser.add_argument_group("megatron_overlap", "tensor-parallel comm/GEMM overlap "
+                                      "of Megatron-core's own linears (--transformer-impl local)")
+    if "--tp-comm-overlap-impl" not in have:
+        group.add_argument("--tp-comm-overlap-impl", type=str, default="te", choices=IMPLS,
+                           help="Implementation of --tp-comm-overlap: te (Transformer Engine "
+                           "Userbuffers, TE layers) or megatron_overlap (Megatron-core's own "
+                           "layers: --transformer-impl local). megatron_overlap without "
+                           "--tp-comm-overlap: every overlap off, SP torch norms.")
+    if "--tp-comm-overlap-backend" not in have:
+        group.add_argument("--tp-comm-overlap-backend", type=str, default="auto",
+                           choices=BACKENDS,
+                           help="Transport for --tp-comm-overlap-impl megatron_overlap.")
+    return parser
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Our part of validate_args (Megatron-LM's own already requires
+    --sequence-parallel for --tp-comm-overlap)."""
+    if getattr(args, "tp_comm_overlap_impl", "te") != IMPL:
+        return
+    overlap = bool(getattr(args, "tp_comm_overlap", False))
+    if overlap and (getattr(args, "transformer_impl", "local") != "local"
+                    or getattr(args, "use_legacy_models", False)):
+        raise ValueError(
+            "--tp-comm-overlap-impl megatron_overlap overlaps Megatron-core's own TP linears: "
+            "use --transformer-impl local (TE layers need --tp-comm-overlap-impl te); got "
+            f"--transformer-impl {args.transformer_impl}"
+            + (" with --use-legacy-models" if getattr(args, "use_legacy_models", False) else ""))
+    if not overlap and not _off_installed:
+        _install(args, ub_cfgs=None, why="every overlap off (no --tp-comm-overlap)")
+        _off_installed.append(True)  # once, however often validate_args runs
+
+
+def initialize_tp_communicators() -> None:
+    """megatron_overlap.install() for --tp-comm-overlap-impl megatron_overlap, else
+    Megatron-LM's own _initialize_tp_communicators (Transformer Engine)."""
+    from megatron.training import get_args
+
+    args = get_args()
+    if not hasattr(args, "tp_comm_overlap_impl"):
+        raise UnsupportedMegatronLM(
+            f"{_where()}: the parsed arguments have no tp_comm_overlap_impl (did --yaml-cfg "
+            "replace them?); megatron_overlap.megatron_lm will not guess between "
+            "megatron_overlap and Transformer Engine")
+    if args.tp_comm_overlap_impl != IMPL:
+        _say(args, "--tp-comm-overlap-impl te: Transformer Engine Userbuffers (Megatron-LM's own)")
+        return _originals[TP_INIT]()
+    _install(args, ub_cfgs=args.tp_comm_overlap_cfg or None, why="--tp-comm-overlap")
+
+
+def _install(args: argparse.Namespace, ub_cfgs: str | None, why: str) -> None:
+    import megatron_overlap
+
+    _say(args, f"megatron_overlap.install(ub_cfgs={ub_cfgs!r}, "
+         f"backend={args.tp_comm_overlap_backend!r}): {why}")
+    megatron_overlap.install(ub_cfgs=ub_cfgs, backend=args.tp_comm_overlap_backend)
+
+
+def _say(args: argparse.Namespace, what: str) -> None:
+    if int(getattr(args, "rank", os.environ.get("RANK", 0)) or 0) == 0:
+        print(f"megatron_overlap.megatron_lm: {what} [{_where()}]", flush=True)
+
+
+def _wrap_add_arguments(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def add_megatron_arguments(parser, *a, **k):
+        return add_arguments(original(parser, *a, **k))
+    return add_megatron_arguments
+
+
+def _wrap_validate(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def validate_args(args, *a, **k):
+        out = original(args, *a, **k)
+        check_args(args)
+        return out
+    return validate_args
+
+
+def _wrap_tp_init(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _initialize_tp_communicators(*a, **k):
+        return initialize_tp_communicators()
+    return _initialize_tp_communicators
+
+
+_WRAPPERS = {ADD_ARGUMENTS: _wrap_add_arguments, VALIDATE: _wrap_validate, TP_INIT: _wrap_tp_init}
+
+
+def installed() -> bool:
+    return bool(_originals)
+
+
+def install_hooks() -> None:
+    """Check every target, then wrap each one in every loaded megatron module that
+    bound it by name (e.g. `from megatron.training.arguments import validate_args`)."""
+    if installed():
+        return
+    check()
+    for target in TARGETS:
+        original = getattr(sys.modules[target.module], target.name)
+        wrapped = _WRAPPERS[target](original)
+        _originals[target] = original
+        for module in [m for n, m in list(sys.modules.items())
+                       if m is not None and (n == "megatron" or n.startswith("megatron."))]:
+            if getattr(module, target.name, None) is original:
+                setattr(module, target.name, wrapped)
+                _rebound.append((module, target.name, original))
+
+
+def uninstall_hooks() -> None:
+    """Put back every function install_hooks() replaced."""
+    while _rebound:
+        module, name, original = _rebound.pop()
+        setattr(module, name, original)
+    _originals.clear()
+    _off_installed.clear()
