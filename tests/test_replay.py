@@ -110,3 +110,22 @@ def test_disabled_and_cpu_run_the_pass_eagerly():
         assert graphs.captures == graphs.replays == 0 and len(calls) == 6
     finally:
         replay.set_enabled(previous)
+
+
+def test_a_pass_that_cannot_be_captured_runs_eagerly_from_then_on(caplog):
+    class _Refuses(_Recorded):
+        attempts = 0
+
+        def _capture(self, tp, body):
+            type(self).attempts += 1
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    tp, x, out, calls = NullTransport(2), torch.ones(2, 3), torch.empty(4, 3), []
+    graphs = _Refuses("qkv fprop")
+    with caplog.at_level("WARNING", logger="megatron_overlap"):
+        for _ in range(5):
+            graphs.run(tp, _pass(tp, x, out, calls), (x, out))
+    assert len(calls) == 5 and graphs.replays == 0  # every call ran, eagerly
+    assert _Refuses.attempts == 1  # one failed capture, never tried again
+    assert "not permitted" in graphs.failed
+    assert "qkv fprop: the pass could not be captured" in caplog.text

@@ -30,6 +30,7 @@ can take longer than its GEMMs run. A replay issues it in one launch.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
@@ -41,6 +42,7 @@ from ..comm.transport import Transport
 
 _pools: dict[int, tuple] = {}  # device index -> (scratch pool, capture stream, keeper graph, its tensor)
 _enabled: Optional[bool] = None  # install(graphs=...) sets it; None: the environment's default
+log = logging.getLogger("megatron_overlap")
 
 
 def enabled() -> bool:
@@ -96,12 +98,13 @@ class PassGraphs:
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: OrderedDict[tuple, int] = OrderedDict()
         self.replays = self.captures = 0
+        self.failed: str | None = None  # why a capture failed: the pass then runs eagerly
 
     def run(self, tp: Transport, body: Callable[[], None],
             tensors: Sequence[Optional[torch.Tensor]]) -> None:
         """Run `body` (the whole pass: every tensor it reads or writes is in `tensors`)
         eagerly, or as a replay of its graph."""
-        if not self._usable(tp, tensors):
+        if self.failed is not None or not self._usable(tp, tensors):
             body()
             return
         key = _signature(tp, tensors)
@@ -114,7 +117,15 @@ class PassGraphs:
                     self._seen.popitem(last=False)
                 body()
                 return
-            entry = self._capture(tp, body)
+            try:
+                entry = self._capture(tp, body)
+            except Exception as exc:  # never fail a training step for want of a graph
+                self.failed = f"{type(exc).__name__}: {exc}"
+                log.warning("megatron_overlap: %s: the pass could not be captured in a CUDA "
+                            "graph (%s); it runs eagerly from now on", self.name, self.failed)
+                tp.check()  # a transport failure is the caller's error, not a capture's
+                body()
+                return
             self._graphs[key] = entry
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
