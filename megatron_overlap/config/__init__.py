@@ -10,11 +10,14 @@ this package ignores. Knows nothing of torch.
 """
 
 from .errors import ConfigError, UnknownLayerError
-from .names import BACKENDS, EXTENSION_KEYS, KEYS, LAYER_NAMES, METHODS, RING_ORDERS
+from .backends import BACKENDS, CHOICES, COMPOSITE, INTER_BACKENDS, REGISTRY, Backend
+from .names import BUFFER_NAMES, COLUMN_BUFFERS, PASSES, ROW_BUFFERS, EXTENSION_KEYS, KEYS, LAYER_NAMES, METHODS, RING_ORDERS
 from .overlap import OverlapConfig
 from .settings import LayerSettings
 
 __all__ = [
+    "BUFFER_NAMES", "COLUMN_BUFFERS", "ROW_BUFFERS", "PASSES",
+    "REGISTRY", "Backend", "COMPOSITE", "INTER_BACKENDS", "CHOICES",
     "LAYER_NAMES", "METHODS", "BACKENDS", "KEYS", "EXTENSION_KEYS", "RING_ORDERS",
     "ConfigError", "UnknownLayerError", "LayerSettings", "OverlapConfig",
 ]

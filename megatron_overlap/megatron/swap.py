@@ -18,7 +18,8 @@ from typing import Any
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-COLUMN_BUFFERS, ROW_BUFFERS = ("qkv", "fc1"), ("proj", "fc2")
+from ..config import COLUMN_BUFFERS, ROW_BUFFERS
+
 _SLOTS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
 
 
