@@ -250,7 +250,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     shapes = [scaled(s, world, args.scale, args.kn_scale) for s in parse_shapes(args.shapes)]
     lead = rank == 0
     results = []
-    from rich.progress import track
+    from megatron_overlap.extras import require
+
+    track = require("rich.progress", "benchmarks/layer_overlap.py").track
 
     meta = machine_info(layout, device) if lead else {}
     meta.update(backends=backends, skipped_backends=skipped_backends,

@@ -137,13 +137,15 @@ def summarize(arms: dict, worst: dict[str, list[float]], per_rank: list[dict], w
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     from megatron.core import parallel_state
-    from rich.progress import track
 
     from megatron_overlap.ab import backends as backend_sel
     from megatron_overlap.ab.launch import barrier, plan_layout
     from megatron_overlap.ab.machine import machine_info
     from megatron_overlap.ab.model import GPTSpec, batches, init_megatron
     from megatron_overlap.ab.timing import gather_max, rotated
+    from megatron_overlap.extras import require
+
+    track = require("rich.progress", "benchmarks/step_ab.py").track
 
     layout = plan_layout(world, args.device)
     device = init_megatron(layout, rank, world, args.seed, _cpu_init)
