@@ -128,3 +128,30 @@ print(json.dumps(out))
     assert got["offline"].endswith("pip install 'megatron-overlap[wandb]'")
     assert got["report"].endswith("pip install 'megatron-overlap[ab]'")
     assert (tmp_path / "t.yaml").exists()
+
+
+# What each package of the runtime may import (its __init__ docstring says the same):
+# each layer only the ones above it; only `layers` and `megatron` touch megatron-core.
+LAYERS = {
+    "config": (set(), False, False),
+    "comm": ({"config"}, True, False),
+    "overlap": ({"config", "comm"}, True, False),
+    "layers": ({"config", "comm", "overlap"}, True, True),
+    "megatron": ({"config", "comm", "overlap", "layers"}, True, True),
+}
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_each_runtime_package_imports_only_the_layers_above_it(package):
+    code = f"""
+import json
+import megatron_overlap.{package}
+ours = {{m.split(".")[1] for m in sys.modules
+        if m.startswith("megatron_overlap.") and m.split(".")[1] != {package!r}}}
+print(json.dumps({{"ours": sorted(ours), "torch": "torch" in sys.modules,
+                  "megatron": "megatron.core" in sys.modules}}))
+"""
+    got = _loaded(_run(code))
+    allowed, torch_ok, megatron_ok = LAYERS[package]
+    assert set(got["ours"]) <= allowed, got["ours"]
+    assert got["torch"] <= torch_ok and got["megatron"] <= megatron_ok, got

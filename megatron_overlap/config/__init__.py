@@ -1,8 +1,12 @@
 """Per-GEMM overlap settings in Transformer Engine's ``ub_cfgs`` format.
 
-Loads TE/NeMo/Megatron userbuffers YAML (or a dict, or nothing for TE's
-defaults), validates it with TE's rules, and reports which keys a backend of
-this package ignores. Knows nothing of torch.
+Owns: the vocabulary (`names`: layer, buffer and pass names, keys, TE's
+defaults), the backend registry (`backends`), loading TE/NeMo/Megatron
+userbuffers YAML (or a dict, or nothing for TE's defaults) with TE's validation
+rules, which keys a backend ignores (`effects`), the settings `install()` put in
+force (`state`), and the one console-table renderer (`console`, `table`).
+Must not import torch, megatron-core, any other megatron_overlap package, or a
+tool's extra (wandb, rich, matplotlib).
 
     cfg = OverlapConfig.load("ub_cfg.yaml")
     cfg["proj_fprop"].splits(tp_size=8)

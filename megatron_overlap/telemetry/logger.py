@@ -11,7 +11,7 @@ import torch
 from .. import comm
 from ..comm import stats
 from ..extras import require
-from ..megatron import state
+from ..config import state
 from .rows import layer_settings
 from .table import settings_table
 
