@@ -99,11 +99,11 @@ else:
 def test_tools_missing_an_extra_name_it(tmp_path):
     """The tuner's wandb log, its progress bar, offline-run reading and the A/B report:
     each names its extra; the tuner without them (--wandb off --no-progress) still runs."""
-    code = f"""
+    code = """
 import json
 from megatron_overlap.cli import main
 from megatron_overlap.extras import MissingExtra
-out = {{}}
+out = {}
 args = ["tune", "--model", "8b", "--tp", "2", "--measure", "model", "--yaml", "t.yaml"]
 out["wandb"] = main(args + ["--no-progress"])
 out["progress"] = main(args + ["--wandb", "off"])
@@ -111,7 +111,7 @@ out["plain"] = main(args + ["--wandb", "off", "--no-progress"])
 from megatron_overlap.ab import write_report
 from megatron_overlap.telemetry.offline import iter_records
 for name, call in (("offline", lambda: list(iter_records("x.wandb"))),
-                   ("report", lambda: write_report({{"a": []}}, ".", title="t", baseline="a"))):
+                   ("report", lambda: write_report({"a": []}, ".", title="t", baseline="a"))):
     try:
         call()
         out[name] = "no error"

@@ -13,9 +13,10 @@ tool's extra (wandb, rich, matplotlib).
     print(cfg.table("torch_p2p", tp_size=8))
 """
 
-from .errors import ConfigError, UnknownLayerError
 from .backends import BACKENDS, CHOICES, COMPOSITE, INTER_BACKENDS, REGISTRY, Backend
-from .names import BUFFER_NAMES, COLUMN_BUFFERS, PASSES, ROW_BUFFERS, EXTENSION_KEYS, KEYS, LAYER_NAMES, METHODS, RING_ORDERS
+from .errors import ConfigError, UnknownLayerError
+from .names import (BUFFER_NAMES, COLUMN_BUFFERS, EXTENSION_KEYS, KEYS, LAYER_NAMES, METHODS,
+                    PASSES, RING_ORDERS, ROW_BUFFERS)
 from .overlap import OverlapConfig
 from .settings import LayerSettings
 
