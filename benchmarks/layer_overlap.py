@@ -194,18 +194,16 @@ def bench_shape(shape: Shape, args: argparse.Namespace, dtype: torch.dtype, devi
 
 def _table(results: list[dict], meta: dict) -> None:
     """One compact table: a section per shape, a row per arm; skip reasons below it."""
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
+    from megatron_overlap.config.console import Column, lines, table
 
-    console = Console(width=140)
-    console.print(f"[bold]layer_overlap[/]: {meta['gpu_name'] or meta['cpu']}, {meta['ranks']} ranks, "
-                  f"{meta['dist_backend']}, torch {meta['torch']}, {results[0]['dtype']}, {meta['date']}")
+    head = [f"layer_overlap: {meta['gpu_name'] or meta['cpu']}, {meta['ranks']} ranks, "
+            f"{meta['dist_backend']}, torch {meta['torch']}, {results[0]['dtype']}, {meta['date']}"]
     if meta["functional_only"]:
-        console.print(f"[bold red]{meta['note']}[/]")
-    t = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("shape (M K N)", "arm", "ms", "IQR ms", "vs base", "hidden", "vs torch", "check"):
-        t.add_column(col, justify="left" if col in ("shape (M K N)", "arm", "check") else "right")
+        head.append(meta["note"])
+    columns = [Column(c, right=c not in ("shape (M K N)", "arm", "check"))
+               for c in ("shape (M K N)", "arm", "ms", "IQR ms", "vs base", "hidden", "vs torch",
+                         "check")]
+    cells, rules = [], set()
     notes: dict[str, set[str]] = {}
     for res in results:
         s = res["shape"]
@@ -216,20 +214,20 @@ def _table(results: list[dict], meta: dict) -> None:
             fmt = lambda k, f="{:.2f}": f.format(r[k]) if r.get(k) is not None else "-"  # noqa: E731
             check = "-" if not ck else f"{'ok' if ck['passed'] else 'FAIL'} {ck['max_rel_err']:.0e}"
             if r.get("error"):
-                check = f"[red]{r['error'][:48]}[/]"
-            t.add_row(label if i == 0 else "", name, f"{ts['median'] * 1e3:.3f}" if ts else "-",
-                      f"{ts['q1'] * 1e3:.3f}-{ts['q3'] * 1e3:.3f}" if ts else "-",
-                      fmt("speedup_vs_baseline", "{:.2f}x"), fmt("hidden_fraction"),
-                      fmt("speedup_vs_torch_async_tp", "{:.2f}x"), check, end_section=i == len(rows) - 1)
+                check = r["error"][:48]
+            cells.append((label if i == 0 else "", name, f"{ts['median'] * 1e3:.3f}" if ts else "-",
+                          f"{ts['q1'] * 1e3:.3f}-{ts['q3'] * 1e3:.3f}" if ts else "-",
+                          fmt("speedup_vs_baseline", "{:.2f}x"), fmt("hidden_fraction"),
+                          fmt("speedup_vs_torch_async_tp", "{:.2f}x"), check))
+        rules.add(len(cells) - 1)
         for k, why in res["skipped"].items():
             notes.setdefault(f"{k}: {why}", set()).add(s["name"])
-    console.print(t)
-    for note, where in notes.items():
-        console.print(f"[dim]skipped {note} ({len(where)} shape(s))[/]")
-    for b, why in meta["skipped_backends"].items():
-        console.print(f"[dim]backend {b} left out: {why}[/]")
-    console.print("vs base / vs torch: the other arm's median time over this arm's (> 1: faster); "
-                  "hidden: (baseline - arm) / (baseline - its compute-only floor)")
+    below = [f"skipped {note} ({len(where)} shape(s))" for note, where in notes.items()]
+    below += [f"backend {b} left out: {why}" for b, why in meta["skipped_backends"].items()]
+    below.append("vs base / vs torch: the other arm's median time over this arm's (> 1: faster); "
+                 "hidden: (baseline - arm) / (baseline - its compute-only floor)")
+    print(lines(*head[1:]) + table(head[0], columns, cells, rules_after=rules, width=140)
+          + lines(*below), end="")
 
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
@@ -250,7 +248,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     shapes = [scaled(s, world, args.scale, args.kn_scale) for s in parse_shapes(args.shapes)]
     lead = rank == 0
     results = []
-    from rich.progress import track
+    from megatron_overlap.extras import require
+
+    track = require("rich.progress", "benchmarks/layer_overlap.py").track
 
     meta = machine_info(layout, device) if lead else {}
     meta.update(backends=backends, skipped_backends=skipped_backends,

@@ -137,13 +137,15 @@ def summarize(arms: dict, worst: dict[str, list[float]], per_rank: list[dict], w
 
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     from megatron.core import parallel_state
-    from rich.progress import track
 
     from megatron_overlap.ab import backends as backend_sel
     from megatron_overlap.ab.launch import barrier, plan_layout
     from megatron_overlap.ab.machine import machine_info
     from megatron_overlap.ab.model import GPTSpec, batches, init_megatron
     from megatron_overlap.ab.timing import gather_max, rotated
+    from megatron_overlap.extras import require
+
+    track = require("rich.progress", "benchmarks/step_ab.py").track
 
     layout = plan_layout(world, args.device)
     device = init_megatron(layout, rank, world, args.seed, _cpu_init)
@@ -182,32 +184,29 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
 
 def _table(doc: dict) -> None:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
+    from megatron_overlap.config.console import Column, lines, table
 
     m = doc["meta"]
-    console = Console(width=150)
-    if m["functional_only"]:
-        console.print(f"[bold red]{m['note']}[/]")
     s = doc["model"]
-    t = Table(title=f"step_ab: GPT {s['layers']}L h{s['hidden']} heads{s['heads']} seq{s['seq']} "
-                    f"mb{s['micro_batch']} {doc['dtype']}, TP={m['ranks']}, {m['gpu_name'] or 'CPU'}, "
-                    f"torch {m['torch']}, {m['date']}", title_justify="left", box=box.SIMPLE_HEAD)
-    for col in ("arm", "median step ms", "IQR ms", "vs megatron", "hidden", "final loss",
-                "max |loss diff|", "parity"):
-        t.add_column(col, justify="left" if col in ("arm", "parity") else "right")
+    title = (f"step_ab: GPT {s['layers']}L h{s['hidden']} heads{s['heads']} seq{s['seq']} "
+             f"mb{s['micro_batch']} {doc['dtype']}, TP={m['ranks']}, {m['gpu_name'] or 'CPU'}, "
+             f"torch {m['torch']}, {m['date']}")
+    columns = [Column(c, right=c not in ("arm", "parity"))
+               for c in ("arm", "median step ms", "IQR ms", "vs megatron", "hidden", "final loss",
+                         "max |loss diff|", "parity")]
+    rows = []
     for n, a in doc["arms"].items():
         st, p = a["step_time_s"], a["parity"]
-        t.add_row(n, f"{st['median'] * 1e3:.2f}", f"{st['q1'] * 1e3:.2f}-{st['q3'] * 1e3:.2f}",
-                  f"{a['speedup_vs_megatron']:.3f}x" if "speedup_vs_megatron" in a else "-",
-                  f"{a['hidden_fraction']:.2f}" if a.get("hidden_fraction") is not None else "-",
-                  f"{a['losses'][-1]:.6f}", f"{p['max_abs_diff']:.2e}" if p else "-",
-                  ("ok" if p["passed"] else "FAIL") + f" (rel {p['max_rel_diff']:.1e} <= {p['tol_rel']:g})"
-                  if p else ("reference" if a["kind"] == "megatron" else "n/a (compute-only)"))
-    console.print(t)
-    for b, why in doc["meta"]["skipped_backends"].items():
-        console.print(f"[dim]skipped {b}: {why}[/]")
+        rows.append((n, f"{st['median'] * 1e3:.2f}", f"{st['q1'] * 1e3:.2f}-{st['q3'] * 1e3:.2f}",
+                     f"{a['speedup_vs_megatron']:.3f}x" if "speedup_vs_megatron" in a else "-",
+                     f"{a['hidden_fraction']:.2f}" if a.get("hidden_fraction") is not None else "-",
+                     f"{a['losses'][-1]:.6f}", f"{p['max_abs_diff']:.2e}" if p else "-",
+                     ("ok" if p["passed"] else "FAIL") + f" (rel {p['max_rel_diff']:.1e} <= {p['tol_rel']:g})"
+                     if p else ("reference" if a["kind"] == "megatron" else "n/a (compute-only)")))
+    if m["functional_only"]:
+        print(m["note"])
+    print(table(title, columns, rows, width=150)
+          + lines(*(f"skipped {b}: {why}" for b, why in m["skipped_backends"].items())), end="")
 
 
 def _write(doc: dict, args, layout) -> None:

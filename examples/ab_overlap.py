@@ -22,6 +22,7 @@ import time
 import torch
 
 from megatron_overlap.ab.launch import launch, plan_layout
+from megatron_overlap.extras import require
 from megatron_overlap.ab.model import GPTSpec, batches, build_gpt, gpt_loss, init_megatron
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -102,7 +103,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     lead = rank == 0
     runs = {}
     if lead:
-        import wandb
+        wandb = require("wandb", "the A/B demo")
 
         group = f"ab-{time.strftime('%Y%m%d-%H%M%S')}"
         for name in arms:
@@ -112,7 +113,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                                              **{k: v for k, v in vars(args).items() if k != "tp"}})
     telemetry = OverlapTelemetry(runs.get("B_overlap"), console=lead)
 
-    from rich.progress import track
+    track = require("rich.progress", "the A/B demo").track
 
     steps = list(batches(_spec(args), args.steps, args.seed, device))
     it = track(range(args.steps), description="A/B steps") if lead else range(args.steps)

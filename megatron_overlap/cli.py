@@ -11,6 +11,8 @@ import shlex
 import sys
 from typing import Sequence
 
+from .config.backends import BACKENDS
+
 
 def _common(p: argparse.ArgumentParser) -> None:
     """Layout and hardware flags both tools share."""
@@ -19,7 +21,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="GPUs per node; a TP group larger than this spans nodes (default 8)")
     p.add_argument("--mode", choices=("graph", "eager"), default="graph",
                    help="launch mode to model: CUDA-graph replay or eager Python (default graph)")
-    p.add_argument("--backend", choices=("symm", "nvshmem", "torch_p2p"), default="symm",
+    p.add_argument("--backend", choices=BACKENDS, default="symm",
                    help="intra-node transport to model (default symm); inter-node goes over IB")
     p.add_argument("--calibration", metavar="FILE",
                    help="GEMM times measured by benchmarks/compute_side.py --out (default: roofline)")
@@ -117,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = "megatron-overlap " + shlex.join(argv)
     try:
         return args.func(args, command)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, ImportError) as e:  # ImportError: extras.MissingExtra
         print(f"megatron-overlap {args.command}: error: {e}", file=sys.stderr)
         return 2
 

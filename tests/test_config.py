@@ -537,3 +537,61 @@ def test_gemm_streams_is_our_key_written_only_off_its_default(defaults):
     for bad in (-1, 9, 1.5, "two"):
         with pytest.raises(ConfigError, match=r"fc1_fprop.*gemm_streams.*0\.\.8"):
             OverlapConfig.load({"fc1_fprop": {"gemm_streams": bad}})
+
+
+# --------------------------------------------------------------------------- registries
+def test_backend_registry_is_the_one_list_of_backends():
+    import importlib.util
+
+    from megatron_overlap import comm
+    from megatron_overlap.ab.backends import ORDER
+    from megatron_overlap.config import COMPOSITE, INTER_BACKENDS, REGISTRY
+    from megatron_overlap.config.effects import CAPS
+
+    assert tuple(REGISTRY) == BACKENDS == comm.AVAILABLE == tuple(CAPS)
+    assert INTER_BACKENDS == comm.INTER_BACKENDS == ("torch_p2p", "nvshmem")
+    assert COMPOSITE == comm.COMPOSITE == ("hierarchical",)
+    assert sorted(ORDER) == sorted(BACKENDS) and ORDER[-1] == "torch_p2p"  # GPU-only ones first
+    for name in BACKENDS + COMPOSITE:  # one comm module per backend
+        assert importlib.util.find_spec(f"megatron_overlap.comm.{name}") is not None, name
+        assert comm.resolve_backend(name) == name
+    with pytest.raises(ValueError, match="choose 'auto' or one of"):
+        comm.resolve_backend("nccl")
+
+
+def test_buffer_names_live_once():
+    from megatron_overlap.config import BUFFER_NAMES, COLUMN_BUFFERS, PASSES, ROW_BUFFERS
+    from megatron_overlap.layers import plan
+    from megatron_overlap.simulate import shapes
+
+    assert sorted(COLUMN_BUFFERS + ROW_BUFFERS) == sorted(BUFFER_NAMES)
+    assert LAYER_NAMES == tuple(f"{b}_{p}" for b in BUFFER_NAMES for p in PASSES)
+    assert plan.BUFFER_NAMES is BUFFER_NAMES and shapes.BUFFERS is BUFFER_NAMES
+
+
+def test_reference_shapes_live_once():
+    from megatron_overlap.ab import shapes as ab
+    from megatron_overlap.simulate import REFERENCE
+
+    assert [(s.name, s.m, s.k, s.n, s.tp) for s in ab.REFERENCE] == \
+        [(s.name, s.m, s.k, s.n, s.tp) for s in REFERENCE.values()]
+    assert [s.op for s in ab.REFERENCE] == ["ag" if s.column else "rs" for s in REFERENCE.values()]
+    assert ab.BY_NAME["70B_tp8_fc1_2048"] == ab.Shape("70B_tp8_fc1_2048", 2048, 8192, 7168, "ag", 8)
+
+
+def test_console_table_wraps_to_its_width():
+    from megatron_overlap.config.console import Column, lines, table
+
+    cols = [Column("name"), Column("ms", right=True), Column("notes", wrap=True, min_width=10)]
+    rows = [("a", "1.5", "word " * 30), ("bb", "12.25", "short")]
+    text = table("title", cols, rows, rules_after={0}, width=60)
+    out = text.splitlines()
+    assert out[0] == "title" and out[1] == "" and out[2].split() == ["name", "ms", "notes"]
+    assert max(map(len, out)) <= 60 and all(line == line.rstrip() for line in out)
+    assert out[4].startswith(" a       1.5  word word")  # right-justified numbers
+    notes_at = out[2].index("notes")
+    wrapped = [line for line in out[4:] if line[:notes_at].strip() == ""]
+    assert " ".join(w.strip() for w in [out[4][notes_at:]] + wrapped).split() == ["word"] * 30
+    assert sum(1 for line in out if set(line.strip()) == {"─"}) == 2  # header rule + one section
+    assert out[-1].split() == ["bb", "12.25", "short"]
+    assert lines("x", "y") == "x\ny\n"

@@ -97,4 +97,4 @@ def test_install_takes_every_environment_knob_and_uninstall_restores_them(monkey
         with pytest.raises(ValueError, match=match):
             mo.install(**kw)
         assert (replay.enabled(), streams.default_gemm_streams(), comm.inter_backend()) == before
-        assert not mo.megatron.state.installed()
+        assert not mo.config.state.installed()

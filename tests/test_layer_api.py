@@ -173,7 +173,7 @@ def test_constructor_accepts_every_megatron_keyword():
 
 def test_install_uninstall_restore_previous_state():
     import megatron_overlap as mo
-    from megatron_overlap.megatron import state
+    from megatron_overlap.config import state
 
     assert not state.installed()
     first = mo.install({"proj_fprop": {"num_splits": 2}})
@@ -195,5 +195,5 @@ def test_install_rejects_unknown_backend_and_layer():
         mo.install(backend="nccl2")
     with pytest.raises(ConfigError, match="qkv_fprp"):
         mo.install({"qkv_fprp": {"method": "ring_exchange"}})
-    from megatron_overlap.megatron import state
+    from megatron_overlap.config import state
     assert not state.installed()

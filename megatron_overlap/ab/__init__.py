@@ -6,6 +6,9 @@ compute-only floor, run side by side, with loss / output parity and medians.
 - `launch`, `machine`: ranks on any machine (GPUs, a shared GPU, CPU) and what ran.
 - `model`: the GPT of the end-to-end runs; `shapes`, `layer_arms`, `async_tp`, `floor`:
   the per-layer benchmark's arms; `timing`, `results`, `plots`: measuring and writing.
+
+A tool: imports the runtime and `simulate` (the shapes); matplotlib, rich and wandb
+only through `extras.require` ([ab]).
 """
 
 from .report import write_report

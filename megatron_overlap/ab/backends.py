@@ -1,17 +1,26 @@
 """Which overlap backends a benchmark runs on this machine, and why the others not.
 
-`auto` means every backend that can work on the layout: one rank per GPU: symm,
-torch_p2p (NCCL), and nvshmem once its module is in the build
-(`megatron_overlap.comm.AVAILABLE`); ranks sharing a GPU: symm only (NCCL and
-NVSHMEM refuse several processes per GPU); CPU: torch_p2p (gloo).
+`auto` means every backend of the registry (`config.backends`) that can work on the
+layout, the GPU-only transports first: one rank per GPU: symm, nvshmem, torch_p2p
+(NCCL); ranks sharing a GPU: those without a `shared_gpu` refusal (symm); CPU: those
+without `needs_cuda` (torch_p2p over gloo).
 """
 
 from __future__ import annotations
 
 from .. import comm
+from ..config.backends import BACKENDS, COMPOSITE, REGISTRY
 from .launch import Layout
 
-ORDER = ("symm", "nvshmem", "torch_p2p")
+ORDER = tuple(sorted(BACKENDS, key=lambda b: not REGISTRY[b].needs_cuda))
+
+
+def _why_not(backend: str, layout: Layout) -> str:
+    """Why `backend` cannot run on `layout` ("" when it can)."""
+    b = REGISTRY[backend]
+    if layout.mode == "cpu" and b.needs_cuda:
+        return b.needs_cuda
+    return b.shared_gpu if layout.mode == "shared_gpu" else ""
 
 
 def select(spec: str, layout: Layout, emulated_nodes: bool = False
@@ -22,31 +31,18 @@ def select(spec: str, layout: Layout, emulated_nodes: bool = False
     cross the emulated node boundary over NVLink."""
     skipped: dict[str, str] = {}
     if spec == "auto" and emulated_nodes:
-        for b in ("symm", "nvshmem"):
-            skipped[b] = "emulated nodes: a flat ring over one symmetric heap would cross them"
-        return ["hierarchical", "torch_p2p"], skipped
-    if spec == "auto":
-        wanted = {"gpus": list(ORDER), "shared_gpu": ["symm"], "cpu": ["torch_p2p"]}[layout.mode]
-        if layout.mode == "shared_gpu":
-            skipped["torch_p2p"] = "ranks share a GPU: NCCL refuses it (gloo has no CUDA send/recv)"
-            skipped["nvshmem"] = "ranks share a GPU: NVSHMEM refuses several processes per GPU"
-        if layout.mode == "cpu":
-            skipped["symm"] = "needs CUDA tensors"
-    else:
-        wanted = [b.strip() for b in spec.split(",") if b.strip()]
+        heaps = [b for b in ORDER if REGISTRY[b].needs_cuda]
+        skipped = {b: "emulated nodes: a flat ring over one symmetric heap would cross them"
+                   for b in heaps}
+        return list(COMPOSITE) + [b for b in ORDER if b not in heaps], skipped
+    wanted = list(ORDER) if spec == "auto" else [b.strip() for b in spec.split(",") if b.strip()]
     out = []
-    composite = tuple(getattr(comm, "COMPOSITE", ()))  # per-peer transports (hierarchical)
     for b in wanted:
-        if b not in comm.AVAILABLE + composite and b not in ORDER:
-            raise SystemExit(f"unknown backend {b!r}: auto or a comma list of {ORDER + composite}")
-        if b in composite:
-            out.append(b)
-        elif b not in comm.AVAILABLE:
-            skipped[b] = f"not in this build (megatron_overlap.comm.AVAILABLE = {comm.AVAILABLE})"
-        elif b in ("symm", "nvshmem") and layout.mode == "cpu":
-            skipped[b] = "needs CUDA tensors"
-        elif b == "nvshmem" and layout.mode == "shared_gpu":
-            skipped[b] = "ranks share a GPU: NVSHMEM refuses several processes per GPU"
+        if b not in BACKENDS + COMPOSITE:
+            raise SystemExit(f"unknown backend {b!r}: auto or a comma list of {ORDER + COMPOSITE}")
+        why = "" if b in COMPOSITE else _why_not(b, layout)
+        if why:
+            skipped[b] = why
         else:
             out.append(b)
     return out, skipped

@@ -6,8 +6,9 @@ from typing import Mapping, Sequence
 
 
 def _plt():
-    import matplotlib
+    from ..extras import require
 
+    matplotlib = require("matplotlib", "benchmark plots")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -21,8 +21,9 @@ def write_report(arms: Mapping[str, Sequence[StepResult]], out_dir: str, *, titl
     """Write report.md and report.png under out_dir; return their paths. Step
     times are medians over the steps after `warmup`; the speedup is baseline
     median over each arm's median, from steps run side by side."""
-    import matplotlib
+    from ..extras import require
 
+    matplotlib = require("matplotlib", "the A/B report's plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

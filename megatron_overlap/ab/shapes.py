@@ -1,4 +1,5 @@
-"""DESIGN.md's reference layer shapes, and shrinking them for small machines.
+"""The benchmarks' layer shapes (DESIGN.md's reference shapes and short-sequence
+ones, both derived from `simulate.shapes`), and shrinking them for small machines.
 
 M is the token count (sequence x micro-batch, gathered over the TP group), K and
 N the per-rank GEMM sizes: AG->GEMM multiplies the gathered [M, K] input by this
@@ -9,6 +10,8 @@ weight and reduce-scatters the [M, N] partial sums over rows.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from ..simulate import shapes as sim
 
 
 @dataclass(frozen=True)
@@ -26,24 +29,19 @@ class Shape:
         return 2 * self.m * self.k * self.n
 
 
-REFERENCE: tuple[Shape, ...] = (
-    Shape("70B_tp8_qkv", 8192, 8192, 1280, "ag", 8),
-    Shape("70B_tp8_fc1", 8192, 8192, 7168, "ag", 8),
-    Shape("70B_tp8_proj", 8192, 1024, 8192, "rs", 8),
-    Shape("70B_tp8_fc2", 8192, 3584, 8192, "rs", 8),
-    Shape("8B_tp4_fc1", 8192, 4096, 7168, "ag", 4),
-    Shape("8B_tp4_fc2", 8192, 3584, 4096, "rs", 4),
-    Shape("8B_tp2_qkv", 4096, 4096, 3072, "ag", 2),
-)
-# Short sequences, where the host's share is largest: 70B (hidden 8192, ffn 28672,
-# 64 heads, 8 KV groups, SwiGLU) and 8B (4096, 14336, 32 heads, 8 KV groups) at TP=8.
+def _of(s: "sim.Shape", name: str | None = None) -> Shape:
+    return Shape(name or s.name, s.m, s.k, s.n, "ag" if s.column else "rs", s.tp)
+
+
+# DESIGN.md's reference shapes, kept once in simulate.shapes.
+REFERENCE: tuple[Shape, ...] = tuple(_of(s) for s in sim.REFERENCE.values())
+# Short sequences, where the host's share is largest: the 70B and 8B presets at TP=8.
+_ORDER = ("qkv", "fc1", "proj", "fc2")
 SHORT: tuple[Shape, ...] = tuple(
-    Shape(f"{model}_tp8_{layer}_{m}", m, k, n, op, 8)
-    for model, m, dims in (("70B", 2048, (8192, 1280, 7168, 1024, 3584, 8192)),
-                           ("70B", 4096, (8192, 1280, 7168, 1024, 3584, 8192)),
-                           ("8B", 4096, (4096, 768, 3584, 512, 1792, 4096)))
-    for layer, k, n, op in (("qkv", dims[0], dims[1], "ag"), ("fc1", dims[0], dims[2], "ag"),
-                            ("proj", dims[3], dims[5], "rs"), ("fc2", dims[4], dims[5], "rs")))
+    _of(s, f"{s.model}_tp8_{s.buffer}_{seq}")
+    for model, seq in (("70b", 2048), ("70b", 4096), ("8b", 4096))
+    for s in sorted(replace(sim.PRESETS[model], seq_length=seq, micro_batch=1)
+                    .shapes(model.upper(), 8), key=lambda s: _ORDER.index(s.buffer)))
 BY_NAME = {s.name: s for s in REFERENCE + SHORT}
 
 

@@ -1,4 +1,12 @@
-"""Transports: how chunks move between the ranks of a TP group."""
+"""Transports: how chunks move between the ranks of a TP group.
+
+Owns the transport contract (`Transport`, `Handle`, `CommError`), one module per
+backend (`torch_p2p`, `symm`, `nvshmem` on `heap`, `hierarchical` per peer, `null`
+for compute only), the topology, the watchdog, traces and counters, and the cache of
+one transport per (TP group, backend). The backend names come from
+`config.backends`. Must not import GEMMs, autograd, Megatron (megatron.core,
+megatron_overlap.megatron), the schedules (`overlap`), `layers` or any tool.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from ..config.backends import AUTO, BACKENDS, COMPOSITE, INTER_BACKENDS, REGISTRY
 from . import topology as _topology
 from .hierarchical import PerPeerTransport
 from .null import NullTransport
@@ -15,16 +24,12 @@ from .topology import Topology, topology
 from .torch_p2p import TorchP2PTransport
 from .transport import CommError, Handle, Transport
 
-AVAILABLE = ("torch_p2p", "symm", "nvshmem")  # nvshmem needs nvshmem4py at run time
-# Per-peer transports: a TP group spanning nodes / P2P domains. `auto` picks it there.
-COMPOSITE = ("hierarchical",)
-PLANNED: tuple[str, ...] = ()
+AVAILABLE = BACKENDS  # nvshmem needs nvshmem4py at run time
 _cache: dict[tuple[dist.ProcessGroup, str], Transport] = {}
 log = logging.getLogger("megatron_overlap")
 
 
 _inter: str | None = None  # install(inter_backend=...)
-INTER_BACKENDS = ("torch_p2p", "nvshmem")
 
 
 def inter_backend() -> str:
@@ -45,14 +50,6 @@ def set_inter_backend(name: str | None) -> str | None:
     return previous
 
 
-def symm_domain(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether every rank of `group` can map every peer's GPU memory: one node, and
-    devices with P2P access to each other (the same device for ranks that share one
-    GPU, which torch allows with TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1).
-    Collective over `group` (see `topology`)."""
-    return len(topology(group, device).domains) == 1
-
-
 def _per_peer_pays(topo: Topology) -> bool:
     """Several domains, and some peers share one: two transports beat one."""
     return topo.is_hierarchical and any(len(d) > 1 for d in topo.domains)
@@ -64,7 +61,7 @@ def resolve_backend(backend: str, group: dist.ProcessGroup | None = None,
     nodes / P2P domains, `symm` for a GPU group inside one domain, else `torch_p2p`
     (NCCL, gloo on CPU). Without a group: what auto means where nothing is known
     (torch_p2p). With a group of more than one rank, collective the first time."""
-    if backend == "auto":
+    if backend == AUTO:
         if group is None or dist.get_world_size(group) == 1:
             return "torch_p2p"
         topo = topology(group, device)
@@ -73,14 +70,10 @@ def resolve_backend(backend: str, group: dist.ProcessGroup | None = None,
         if device is not None and device.type == "cuda" and len(topo.domains) == 1:
             return "symm"
         return "torch_p2p"
-    if backend in AVAILABLE or backend in COMPOSITE:
+    if backend in BACKENDS or backend in COMPOSITE:
         return backend
-    if backend in PLANNED:
-        raise NotImplementedError(
-            f"megatron_overlap: backend '{backend}' is not available in this build; "
-            f"use one of {AVAILABLE + COMPOSITE} or 'auto'")
     raise ValueError(f"megatron_overlap: unknown backend '{backend}'; "
-                     f"choose 'auto' or one of {AVAILABLE + COMPOSITE + PLANNED}")
+                     f"choose 'auto' or one of {BACKENDS + COMPOSITE}")
 
 
 def transport_for(group: dist.ProcessGroup, backend: str = "auto",
@@ -96,14 +89,12 @@ def transport_for(group: dist.ProcessGroup, backend: str = "auto",
             log.info("megatron_overlap: TP group of %d ranks over %s: per-peer transports %s",
                      tp.world_size, tp.topology.describe(), describe_peers(tp))
             _cache[key] = tp
+        elif REGISTRY[name].needs_cuda and (device is None or device.type != "cuda"):
+            raise ValueError(f"megatron_overlap: backend '{name}' needs CUDA tensors, got {device}")
         elif name == "symm":
-            if device is None or device.type != "cuda":
-                raise ValueError(f"megatron_overlap: backend 'symm' needs CUDA tensors, got {device}")
             from .symm import SymmTransport
             _cache[key] = SymmTransport(group, device)
         elif name == "nvshmem":
-            if device is None or device.type != "cuda":
-                raise ValueError(f"megatron_overlap: backend 'nvshmem' needs CUDA tensors, got {device}")
             from .nvshmem import NvshmemTransport
             _cache[key] = NvshmemTransport(group, device)
         else:
@@ -145,4 +136,4 @@ def reset() -> None:
 
 __all__ = ["Transport", "Handle", "CommError", "TorchP2PTransport", "NullTransport",
            "PerPeerTransport", "Topology", "topology", "transport_for", "resolve_backend",
-           "symm_domain", "describe_peers", "reset", "AVAILABLE", "COMPOSITE"]
+           "describe_peers", "reset", "AVAILABLE", "COMPOSITE", "INTER_BACKENDS"]

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
-LAYER_NAMES: tuple[str, ...] = (
-    "qkv_fprop", "qkv_dgrad", "qkv_wgrad",
-    "proj_fprop", "proj_dgrad", "proj_wgrad",
-    "fc1_fprop", "fc1_dgrad", "fc1_wgrad",
-    "fc2_fprop", "fc2_dgrad", "fc2_wgrad",
-)
+# Megatron's tp_comm_buffer_name of each TP linear of a transformer layer, by kind.
+COLUMN_BUFFERS: tuple[str, ...] = ("qkv", "fc1")  # ColumnParallelLinear
+ROW_BUFFERS: tuple[str, ...] = ("proj", "fc2")  # RowParallelLinear
+BUFFER_NAMES: tuple[str, ...] = ("qkv", "proj", "fc1", "fc2")  # in layer order
+PASSES: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
+# TE's ub_cfgs layer names: qkv_fprop, qkv_dgrad, qkv_wgrad, proj_fprop, ...
+LAYER_NAMES: tuple[str, ...] = tuple(f"{b}_{p}" for b in BUFFER_NAMES for p in PASSES)
 METHODS: tuple[str, ...] = ("ring_exchange", "pipeline", "bulk", "external")
-BACKENDS: tuple[str, ...] = ("torch_p2p", "symm", "nvshmem")
 
 # TE's ub_cfgs keys, in the order they are written out, then ours (EXTENSION_KEYS).
 TE_KEYS: tuple[str, ...] = (

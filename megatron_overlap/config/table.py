@@ -3,18 +3,15 @@ and every key that is accepted but has no effect there, with the reason."""
 
 from __future__ import annotations
 
-import io
 from typing import TYPE_CHECKING, Iterable
 
+from .console import Column, lines, table
 from .effects import ACTIVE, caps_for
 from .errors import bad_value
 from .names import KEYS, LAYER_NAMES
 
 if TYPE_CHECKING:
     from .overlap import OverlapConfig
-
-WIDTH = 160
-
 
 def _yes(flag: bool) -> str:
     return "yes" if flag else "no"
@@ -57,29 +54,24 @@ def _ring_orders(config: "OverlapConfig", effects: dict[str, dict[str, str]]) ->
     return "Ring order: " + ("; ".join(parts) or "no layer runs a ring")
 
 
-def render(config: "OverlapConfig", backend: str, tp_size: int | None = None) -> str:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
+_COLUMNS = (Column("layer"), Column("method"), Column("AG/RS"), Column("splits"),
+            Column("num_sm"), Column("cga_size"), Column("set_sm_margin"), Column("use_ce"),
+            Column("aggregate"), Column("atomic_gemm"), Column("priority c/g"),
+            Column("notes", wrap=True, min_width=len("pipeline_rs_overlap_first_gemm,")))
 
+
+def render(config: "OverlapConfig", backend: str, tp_size: int | None = None) -> str:
     caps_for(backend)  # unknown backend -> ConfigError before any output
     if tp_size is not None and (not isinstance(tp_size, int) or isinstance(tp_size, bool)
                                 or tp_size < 1):
         raise bad_value("*", "tp_size", tp_size, "an int >= 1 or None")
 
     title = f"TP comm+GEMM overlap on {backend}" + (f", TP={tp_size}" if tp_size else "")
-    table = Table(title=title, box=box.SIMPLE_HEAD, title_justify="left", pad_edge=False,
-                  padding=(0, 1), collapse_padding=True)
-    for header in ("layer", "method", "AG/RS", "splits", "num_sm", "cga_size", "set_sm_margin",
-                   "use_ce", "aggregate", "atomic_gemm", "priority c/g", "notes"):
-        table.add_column(header, overflow="fold", no_wrap=header != "notes",
-                         min_width=len("pipeline_rs_overlap_first_gemm,") if header == "notes"
-                         else None)
-
     effects = {name: config.effects(name, backend) for name in LAYER_NAMES}
     # keys idle for one and the same reason on every layer: said once, in the legend
     everywhere = [k for k in KEYS if len({effects[n][k] for n in LAYER_NAMES}) == 1
                   and effects[LAYER_NAMES[0]][k] != ACTIVE]
+    rows = []
     for name in LAYER_NAMES:
         s = config[name]
         if tp_size is not None:
@@ -88,10 +80,10 @@ def render(config: "OverlapConfig", backend: str, tp_size: int | None = None) ->
             splits = "TP" if s.method == "ring_exchange" else str(s.splits(1))
         prio = ("TE default" if s.comm_priority == 0 and s.gemm_priority == 0
                 else f"{s.comm_priority}/{s.gemm_priority}")
-        table.add_row(name, s.method, "RS" if s.is_reduce_scatter else "AG", splits,
-                      str(s.num_sm), str(s.cga_size), _yes(s.set_sm_margin), _yes(s.use_ce),
-                      _yes(s.aggregate), _yes(s.atomic_gemm), prio,
-                      _row_notes(effects[name], everywhere))
+        rows.append((name, s.method, "RS" if s.is_reduce_scatter else "AG", splits,
+                     str(s.num_sm), str(s.cga_size), _yes(s.set_sm_margin), _yes(s.use_ce),
+                     _yes(s.aggregate), _yes(s.atomic_gemm), prio,
+                     _row_notes(effects[name], everywhere)))
 
     # reason -> keys and layers it covers, in first-seen order
     legend: dict[str, tuple[dict[str, None], dict[str, None]]] = {}
@@ -101,19 +93,14 @@ def render(config: "OverlapConfig", backend: str, tp_size: int | None = None) ->
                 keys, layers = legend.setdefault(why, ({}, {}))
                 keys[key], layers[name] = None, None
 
-    out = io.StringIO()
-    console = Console(file=out, width=WIDTH, color_system=None, force_terminal=False,
-                      highlight=False, emoji=False, markup=False)
-    console.print(table)
-    console.print(_ring_orders(config, effects), soft_wrap=True)
+    below = [_ring_orders(config, effects)]
     if legend:
-        console.print("Keys without effect here, where, and why:")
+        below.append("Keys without effect here, where, and why:")
         for why, (keys, layers) in sorted(legend.items(),
                                           key=lambda kv: len(kv[1][1]) != len(LAYER_NAMES)):
             what = "all keys" if len(keys) == len(KEYS) else ", ".join(keys)
-            console.print(f"  {what} [{_where(layers)}]: {why}", soft_wrap=True)
+            below.append(f"  {what} [{_where(layers)}]: {why}")
     if config.notes:
-        console.print("Notes:")
-        for note in config.notes:
-            console.print(f"  {note}", soft_wrap=True)
-    return out.getvalue()
+        below.append("Notes:")
+        below += [f"  {note}" for note in config.notes]
+    return table(title, _COLUMNS, rows) + lines(*below)

@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from .. import comm
 from ..config import LayerSettings
-from ..megatron import state
+from ..config import state
 from ..overlap.hierarchical import RingOrder, choose
 from ..overlap.replay import PassGraphs
 from .functions import ColumnParallelMatmul, RowParallelMatmul

@@ -6,10 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from ..config import LayerSettings, OverlapConfig
-
-BUFFER_NAMES = ("qkv", "proj", "fc1", "fc2")
-COLUMN_BUFFERS, ROW_BUFFERS = ("qkv", "fc1"), ("proj", "fc2")
+from ..config import BUFFER_NAMES, COLUMN_BUFFERS, ROW_BUFFERS, LayerSettings, OverlapConfig
 
 
 @dataclass(frozen=True)
@@ -33,7 +30,8 @@ class LayerPlan:
     def rows(self, tp_size: int, backend: str, buffer_bytes: dict[str, int] | None = None, *,
              backends: Sequence[str] | None = None, orders: Mapping[str, Any] | None = None,
              transport: str = "") -> list[dict[str, Any]]:
-        """One row per overlapped pass, for the console table and wandb. backends: what
+        """One row per overlapped pass, for the console table and wandb; "no_effect" maps
+        each key that does nothing on this pass to the reason. backends: what
         moves the bytes (several for a per-peer transport: a key counts as active only
         where all of them honour it); orders: each ring pass's RingOrder; transport:
         which transport carries each peer."""
@@ -52,8 +50,7 @@ class LayerPlan:
                         "aggregate": s.aggregate, "backend": backend,
                         "ring_order": order.label if order is not None else "-",
                         "transport": transport or backend,
-                        "no_effect": "; ".join(f"{k}: {v}" for k, v in effects.items()
-                                               if v != "active"),
+                        "no_effect": {k: v for k, v in effects.items() if v != "active"},
                         "notes": "; ".join(notes)})
         return out
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from .. import comm
-from ..config import OverlapConfig
+from ..config import OverlapConfig, state
 from ..overlap import replay, streams
-from . import norms, state, swap
+from . import norms, swap
 
 log = logging.getLogger("megatron_overlap")
 _previous: list[tuple[state.State | None, tuple]] = []

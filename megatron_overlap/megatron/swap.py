@@ -18,8 +18,11 @@ from typing import Any
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-COLUMN_BUFFERS, ROW_BUFFERS = ("qkv", "fc1"), ("proj", "fc2")
-_SLOTS = {"linear_qkv": "column", "linear_fc1": "column", "linear_proj": "row", "linear_fc2": "row"}
+from ..config import COLUMN_BUFFERS, ROW_BUFFERS
+
+# the local spec's submodule of each buffer: linear_qkv, linear_fc1 (column), linear_proj, linear_fc2
+_SLOTS = {f"linear_{b}": kind for kind, bs in (("column", COLUMN_BUFFERS), ("row", ROW_BUFFERS))
+          for b in bs}
 
 
 def _targets():

@@ -1,4 +1,6 @@
-"""The overlap schedules, written once against `comm.Transport`."""
+"""The overlap schedules, written once against `comm.Transport`: AG->GEMM, GEMM->RS,
+the hierarchical orders, the backward's bulk overlaps, GEMM streams, SM margin,
+pass replay. Imports `config` and `comm`; must not import Megatron, `layers` or a tool."""
 
 from .ag_gemm import all_gather_matmul, ring_steps
 from .bulk import hide

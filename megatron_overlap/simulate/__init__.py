@@ -1,7 +1,9 @@
 """Cost model of the overlap schedules: predicts each TP layer pass's overlapped
 time, exposed communication and a step-time estimate against the
 non-overlapped path (GEMM, then the NCCL collective), from GEMM times (measured
-on one GPU, or a roofline) and link bandwidths and latencies.
+on one GPU, or a roofline) and link bandwidths and latencies. Owns the layer
+shapes (`shapes`: DESIGN.md's reference shapes, the presets). A tool: imports
+`config` and `overlap`; never Megatron or a tool's extra.
 
     from megatron_overlap.simulate import Hardware, Layout, parse_shapes, simulate
     report = simulate(parse_shapes("70b", tp=16), Hardware(), Layout(tp=16, gpus_per_node=8))

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 from typing import Any
 
+from ..config.console import WIDTH, Column, lines, table
 from .api import Report
 
-WIDTH = 160
 COLUMNS = ("shape", "pass", "settings", "GEMM ms", "non-overlapped ms", "overlapped ms",
            "exposed ms", "hidden", "best settings", "best ms")
 
@@ -86,25 +85,11 @@ def summary_lines(report: Report) -> list[str]:
 
 
 def console(report: Report) -> str:
-    from rich import box
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=headline(report), box=box.SIMPLE_HEAD, title_justify="left",
-                  pad_edge=False, padding=(0, 1), collapse_padding=True)
-    for c in COLUMNS:
-        table.add_column(c, justify="right" if "ms" in c or c == "hidden" else "left",
-                         overflow="fold")
-    for r in rows(report):
-        table.add_row(*r, end_section=r[1] == "wgrad")
-    buf = io.StringIO()
-    con = Console(file=buf, width=WIDTH, color_system=None, force_terminal=False,
-                  highlight=False, emoji=False, markup=False)
-    con.print(table)
-    for line in summary_lines(report):
-        con.print(line, soft_wrap=True)
-    con.print(FOOTNOTE, soft_wrap=True)
-    return buf.getvalue()
+    columns = [Column(c, right="ms" in c or c == "hidden") for c in COLUMNS]
+    cells = rows(report)
+    rules = {i for i, r in enumerate(cells) if r[1] == "wgrad"}
+    return (table(headline(report), columns, cells, rules_after=rules, width=WIDTH)
+            + lines(*summary_lines(report), FOOTNOTE))
 
 
 def markdown(report: Report, command: str) -> str:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-COLUMN, ROW = ("qkv", "fc1"), ("proj", "fc2")
-BUFFERS = ("qkv", "proj", "fc1", "fc2")
+from ..config.names import BUFFER_NAMES as BUFFERS
+from ..config.names import COLUMN_BUFFERS as COLUMN
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
 """Telemetry: what each overlapped layer does and what its communication cost.
+A tool: may import the runtime; wandb only through `extras.require` ([wandb]).
 
     tel = OverlapTelemetry(wandb.init(...))   # or OverlapTelemetry() for the console only
     tel.log_settings(model)                   # once: per-layer, per-pass settings

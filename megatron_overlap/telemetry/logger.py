@@ -10,7 +10,8 @@ import torch
 
 from .. import comm
 from ..comm import stats
-from ..megatron import state
+from ..extras import require
+from ..config import state
 from .rows import layer_settings
 from .table import settings_table
 
@@ -27,6 +28,8 @@ _CAST = {"layer_number": int, "num_splits": int, "num_sm": int, "buffer_bytes": 
 
 def _cell(row: dict[str, Any], col: str) -> Any:
     v = row.get(col)
+    if col == "no_effect":  # {key: reason} -> one string cell
+        return "; ".join(f"{k}: {why}" for k, why in (v or {}).items())
     return None if v is None else _CAST.get(col, str)(v)
 
 
@@ -61,7 +64,7 @@ class OverlapTelemetry:
         if self.console:
             print(settings_table(rows), file=sys.stdout, flush=True)
         if self.run is not None:
-            import wandb
+            wandb = require("wandb", "OverlapTelemetry(run)")
 
             table = wandb.Table(columns=list(TABLE_COLUMNS),
                                 data=[[_cell(r, c) for c in TABLE_COLUMNS] for r in rows])

@@ -26,7 +26,9 @@ _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 def iter_records(path: str) -> Iterator[Any]:
     """wandb `Record` protos from a .wandb file, in order. Stops quietly at a torn
     or corrupt tail (a run still writing, or killed), as LevelDB readers do."""
-    from wandb.proto import wandb_internal_pb2 as pb
+    from ..extras import require
+
+    pb = require("wandb.proto.wandb_internal_pb2", "reading a wandb run back")
 
     with open(path, "rb") as f:
         data = f.read()

@@ -2,7 +2,8 @@
 pass, measures each on the hardware at hand (several GPUs: the real
 overlapped pass; one GPU: the GEMM side, with the cost model for the
 communication; CPU: the cost model only, and says so), and writes the fastest
-as a TE ub_cfgs YAML.
+as a TE ub_cfgs YAML. A tool: imports the runtime and `simulate`; wandb and rich
+only through `extras.require` ([wandb], [tools]).
 
     from megatron_overlap.simulate import Hardware, Layout, PRESETS
     from megatron_overlap.tune import ModelMeasure, tune

@@ -77,7 +77,9 @@ def pick_measure(kind: str) -> str:
 def _wandb_run(args: argparse.Namespace, config: dict[str, Any]):
     if args.wandb == "off":
         return None
-    import wandb
+    from ..extras import require
+
+    wandb = require("wandb", f"megatron-overlap tune --wandb {args.wandb} (or --wandb off)")
 
     os.makedirs(args.wandb_dir, exist_ok=True)
     return wandb.init(mode=args.wandb, project=args.wandb_project, dir=args.wandb_dir,

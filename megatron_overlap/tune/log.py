@@ -56,7 +56,9 @@ def choice(run: Any, result: "TuneResult") -> None:
     the run config."""
     if run is None:
         return
-    import wandb
+    from ..extras import require
+
+    wandb = require("wandb", "logging the tuner's search to wandb")
 
     search = wandb.Table(columns=list(SEARCH_COLUMNS),
                          data=[[_cell(_flat(r), c) for c in SEARCH_COLUMNS] for r in result.rows])

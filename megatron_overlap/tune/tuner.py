@@ -79,12 +79,31 @@ def _te_default_times(results: dict[Trial, dict[str, Any]]) -> dict[tuple[str, s
             if not t.comm_moved and t.candidate.settings == LayerSettings.default(t.name)}
 
 
-def _progress(enabled: bool):
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeElapsedColumn)
+class _NoProgress:
+    """Progress(disable=True) without rich installed."""
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TimeElapsedColumn(), disable=not enabled, transient=False)
+    def __enter__(self) -> "_NoProgress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def add_task(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+def _progress(enabled: bool):
+    """A rich progress bar ([tools] extra), or nothing when disabled."""
+    if not enabled:
+        return _NoProgress()
+    from ..extras import require
+
+    p = require("rich.progress", "the tuner's progress bar (or progress=False / --no-progress)")
+    return p.Progress(p.TextColumn("{task.description}"), p.BarColumn(), p.MofNCompleteColumn(),
+                      p.TimeElapsedColumn(), transient=False)
 
 
 def tune(shapes: Sequence[Shape], layout: Layout, measure: Measure, *,

@@ -122,7 +122,7 @@ def _plan(kind, variant, world):
 
     from helpers.layers import VARIANTS
     from megatron_overlap.layers.plan import build_plan
-    from megatron_overlap.megatron import state
+    from megatron_overlap.config import state
 
     ub, flags = VARIANTS[kind][variant]
     st = state.make(ub, "symm")

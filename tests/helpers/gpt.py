@@ -1,7 +1,11 @@
 """A small megatron-core GPTModel from the local spec, trained a few steps with
-Megatron's DDP and gradient finalisation (CPU, or a GPU with `device`)."""
+Megatron's own pieces only: its DDP, `finalize_model_grads` and optimizer (CPU, or
+a GPU with `device`). This is the reference side of the model tests, so it uses no
+training code of megatron_overlap (not `megatron_overlap.ab`)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -56,9 +60,48 @@ def forward(model, b):
 
 
 def train(ddp, steps: int = 5, lr: float = 0.05, device: str = "cpu") -> list[float]:
-    """SGD with momentum through the A/B tool's training arm (Megatron's
-    finalize_model_grads, then main_grad is the gradient)."""
-    from megatron_overlap.ab import TrainArm
+    """Megatron's own training step, as `megatron.training.train_step` runs it:
+    zero DDP's grad buffer and the optimizer, forward and backward,
+    `finalize_model_grads`, then Megatron's optimizer (`get_megatron_optimizer`:
+    SGD with momentum, no weight decay, no clipping) steps on each `main_grad`.
+    Nothing of megatron_overlap runs here beyond the model's own layers."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    arm = TrainArm("test", ddp, forward, lambda ps: torch.optim.SGD(ps, lr=lr, momentum=0.9))
-    return [arm.step(batch(step, device)).loss for step in range(steps)]
+    from helpers.megatron_cpu import cuda_tensors_on_cpu
+
+    config = OptimizerConfig(optimizer="sgd", lr=lr, sgd_momentum=0.9, weight_decay=0.0,
+                             clip_grad=0.0, bf16=False, fp16=False,
+                             use_distributed_optimizer=False)
+    # On CPU, Megatron's optimizer makes its loss scale and grad-norm buffers on 'cuda'.
+    on_device = cuda_tensors_on_cpu if device == "cpu" else contextlib.nullcontext
+    if device != "cpu":
+        skip_dp_all_reduce_on_gloo_cuda(ddp)
+    with on_device():
+        optimizer = get_megatron_optimizer(config, [ddp])
+    losses = []
+    for step in range(steps):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = forward(ddp, batch(step, device))
+        loss.backward()
+        finalize_model_grads([ddp])
+        with on_device():
+            ok, _, _ = optimizer.step()
+        assert ok, f"Megatron's optimizer skipped step {step}"
+        losses.append(loss.item())
+    return losses
+
+
+def skip_dp_all_reduce_on_gloo_cuda(ddp) -> None:
+    """Ranks sharing one GPU run over gloo, which cannot do the coalesced all-reduce
+    Megatron's DDP issues for CUDA grads. With one data-parallel rank that all-reduce
+    is the identity, so it is skipped (finalize_model_grads' other reductions, such as
+    the sequence-parallel norm grads over TP, still run). A test-harness shim."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if (parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1
+            and dist.get_backend(group) == "gloo"):
+        ddp.finish_grad_sync = lambda *args, **kwargs: None

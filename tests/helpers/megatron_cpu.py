@@ -1,15 +1,20 @@
 """Megatron-core on CPU with gloo, for tests only. Megatron assumes CUDA in a few
 places that matter here: `torch.cuda.current_device()` for buffers (its global
 memory buffer, the reduce-scatter output), `torch.cuda.synchronize`,
-`torch.cuda.current_stream()` (DDP's grad sync, megatron-core 0.19), and the
-CUDA RNG tracker. The shims point them at the CPU; they never enter the library."""
+`torch.cuda.current_stream()` (DDP's grad sync, megatron-core 0.19), the CUDA
+RNG tracker, and the loss-scale tensor its optimizers make on 'cuda'
+(`cuda_tensors_on_cpu`). The shims point them at the CPU; they never enter the
+library."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 
 class _NoStream:
@@ -55,6 +60,25 @@ def install_cpu_shims() -> None:
 
     mrandom._CUDA_RNG_STATE_TRACKER = _CPURNGTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Tensors created with device='cuda' are made on the CPU instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_tensors_on_cpu() -> Iterator[None]:
+    """Inside: `torch.tensor(..., device='cuda')` and the like make CPU tensors (Megatron's
+    optimizers make their loss-scale tensors on 'cuda' at construction)."""
+    with _CudaToCpu():
+        yield
 
 
 def init(tp: int, seed: int = 1234) -> None:

@@ -1,5 +1,6 @@
 """What install() set: the per-layer settings and the backend, read by every
-overlapped layer when it is built."""
+overlapped layer when it is built (here, not in the integration, so that `layers`
+reads it without importing `megatron`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
-from ..config import OverlapConfig
+from .overlap import OverlapConfig
 
 Source = Union[None, str, os.PathLike, Mapping[str, Any]]
 
