@@ -179,19 +179,23 @@ def time_null(tokens: int, tp: int, hidden: int, dtype, device, reps: int) -> di
     """The schedule alone on the null transport (nothing moved): ring AG at TP chunks
     (qkv's shape), pipeline RS at 4 chunks (proj's), eager and replayed, device drained
     before each call and back to back."""
+    from megatron_overlap.comm import NullTransport
+    from megatron_overlap.overlap.pass_fn import pass_fn
     from megatron_overlap.overlap.streams import ChunkStreams
-    from megatron_overlap.tune.measure import schedule_fn
 
-    x_ag = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    x_ag = torch.randn(tokens // tp, hidden, device=device, dtype=dtype)
     w_ag = torch.randn(3 * hidden // tp, hidden, device=device, dtype=dtype)
     x_rs = torch.randn(tokens, hidden // tp, device=device, dtype=dtype)
     w_rs = torch.randn(hidden, hidden // tp, device=device, dtype=dtype)
     out = {}
     for replayed in (False, True):
-        cases = {f"ring AG, {tp} chunks": schedule_fn(x_ag, w_ag, "ag", tp, "ring_exchange", tp,
-                                                      ChunkStreams(), name="qkv_fprop", replay=replayed),
-                 "pipeline RS, 4 chunks": schedule_fn(x_rs, w_rs, "rs", tp, "pipeline", 4,
-                                                      ChunkStreams(), name="proj_fprop", replay=replayed)}
+        null = NullTransport(tp)
+        cases = {f"ring AG, {tp} chunks": pass_fn(x_ag, w_ag, null, "ag", "ring_exchange", tp,
+                                                  name="qkv_fprop", streams=ChunkStreams(),
+                                                  replay=replayed),
+                 "pipeline RS, 4 chunks": pass_fn(x_rs, w_rs, null, "rs", "pipeline", 4,
+                                                  name="proj_fprop", streams=ChunkStreams(),
+                                                  replay=replayed)}
         for name, fn in cases.items():
             for _ in range(3):
                 fn()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..overlap import all_gather_matmul, matmul_reduce_scatter
+from ..overlap.pass_fn import pass_fn
 from ..overlap.streams import ChunkStreams
 from . import async_tp
 from ..comm import NullTransport
@@ -132,23 +132,11 @@ def ring_layout(tp: comm.Transport):
 
 def schedule_fn(shape: Shape, x: torch.Tensor, w: torch.Tensor, tp: comm.Transport, m: Method,
                 nodes=None) -> Callable[[], torch.Tensor]:
-    """One layer pass, as a layer runs it: open the transport's pass, run the schedule
-    (in the hierarchical order over `nodes`, the ranks per node, when given)."""
-    streams = ChunkStreams(n=m.streams)
-    op = f"{shape.name}:{m.label}"
-    if shape.op == "ag":
-        def run() -> torch.Tensor:
-            tp.begin_pass(op)
-            return all_gather_matmul(x, w, tp, m.method, op=op, aggregate=m.aggregate,
-                                     streams=streams, nodes=nodes)[0]
-    else:
-        splits = m.splits or tp.world_size
-
-        def run() -> torch.Tensor:
-            tp.begin_pass(op)
-            return matmul_reduce_scatter(x, w, tp, m.method, splits, op=op, streams=streams,
-                                         nodes=nodes)
-    return run
+    """One layer pass, as a layer runs it (`overlap.pass_fn`), in the hierarchical order
+    over `nodes` (the ranks per node) when given."""
+    splits = m.splits or tp.world_size
+    return pass_fn(x, w, tp, shape.op, m.method, splits, name=f"{shape.name}:{m.label}",
+                   streams=ChunkStreams(n=m.streams), aggregate=m.aggregate, nodes=nodes)
 
 
 def overlap_arms(shape: Shape, x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup,

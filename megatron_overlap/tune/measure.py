@@ -15,8 +15,7 @@ from typing import Any, Callable
 import torch
 
 from ..comm import NullTransport
-from ..overlap import all_gather_matmul, matmul_reduce_scatter
-from ..overlap.replay import PassGraphs
+from ..overlap.pass_fn import pass_fn
 from ..overlap.streams import ChunkStreams
 
 
@@ -78,30 +77,6 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
     return g.replay
 
 
-def schedule_fn(x: torch.Tensor, w: torch.Tensor, op: str, tp: int, method: str, splits: int,
-                streams: ChunkStreams, aggregate: bool = False, name: str = "schedule",
-                replay: bool = False) -> Callable[[], Any]:
-    """The overlapped schedule of one GEMM on the null transport, as a layer pass runs it
-    (`replay`: captured once and replayed, as the layers do on a replayable transport).
-    op 'ag': x is all the rows, the schedule gathers a 1/tp block of them; 'rs': x is
-    all the rows."""
-    null = NullTransport(tp)
-    local = x[: x.shape[0] // tp] if op == "ag" else x
-    out = x.new_empty(x.shape[0] // (1 if op == "ag" else tp), w.shape[0])
-
-    def body() -> None:
-        null.begin_pass(name)
-        if op == "ag":
-            all_gather_matmul(local, w, null, method, op=name, aggregate=aggregate,
-                              streams=streams, out=out)
-        else:
-            matmul_reduce_scatter(x, w, null, method, splits, op=name, streams=streams, out=out)
-    if not replay:
-        return body
-    graphs = PassGraphs(name)
-    return lambda: graphs.run(null, body, (local, w, out))
-
-
 def measure_schedule(m: int, k: int, n: int, op: str, tp: int, method: str, splits: int, *,
                      reps: int = 50, dtype: torch.dtype = torch.bfloat16, gemm_streams: int = 1,
                      aggregate: bool = False, name: str = "schedule") -> dict[str, float]:
@@ -111,8 +86,9 @@ def measure_schedule(m: int, k: int, n: int, op: str, tp: int, method: str, spli
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     mono = lambda: torch.matmul(x, w.t())  # noqa: E731
     streams = ChunkStreams(n=gemm_streams)
-    sched = schedule_fn(x, w, op, tp, method, splits, streams, aggregate, name)
-    replayed = schedule_fn(x, w, op, tp, method, splits, streams, aggregate, name, replay=True)
+    local = x[: x.shape[0] // tp] if op == "ag" else x  # ag gathers a 1/tp block of the rows
+    sched, replayed = (pass_fn(local, w, NullTransport(tp), op, method, splits, name=name,
+                               streams=streams, aggregate=aggregate, replay=r) for r in (False, True))
     t_mono, t_sched = time_ms(mono, reps), time_ms(sched, reps)
     (b_mono, hb_mono), (b_sched, hb_sched) = time_b2b(mono, reps), time_b2b(sched, reps)
     b_replay, hb_replay = time_b2b(replayed, reps)
