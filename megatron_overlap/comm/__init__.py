@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
+from .. import envvars
 from . import topology as _topology
 from .hierarchical import PerPeerTransport
 from .null import NullTransport
@@ -26,7 +26,7 @@ log = logging.getLogger("megatron_overlap")
 def inter_backend() -> str:
     """The transport between domains of a per-peer transport: MEGATRON_OVERLAP_INTER_BACKEND
     (torch_p2p by default; nvshmem where its transport is available)."""
-    return os.environ.get("MEGATRON_OVERLAP_INTER_BACKEND", "torch_p2p")
+    return envvars.inter_backend()
 
 
 def symm_domain(group: dist.ProcessGroup, device: torch.device) -> bool:

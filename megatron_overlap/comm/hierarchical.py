@@ -20,11 +20,11 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ..envvars import INTER_BACKENDS
 from .topology import Topology
 from .torch_p2p import TorchP2PTransport
 from .transport import Handle, Peer, SendRecv, Transport
 
-INTER_BACKENDS = ("torch_p2p", "nvshmem")
 # Domain-local groups live as long as the default group: torch names a group created
 # with use_local_synchronization by its ranks, so creating it twice is an error.
 _subgroups: dict[tuple[object, tuple[int, ...]], dist.ProcessGroup] = {}

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import envvars
+
 _cache: dict[tuple[dist.ProcessGroup, str], "Topology"] = {}
 
 
@@ -94,9 +96,9 @@ def _number(keys: list) -> tuple[int, ...]:
 
 
 def node_key(global_rank: int) -> str:
-    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    lws = envvars.local_world_size()
     if lws:
-        return f"node{global_rank // int(lws)}"
+        return f"node{global_rank // lws}"
     return socket.gethostname()
 
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import abc
 import datetime
-import os
 import time
 from typing import Sequence
 
 import torch
 
+from .. import envvars
 from . import stats, trace
 
 Peer = int  # a rank *within* the TP group
@@ -30,7 +30,7 @@ Send = tuple[torch.Tensor, Peer] | tuple[torch.Tensor, Peer, torch.Tensor]
 
 def default_timeout() -> datetime.timedelta:
     """How long a wait may block before it is a diagnosed failure, not a hang."""
-    return datetime.timedelta(seconds=float(os.environ.get("MEGATRON_OVERLAP_TIMEOUT_S", "300")))
+    return datetime.timedelta(seconds=envvars.timeout_s())
 
 
 def _nbytes(t: torch.Tensor) -> int:

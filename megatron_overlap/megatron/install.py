@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import comm
+from .. import comm, envvars
 from ..config import OverlapConfig
 from . import norms, state, swap
 
@@ -22,6 +22,7 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto") -> OverlapConfi
     `--tp-comm-overlap-cfg` YAML, or the same as a dict. backend: "auto" or a
     transport name. Returns the effective per-layer settings. Calling it again
     replaces the settings; uninstall() restores what was there before."""
+    envvars.check_all()  # a bad MEGATRON_OVERLAP_* value fails here, naming it
     if backend != "auto":
         comm.resolve_backend(backend)  # fail now, not at the first forward
     new = state.make(ub_cfgs, backend)

@@ -12,7 +12,6 @@ The streams join back into the caller's stream when the schedule ends.
 from __future__ import annotations
 
 import contextlib
-import os
 import torch
 
 _cache: dict[tuple[int, int, int], torch.cuda.Stream] = {}
@@ -21,7 +20,9 @@ _NOTHING = contextlib.nullcontext()
 
 def default_gemm_streams() -> int:
     """Streams for chunk GEMMs; MEGATRON_OVERLAP_GEMM_STREAMS overrides (see BENCHMARKS.md)."""
-    return int(os.environ.get("MEGATRON_OVERLAP_GEMM_STREAMS", "1"))
+    from ..envvars import gemm_streams
+
+    return gemm_streams()
 
 
 class ChunkStreams:
