@@ -194,8 +194,8 @@ def _distributed(args: argparse.Namespace, layout):
     rank = dist.get_rank()
 
     def agree(hit):
-        box = [hit]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        from ..comm.exchange import broadcast_object
+
+        return broadcast_object(hit, 0, None, "tuner cache hit")
 
     return DistributedMeasure(backend=args.backend, reps=args.reps), rank, agree
