@@ -14,7 +14,8 @@ from helpers.robust import KINDS, kind_id
 TP, T, SLACK = 2, 2.0, 4.0
 ENV = {"MEGATRON_OVERLAP_TIMEOUT_S": str(T)}
 POINTS = ("forward", "backward", "between")
-RAISE_CASES = [(kind, sp, variant, "first_forward") for kind, sp, variant in KINDS[:1]] + [
+RAISE_CASES = [(kind, sp, variant, p) for kind, sp, variant in KINDS[:1]
+               for p in ("first_forward", "topology")] + [
     (kind, sp, variant, point) for kind, sp, variant in KINDS for point in POINTS]
 
 PASS_ERROR = re.compile(r"CommError: megatron_overlap\[torch_p2p\]: rank 0/2 waited for "
@@ -44,10 +45,12 @@ def test_a_peer_that_raises_is_a_bounded_diagnosed_timeout(case):
     assert victim["result"].startswith("Injected: injected failure"), victim
     if survivor["result"] != "no error":  # only its own timeout can have told it
         assert T * 0.9 <= survivor["elapsed"] <= T + SLACK, survivor
-    if point == "first_forward":
+    if point in ("first_forward", "topology"):
+        what = {"first_forward": "layer agreement (shape and settings)",
+                "topology": "topology exchange before the first forward"}[point]
         assert survivor["result"].startswith(
-            "CommError: megatron_overlap: rank 0/2 waited for 'topology exchange before the first "
-            "forward' chunk 0 (from all ranks) 2s and group ranks 1 (global 1) never arrived"), survivor
+            f"CommError: megatron_overlap: rank 0/2 waited for '{what}' chunk 0 (from all ranks) "
+            f"2s and group ranks 1 (global 1) never arrived"), survivor
         assert "a rank without install()" in survivor["result"]
     else:
         _check_pass_error(survivor, kind, point, survivor["transfers"])
@@ -75,10 +78,10 @@ def test_a_peer_whose_process_ends_is_a_bounded_diagnosed_error(case, victim):
     if point != "first_forward":
         _check_pass_error(survivor, kind, point, survivor["transfers"])
     elif victim == 1:
-        assert "'topology exchange before the first forward' chunk 0 (from all ranks) 2s and " \
+        assert "'layer agreement (shape and settings)' chunk 0 (from all ranks) 2s and " \
                "group ranks 1 (global 1) never arrived" in survivor["result"], survivor
     else:
         assert survivor["result"].startswith(
-            "CommError: megatron_overlap: rank 1/2 waited for 'topology exchange before the first "
-            "forward' chunk 0 (from all ranks) 2s and the rendezvous store (hosted by global rank "
-            "0) is unreachable"), survivor
+            "CommError: megatron_overlap: rank 1/2 waited for 'layer agreement (shape and "
+            "settings)' chunk 0 (from all ranks) 2s and the rendezvous store (hosted by global "
+            "rank 0) is unreachable"), survivor

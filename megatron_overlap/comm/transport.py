@@ -73,7 +73,8 @@ class _TracedHandle(Handle):
             raise CommError(
                 f"megatron_overlap[{where}]: rank {t.rank}/{t.world_size} waited for "
                 f"'{self._op}' chunk {self._chunk} ({_peers(self._peers)}) and it failed: {exc}. "
-                f"A peer may have crashed, run a different schedule, or be slower than "
+                f"A peer may have crashed, run a different schedule (ranks that disagree on "
+                f"token counts or settings, a rank without install()), or be slower than "
                 f"MEGATRON_OVERLAP_TIMEOUT_S={t.timeout.total_seconds():g}s."
             ) from exc
         stats.waited(self._op, time.perf_counter() - t0)

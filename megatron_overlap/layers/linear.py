@@ -25,7 +25,7 @@ from .. import comm
 from ..config import LayerSettings
 from ..megatron import state
 from ..overlap.hierarchical import RingOrder, choose
-from . import checks
+from . import agree, checks
 from .functions import ColumnParallelMatmul, RowParallelMatmul
 from .plan import LayerPlan, build_plan
 from .wgrad import HAVE_APEX_WGRAD
@@ -167,6 +167,7 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
                                f"{tuple(weight.shape)}, not "
                                f"{(self.output_size_per_partition, self.input_size)} as expected")
         checks.check_column(self, input_, w)  # before any transfer: a refusal leaves no trace
+        agree.check(self, input_)  # ranks that disagree: diagnosed on all, nothing started
         bias = None if self.skip_bias_add else self.bias
         if checks.is_empty(input_):
             out = checks.empty_column(self, input_, w, bias)
@@ -198,6 +199,7 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
         if self._use_megatron(self.weight):
             return super().forward(input_)
         checks.check_row(self, input_)  # before any transfer: a refusal leaves no trace
+        agree.check(self, input_)  # ranks that disagree: diagnosed on all, nothing started
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(
             input_, group=self.tp_group)
         if checks.is_empty(x):

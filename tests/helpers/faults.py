@@ -22,7 +22,8 @@ KILLED = "killed at the harness deadline"
 # not the several seconds a fresh interpreter spends importing torch and Megatron.
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.tensor_parallel",
            "megatron.core.parallel_state", "megatron_overlap", "megatron_overlap.layers",
-           "helpers.dist", "helpers.faults", "helpers.robust", "helpers.megatron_cpu"]
+           "helpers.dist", "helpers.faults", "helpers.robust", "helpers.megatron_cpu",
+           "helpers.disagree"]
 _ctx = None
 
 
@@ -125,7 +126,7 @@ def one_case(rank: int, world: int, kind: str, sp: bool, variant: str, point: st
     x = global_input(ours, rank, world, 4, 2, seed=1)
     dy = None
     n = {"forward": 0, "backward": 0}
-    if point != "first_forward":
+    if point not in ("first_forward", "topology"):
         step(ours, x)  # warm-up: topology exchanged, transport built
         log = count_transfers(ours.transport)
         y, _ = ours(x.detach().requires_grad_())
@@ -137,8 +138,12 @@ def one_case(rank: int, world: int, kind: str, sp: bool, variant: str, point: st
     t0 = time.monotonic()
     try:
         xi = x.detach().requires_grad_()
-        if rank == victim and point == "first_forward":
+        if rank == victim and point in ("first_forward", "topology"):
             fail(mode, "before the first forward")
+        if point == "topology":  # the exchange the first forward makes to pick the transport
+            from megatron_overlap import comm
+
+            comm.topology(ours.tp_group)
         if rank == victim and point == "forward":
             if n["forward"] == 0:
                 fail(mode, "at the start of the forward")
