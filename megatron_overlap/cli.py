@@ -12,12 +12,13 @@ import sys
 from typing import Sequence
 
 from .config.backends import BACKENDS
+from .cli_args import FlagError, check_layout, model_spec, positive_int
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     """Layout and hardware flags both tools share."""
-    p.add_argument("--tp", type=int, required=True, help="TP size")
-    p.add_argument("--gpus-per-node", type=int, default=8,
+    p.add_argument("--tp", type=positive_int, required=True, help="TP size")
+    p.add_argument("--gpus-per-node", type=positive_int, default=8,
                    help="GPUs per node; a TP group larger than this spans nodes (default 8)")
     p.add_argument("--mode", choices=("graph", "eager"), default="graph",
                    help="launch mode to model: CUDA-graph replay or eager Python (default graph)")
@@ -36,20 +37,20 @@ def _machine(args: argparse.Namespace):
     from .simulate import Calibration, Hardware, Layout
 
     hw = Hardware(**Hardware.parse_overrides(args.hw))
+    check_layout(args.tp, args.gpus_per_node)
     layout = Layout(tp=args.tp, gpus_per_node=args.gpus_per_node, mode=args.mode,
                     backend=args.backend)
-    cal = Calibration.load(args.calibration) if args.calibration else Calibration()
+    try:
+        cal = Calibration.load(args.calibration) if args.calibration else Calibration()
+    except OSError as e:
+        raise FlagError(f"--calibration {args.calibration!r}: cannot read it: {e.strerror}") from None
+    except ValueError as e:
+        raise FlagError(f"--calibration: {e}") from None
     return hw, layout, cal
 
 
-def _layers(items: Sequence[str]) -> dict[str, int]:
-    out = {}
-    for item in items:
-        model, sep, n = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--layers {item!r}: expected MODEL=N")
-        out[model] = int(n)
-    return out
+def _layers(items: Sequence[tuple[str, int]]) -> dict[str, int]:
+    return dict(items)
 
 
 def cmd_simulate(args: argparse.Namespace, command: str) -> int:
@@ -58,8 +59,15 @@ def cmd_simulate(args: argparse.Namespace, command: str) -> int:
     from .simulate import report as rep
 
     hw, layout, cal = _machine(args)
-    cfg = OverlapConfig.load(args.cfg, rs_dgrad=args.rs_dgrad) if args.cfg else None
-    report = simulate(parse_shapes(args.shapes, args.tp), hw, layout, cal, cfg,
+    try:
+        cfg = OverlapConfig.load(args.cfg, rs_dgrad=args.rs_dgrad) if args.cfg else None
+    except ValueError as e:
+        raise FlagError(f"--cfg: {e}") from None
+    try:
+        shapes = parse_shapes(args.shapes, args.tp)
+    except ValueError as e:
+        raise FlagError(f"--shapes {args.shapes!r}: {e}") from None
+    report = simulate(shapes, hw, layout, cal, cfg,
                       rs_dgrad=args.rs_dgrad,
                       layers=_layers(args.layers), micro_batches=args.micro_batches)
     print(rep.console(report), end="")
@@ -99,9 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "(70b, 8b) | MODEL_BUFFER=MxKxN; all are re-cut to --tp (default reference)")
     _common(sim)
     sim.add_argument("--cfg", metavar="YAML", help="ub_cfgs to predict (default: TE's defaults)")
-    sim.add_argument("--layers", action="append", default=[], metavar="MODEL=N",
+    sim.add_argument("--layers", action="append", default=[], metavar="MODEL=N", type=model_spec,
                      help="transformer layers per model for the step estimate (70B=80, 8B=32 known)")
-    sim.add_argument("--micro-batches", type=int, default=1)
+    sim.add_argument("--micro-batches", type=positive_int, default=1,
+                     help="micro-batches per step for the step estimate (default 1)")
     sim.add_argument("--json", metavar="OUT", help="write the full results as JSON")
     sim.add_argument("--md", metavar="OUT", help="write the table as Markdown")
     sim.add_argument("--yaml", metavar="OUT", help="write the picked settings as ub_cfgs YAML")

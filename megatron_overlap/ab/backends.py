@@ -52,7 +52,6 @@ def usable(names: list[str], group, device) -> tuple[list[str], dict[str, str]]:
     """Build each backend's transport on `group` once (it is cached for the layers and
     schedules that follow); a backend that fails on any rank is left out, with the
     first failure as the reason (e.g. nvshmem without nvshmem4py). Collective."""
-    import torch.distributed as dist
 
     local: dict[str, str | None] = {}
     for b in names:
@@ -61,8 +60,9 @@ def usable(names: list[str], group, device) -> tuple[list[str], dict[str, str]]:
             local[b] = None
         except Exception as exc:  # reported in the results, not fatal
             local[b] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, local, group=group)
+    from ..comm.exchange import all_gather_object
+
+    everyone = all_gather_object(local, group, "backend availability")
     failed = {b: next(f"rank {r}: {e[b]}" for r, e in enumerate(everyone) if e[b])
               for b in names if any(e[b] for e in everyone)}
     return [b for b in names if b not in failed], failed

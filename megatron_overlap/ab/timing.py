@@ -13,7 +13,6 @@ import time
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .launch import barrier
 
@@ -48,8 +47,9 @@ def rotated(names: Sequence[str], rep: int) -> list[str]:
 
 def gather_max(per_rank: dict[str, list[float]]) -> tuple[dict[str, list[float]], list[dict[str, list[float]]]]:
     """Every rank's samples -> (per sample, the slowest rank's time; every rank's samples)."""
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, per_rank)
+    from ..comm.exchange import all_gather_object
+
+    everyone = all_gather_object(per_rank, None, "benchmark samples")
     worst = {k: [max(r[k][i] for r in everyone) for i in range(len(v))] for k, v in per_rank.items()}
     return worst, everyone
 

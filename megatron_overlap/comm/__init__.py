@@ -11,12 +11,12 @@ megatron_overlap.megatron), the schedules (`overlap`), `layers` or any tool.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
 from ..config.backends import AUTO, BACKENDS, COMPOSITE, INTER_BACKENDS, REGISTRY
+from ..config import env as envvars
 from . import topology as _topology
 from .hierarchical import PerPeerTransport
 from .null import NullTransport
@@ -34,10 +34,9 @@ _inter: str | None = None  # install(inter_backend=...)
 
 def inter_backend() -> str:
     """The transport between domains of a per-peer transport: install()'s inter_backend,
-    else MEGATRON_OVERLAP_INTER_BACKEND, else torch_p2p (nvshmem where its transport is
-    available)."""
-    return _inter if _inter is not None else os.environ.get("MEGATRON_OVERLAP_INTER_BACKEND",
-                                                            "torch_p2p")
+    else MEGATRON_OVERLAP_INTER_BACKEND (checked), else torch_p2p (nvshmem where its
+    transport is available)."""
+    return _inter if _inter is not None else envvars.inter_backend()
 
 
 def set_inter_backend(name: str | None) -> str | None:

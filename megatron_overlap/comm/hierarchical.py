@@ -42,7 +42,10 @@ def domain_group(global_ranks: Sequence[int]) -> dist.ProcessGroup:
     """A process group of one domain's ranks; only its members call this (all of them)."""
     key = (dist.group.WORLD, tuple(sorted(global_ranks)))
     if key not in _subgroups:
-        _subgroups[key] = dist.new_group(list(key[1]), use_local_synchronization=True)
+        from .transport import default_timeout  # bounds the group's creation barrier
+
+        _subgroups[key] = dist.new_group(list(key[1]), use_local_synchronization=True,
+                                         timeout=default_timeout())
     return _subgroups[key]
 
 
@@ -50,8 +53,9 @@ def _check_groups_held(group: dist.ProcessGroup, topo: Topology) -> None:
     """torch names a group made with use_local_synchronization from its ranks and how many
     groups each member already belongs to; members that differ would wait for each other
     forever under different names. Collective over `group`: say so instead of hanging."""
-    held: list = [None] * topo.world_size
-    dist.all_gather_object(held, _groups_held(), group=group)
+    from .exchange import all_gather_object
+
+    held = all_gather_object(_groups_held(), group, "process-group count check")
     mine = topo.domains[topo.domain[topo.rank]]
     if None not in held and len({held[p] for p in mine}) > 1:
         counts = ", ".join(f"rank {dist.get_global_rank(group, p)}: {held[p]}" for p in mine)

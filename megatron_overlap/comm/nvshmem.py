@@ -63,10 +63,11 @@ def _init_runtime(group: dist.ProcessGroup, device: torch.device) -> None:
     core, _ = _modules()
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     uid = core.get_unique_id(empty=rank != 0)
-    raw = [uid._data.view(np.int8).tobytes()]
-    dist.broadcast_object_list(raw, group=group, group_src=0)
+    from .exchange import broadcast_object
+
+    raw = broadcast_object(uid._data.view(np.int8).tobytes(), 0, group, "NVSHMEM unique id")
     if rank:
-        uid._data.view(np.int8)[:] = np.frombuffer(raw[0], dtype=np.int8)
+        uid._data.view(np.int8)[:] = np.frombuffer(raw, dtype=np.int8)
     dev = Device(device.index if device.index is not None else torch.cuda.current_device())
     dev.set_current()
     core.init(device=dev, uid=uid, rank=rank, nranks=world, initializer_method="uid")

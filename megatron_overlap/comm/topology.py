@@ -7,7 +7,7 @@
   TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1, as torch symmetric memory needs).
   On CPU a domain is the node.
 
-One `all_gather_object` over the group learns it (cached per group and device);
+One bounded exchange over the group (`exchange.all_gather_object`) learns it (cached per group and device);
 TP groups may be non-contiguous in global ranks, span nodes, and hold unequal
 numbers of ranks per node.
 """
@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ..config import env as envvars
+from .exchange import all_gather_object
 
 _cache: dict[tuple[dist.ProcessGroup, str], "Topology"] = {}
 
@@ -94,9 +97,9 @@ def _number(keys: list) -> tuple[int, ...]:
 
 
 def node_key(global_rank: int) -> str:
-    lws = os.environ.get("LOCAL_WORLD_SIZE")
+    lws = envvars.local_world_size()
     if lws:
-        return f"node{global_rank // int(lws)}"
+        return f"node{global_rank // lws}"
     return socket.gethostname()
 
 
@@ -160,13 +163,10 @@ def topology(group: dist.ProcessGroup, device: torch.device | None = None) -> To
     first time (every rank must call it), cached afterwards."""
     key = (group, str(device))
     if key not in _cache:
-        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        rank = dist.get_rank(group)
         mine = (node_key(dist.get_global_rank(group, rank)), _device_info(device))
-        peers: list = [None] * world
-        if world > 1:
-            dist.all_gather_object(peers, mine, group=group)
-        else:
-            peers = [mine]
+        # bounded: a peer that never comes is a CommError naming it, not a hang
+        peers = all_gather_object(mine, group, "topology exchange before the first forward")
         _cache[key] = from_peers(rank, peers)
     return _cache[key]
 

@@ -24,6 +24,23 @@ class _Works(Handle):
         self._works.clear()
 
 
+class _ReduceScatterByAllReduce(Handle):
+    """gloo's reduce_scatter_tensor ignores wait(timeout) (a silent peer would hang it);
+    its all_reduce honours it. So on CPU: all-reduce a copy, keep this rank's block."""
+
+    def __init__(self, out: torch.Tensor, inp: torch.Tensor, rank: int, world: int,
+                 group: dist.ProcessGroup, timeout):
+        self._out, self._rank, self._world = out, rank, world
+        self._buf = inp.contiguous().clone()
+        self._works = _Works([dist.all_reduce(self._buf, group=group, async_op=True)], timeout)
+
+    def wait(self) -> None:
+        self._works.wait()
+        if self._buf is not None:
+            self._out.copy_(self._buf.chunk(self._world)[self._rank].view_as(self._out))
+            self._buf = None
+
+
 class TorchP2PTransport(Transport):
     name = "torch_p2p"
 
@@ -43,6 +60,9 @@ class TorchP2PTransport(Transport):
 
     def _start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int
                               ) -> Handle:
+        if inp.device.type == "cpu":  # gloo: bounded by the timeout, see the class
+            return _ReduceScatterByAllReduce(out, inp, self.rank, self.world_size, self.group,
+                                             self.timeout)
         return _Works([dist.reduce_scatter_tensor(out, inp.contiguous(), group=self.group,
                                                   async_op=True)], self.timeout)
 

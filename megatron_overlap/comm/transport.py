@@ -13,12 +13,12 @@ from __future__ import annotations
 import abc
 import contextlib
 import datetime
-import os
 import time
 from typing import Iterator, Sequence
 
 import torch
 
+from ..config import env as envvars
 from . import stats, trace
 
 Peer = int  # a rank *within* the TP group
@@ -31,7 +31,7 @@ Send = tuple[torch.Tensor, Peer] | tuple[torch.Tensor, Peer, torch.Tensor]
 
 def default_timeout() -> datetime.timedelta:
     """How long a wait may block before it is a diagnosed failure, not a hang."""
-    return datetime.timedelta(seconds=float(os.environ.get("MEGATRON_OVERLAP_TIMEOUT_S", "300")))
+    return datetime.timedelta(seconds=envvars.timeout_s())
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -74,7 +74,8 @@ class _TracedHandle(Handle):
             raise CommError(
                 f"megatron_overlap[{where}]: rank {t.rank}/{t.world_size} waited for "
                 f"'{self._op}' chunk {self._chunk} ({_peers(self._peers)}) and it failed: {exc}. "
-                f"A peer may have crashed, run a different schedule, or be slower than "
+                f"A peer may have crashed, run a different schedule (ranks that disagree on "
+                f"token counts or settings, a rank without install()), or be slower than "
                 f"MEGATRON_OVERLAP_TIMEOUT_S={t.timeout.total_seconds():g}s."
             ) from exc
         stats.waited(self._op, time.perf_counter() - t0)

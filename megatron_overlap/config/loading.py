@@ -59,7 +59,24 @@ def read_source(source: Any) -> Mapping[str, Any]:
 
 
 def parse(source: Any, rs_dgrad: bool) -> tuple[dict[str, LayerSettings], list[str]]:
-    """One LayerSettings per layer from a ub_cfgs source, and the notes on how it was read."""
+    """One LayerSettings per layer from a ub_cfgs source, and the notes on how it was read.
+    An error in a file names the file first."""
+    try:
+        return _parse(source, rs_dgrad)
+    except ConfigError as e:
+        path = _path_of(source)
+        if path is None or path in str(e):
+            raise
+        raise type(e)(f"{path}: {e}", layer=e.layer, key=e.key, value=e.value) from None
+
+
+def _path_of(source: Any) -> str | None:
+    if isinstance(source, os.PathLike) or (isinstance(source, str) and os.path.exists(source)):
+        return os.fspath(source)
+    return None
+
+
+def _parse(source: Any, rs_dgrad: bool) -> tuple[dict[str, LayerSettings], list[str]]:
     raw, notes = read_source(source), []
     given: dict[str, dict[str, Any]] = {}
     for name, entry in raw.items():

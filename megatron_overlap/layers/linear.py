@@ -26,6 +26,7 @@ from ..config import LayerSettings
 from ..config import state
 from ..overlap.hierarchical import RingOrder, choose
 from ..overlap.replay import PassGraphs
+from . import agree, checks
 from .functions import ColumnParallelMatmul, RowParallelMatmul
 from .plan import LayerPlan, build_plan
 from .wgrad import HAVE_APEX_WGRAD
@@ -169,13 +170,18 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
             raise RuntimeError(f"{self.overlap_plan.layer}: supplied weight's shape is "
                                f"{tuple(weight.shape)}, not "
                                f"{(self.output_size_per_partition, self.input_size)} as expected")
-        self._note_tokens(input_, full=not self.sequence_parallel)
-        allreduce_dgrad = (self.transport.world_size > 1 and not self.sequence_parallel
-                           and not getattr(self, "disable_grad_reduce", False))
+        checks.check_column(self, input_, w)  # before any transfer: a refusal leaves no trace
+        agree.check(self, input_)  # ranks that disagree: diagnosed on all, nothing started
         bias = None if self.skip_bias_add else self.bias
-        out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
-                                         self.gradient_accumulation_fusion, allreduce_dgrad,
-                                         self._layouts(), self.pass_graphs)
+        if checks.is_empty(input_):
+            out = checks.empty_column(self, input_, w, bias)
+        else:
+            self._note_tokens(input_, full=not self.sequence_parallel)
+            allreduce_dgrad = (self.transport.world_size > 1 and not self.sequence_parallel
+                               and not getattr(self, "disable_grad_reduce", False))
+            out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
+                                             self.gradient_accumulation_fusion, allreduce_dgrad,
+                                             self._layouts(), self.pass_graphs)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
@@ -196,12 +202,16 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
     def forward(self, input_: torch.Tensor):
         if self._use_megatron(self.weight):
             return super().forward(input_)
-        self._note_tokens(input_, full=True)
+        checks.check_row(self, input_)  # before any transfer: a refusal leaves no trace
+        agree.check(self, input_)  # ranks that disagree: diagnosed on all, nothing started
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(
             input_, group=self.tp_group)
-        out = RowParallelMatmul.apply(x, self.weight, self.overlap_plan, self.transport,
-                                      self.gradient_accumulation_fusion, self._layouts(),
-                                      self.pass_graphs)
+        if checks.is_empty(x):
+            out = checks.empty_row(self, x)
+        else:
+            self._note_tokens(input_, full=True)
+            out = RowParallelMatmul.apply(x, self.weight, self.overlap_plan, self.transport,
+                                          self.gradient_accumulation_fusion, self._layouts(), self.pass_graphs)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from .. import comm
+from ..config import env as envvars
 from ..config import OverlapConfig, state
 from ..overlap import replay, streams
 from . import norms, swap
@@ -49,6 +50,7 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool
     gemm_streams: streams for chunk GEMMs where a layer's `gemm_streams` key is 0
     (MEGATRON_OVERLAP_GEMM_STREAMS, 1); inter_backend: the transport between nodes of a
     TP group that spans them (MEGATRON_OVERLAP_INTER_BACKEND, torch_p2p)."""
+    envvars.check_all()  # a bad MEGATRON_OVERLAP_* value fails here, naming it
     if backend != "auto":
         comm.resolve_backend(backend)  # fail now, not at the first forward
     _check_knobs(graphs, gemm_streams, inter_backend)

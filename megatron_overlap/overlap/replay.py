@@ -31,7 +31,6 @@ can take longer than its GEMMs run. A replay issues it in one launch.
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
@@ -50,8 +49,9 @@ def enabled() -> bool:
     read once)."""
     global _enabled
     if _enabled is None:
-        _enabled = os.environ.get("MEGATRON_OVERLAP_GRAPHS", "1").lower() not in (
-            "0", "false", "off", "no")
+        from ..config.env import graphs
+
+        _enabled = graphs()
     return _enabled
 
 

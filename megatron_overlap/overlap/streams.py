@@ -12,7 +12,6 @@ The streams join back into the caller's stream when the schedule ends.
 from __future__ import annotations
 
 import contextlib
-import os
 import torch
 
 _cache: dict[tuple[int, int, int], torch.cuda.Stream] = {}
@@ -24,10 +23,12 @@ _default: int | None = None  # install(gemm_streams=...)
 
 def default_gemm_streams() -> int:
     """Streams for chunk GEMMs of a layer whose `gemm_streams` key is 0: install()'s
-    gemm_streams, else MEGATRON_OVERLAP_GEMM_STREAMS, else 1 (see BENCHMARKS.md)."""
+    gemm_streams, else MEGATRON_OVERLAP_GEMM_STREAMS (checked), else 1 (BENCHMARKS.md)."""
     if _default is not None:
         return _default
-    return int(os.environ.get("MEGATRON_OVERLAP_GEMM_STREAMS", "1"))
+    from ..config.env import gemm_streams
+
+    return gemm_streams()
 
 
 def set_default_gemm_streams(n: int | None) -> int | None:

@@ -11,6 +11,7 @@ for schedules not measured, comes from the rows' host time per call / steps.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from dataclasses import dataclass, field
@@ -28,6 +29,58 @@ def _kind(op: str, label: str) -> str | None:
     return None
 
 
+class CalibrationError(ValueError):
+    """A calibration file that cannot be read; names the file, the row and the field."""
+
+
+_MISSING = object()
+
+
+class _Row:
+    """Typed fields of one calibration row, each checked."""
+
+    def __init__(self, path: str, index: int, row: Any):
+        if not isinstance(row, dict):
+            raise CalibrationError(f"calibration file {path!r}, row {index}: expected an object, "
+                                   f"got {type(row).__name__}")
+        self.path, self.index, self.row = path, index, row
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key in self.row and self.row[key] is not None:
+            return self.row[key]
+        if default is _MISSING:
+            raise self.error(key, "missing")
+        return default
+
+    def error(self, key: str, what: str) -> CalibrationError:
+        return CalibrationError(f"calibration file {self.path!r}, row {self.index}, field "
+                                f"{key!r}: {what}")
+
+    def integer(self, key: str, default: Any = _MISSING) -> int:
+        v = self._get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v) or v < 1:
+            raise self.error(key, f"expected an integer >= 1, got {v!r}")
+        return int(v)
+
+    def text(self, key: str) -> str:
+        v = self._get(key, _MISSING)
+        if not isinstance(v, str):
+            raise self.error(key, f"expected a string, got {v!r}")
+        return v
+
+    def time(self, key: str, default: Any = _MISSING, scale: float = 1e3) -> Any:
+        """A time in ms (scaled to us; `scale` 1 for one in us), or `default` when absent.
+        Optional times may be 0 (not measured); required ones must be > 0."""
+        v = self._get(key, default)
+        if v is default and default is not _MISSING:
+            return v if v is None else v * scale
+        least = 0 if default is not _MISSING else 1e-300
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < least:
+            raise self.error(key, f"expected a finite time {'>= 0' if least == 0 else '> 0'}, "
+                                  f"got {v!r}")
+        return v * scale
+
+
 @dataclass
 class Calibration:
     """Monolithic GEMM device times (median of the rows that timed a shape) and, per
@@ -42,19 +95,30 @@ class Calibration:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Calibration":
-        """Read a compute_side.py JSON ({"meta", "rows", ...}); single-stream rows only."""
+        """Read a compute_side.py JSON ({"meta", "rows", ...}); single-stream rows only.
+        A file that is not such a JSON is a CalibrationError naming the file, row and field."""
+        where = os.fspath(path)
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        rows = data["rows"] if isinstance(data, dict) else data
-        cal = cls(source=os.fspath(path), meta=dict(data.get("meta", {})) if isinstance(data, dict) else {})
-        for r in rows:
-            if int(r.get("gemm_streams", 1)) != 1:
+            try:
+                data = json.load(f)
+            except ValueError as e:
+                raise CalibrationError(f"calibration file {where!r}: not valid JSON: {e}") from None
+        rows = data.get("rows") if isinstance(data, dict) else data
+        if not isinstance(rows, list):
+            raise CalibrationError(f"calibration file {where!r}: expected a list of rows or an "
+                                   "object with 'rows' (what benchmarks/compute_side.py --out "
+                                   "writes)")
+        meta = data.get("meta", {}) if isinstance(data, dict) else {}
+        cal = cls(source=where, meta=dict(meta) if isinstance(meta, dict) else {})
+        for i, r in enumerate(rows):
+            field = _Row(where, i, r)
+            if field.integer("gemm_streams", 1) != 1:
                 continue
-            dims = (int(r["m"]), int(r["k"]), int(r["n"]))
-            mono = r["mono_graph_ms"] * 1e3
-            kind = _kind(r["op"], r["schedule"])
-            cal.add(dims, mono, kind, int(r.get("chunks", 1)), r["sched_graph_ms"] * 1e3,
-                    r.get("sched_ms", 0) * 1e3 or None, r.get("host_us_sched"))
+            dims = (field.integer("m"), field.integer("k"), field.integer("n"))
+            kind = _kind(field.text("op"), field.text("schedule"))
+            cal.add(dims, field.time("mono_graph_ms"), kind, field.integer("chunks", 1),
+                    field.time("sched_graph_ms"), field.time("sched_ms", 0.0) or None,
+                    field.time("host_us_sched", None, scale=1.0))
         return cal
 
     def add(self, dims: tuple[int, int, int], mono_us: float, kind: str | None = None,

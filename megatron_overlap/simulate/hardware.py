@@ -10,11 +10,13 @@ an NDR NIC ~45 of its 50 GB/s.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import BACKENDS
 
+_POSITIVE = ("sms", "gemm_efficiency", "gemm_k_half", "dtype_bytes")
 MODES = ("graph", "eager")  # CUDA-graph replay, or launched from Python every call
 
 
@@ -54,10 +56,28 @@ class Hardware:
             if not sep or key not in types:
                 raise ValueError(f"--hw {item!r}: expected key=value with key one of "
                                  f"{', '.join(types)}")
-            kind = str(types[key])
-            out[key] = (value if kind == "str" else int(value) if kind == "int"
-                        else None if value.lower() == "none" else float(value))
+            out[key] = cls._read(item, key, str(types[key]), value)
         return out
+
+    @staticmethod
+    def _read(item: str, key: str, kind: str, value: str) -> Any:
+        """One --hw value, typed and range-checked (ValueError naming the flag)."""
+        if kind == "str":
+            return value
+        if kind != "int" and value.lower() == "none" and "None" in kind:
+            return None
+        lo = 1 if key in _POSITIVE or key.endswith(("_gbs", "tflops")) else 0
+        what = "an integer" if kind == "int" else "a finite number"
+        allowed = f"{what} {'> 0' if lo else '>= 0'}" + (" and <= 1" if key == "gemm_efficiency" else "")
+        try:
+            v = int(value) if kind == "int" else float(value)
+        except ValueError:
+            v = None
+        if v is None or not math.isfinite(v) or v < 0 or (lo and v <= 0) or (
+                key == "gemm_efficiency" and v > 1):
+            raise ValueError(f"--hw {item!r}: {key} must be {allowed}"
+                             + (" (or none)" if "None" in kind else ""))
+        return v
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,9 @@ def parse_shapes(spec: str, tp: int) -> list[Shape]:
                 m, k, n = (int(d) for d in dims.lower().split("x"))
             except ValueError:
                 raise ValueError(f"shape {token!r}: expected MODEL_BUFFER=MxKxN") from None
+            if m % tp:
+                raise ValueError(f"shape {token!r}: M={m} tokens do not split over TP={tp} "
+                                 "(sequence parallelism gives each rank M / TP rows)")
             out.append(Shape(model or name, buffer, m, k, n, tp, "custom"))
         else:
             raise ValueError(f"shape {token!r}: not `reference`, a reference name "

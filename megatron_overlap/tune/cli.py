@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from ..cli_args import FlagError, check_model, positive_int
 from ..simulate import PRESETS, ModelDims
 from .tuner import NOTES
 
@@ -18,19 +19,19 @@ def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> N
                                    "(x ring order) per layer pass, measure on the hardware at hand "
                                    "and write a TE ub_cfgs YAML.")
     p.add_argument("--model", choices=sorted(PRESETS), help="a preset (Llama 3 dimensions)")
-    p.add_argument("--hidden-size", type=int)
-    p.add_argument("--ffn-hidden-size", type=int)
-    p.add_argument("--num-attention-heads", type=int)
-    p.add_argument("--num-query-groups", type=int)
-    p.add_argument("--seq-length", type=int)
-    p.add_argument("--micro-batch-size", type=int)
+    p.add_argument("--hidden-size", type=positive_int)
+    p.add_argument("--ffn-hidden-size", type=positive_int)
+    p.add_argument("--num-attention-heads", type=positive_int)
+    p.add_argument("--num-query-groups", type=positive_int)
+    p.add_argument("--seq-length", type=positive_int)
+    p.add_argument("--micro-batch-size", type=positive_int)
     p.add_argument("--no-swiglu", action="store_true", help="fc1 is not a gated (2x) projection")
     p.add_argument("--name", help="model name in the outputs (default: the preset, or 'custom')")
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     common(p)
     p.add_argument("--measure", choices=MEASURES, default="auto",
                    help="auto: several GPUs under torchrun -> real, one GPU -> compute, CPU -> model")
-    p.add_argument("--reps", type=int, default=20, help="timed repetitions per measurement")
+    p.add_argument("--reps", type=positive_int, default=20, help="timed repetitions per measurement")
     p.add_argument("--yaml", default="overlap_tuned.yaml", help="ub_cfgs YAML to write")
     p.add_argument("--json", help="the whole search as JSON (default: YAML path + .json)")
     p.add_argument("--cache", help="measurement cache (default: YAML path + .cache.jsonl)")
@@ -42,24 +43,38 @@ def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> N
     p.set_defaults(func=cmd_tune)
 
 
+_FLAGS = {"hidden": "--hidden-size", "ffn_hidden": "--ffn-hidden-size",
+          "heads": "--num-attention-heads", "query_groups": "--num-query-groups",
+          "seq_length": "--seq-length", "micro_batch": "--micro-batch-size"}
+
+
 def model_dims(args: argparse.Namespace) -> tuple[str, ModelDims]:
-    """The preset, with any dimension flag overriding it; or all flags given."""
-    flags = {"hidden": args.hidden_size, "ffn_hidden": args.ffn_hidden_size,
-             "heads": args.num_attention_heads, "query_groups": args.num_query_groups,
-             "seq_length": args.seq_length, "micro_batch": args.micro_batch_size}
-    given = {k: v for k, v in flags.items() if v is not None}
+    """The preset, with any dimension flag overriding it; or all flags given. Dimensions
+    Megatron would refuse at --tp are a FlagError naming the flags (or the preset)."""
+    given = {k: getattr(args, f[2:].replace("-", "_")) for k, f in _FLAGS.items()}
+    given = {k: v for k, v in given.items() if v is not None}
+    flagged = set(given)
+
+    def label(k: str) -> str:  # where a value came from, for messages
+        if k in flagged or not args.model:
+            return _FLAGS[k] if k in flagged else f"{_FLAGS[k]} (not given: default)"
+        return f"--model {args.model}'s {_FLAGS[k][2:]}"
+
     if args.no_swiglu:
         given["swiglu"] = False
     if args.model:
         import dataclasses
 
-        return args.name or args.model.upper(), dataclasses.replace(PRESETS[args.model], **given)
-    missing = [k for k in ("hidden", "ffn_hidden", "heads") if k not in given]
-    if missing:
-        raise ValueError("give --model, or --hidden-size, --ffn-hidden-size and "
-                         "--num-attention-heads (missing: " + ", ".join(missing) + ")")
-    given.setdefault("query_groups", given["heads"])
-    return args.name or "custom", ModelDims(**given)
+        name, dims = args.name or args.model.upper(), dataclasses.replace(PRESETS[args.model], **given)
+    else:
+        missing = [_FLAGS[k] for k in ("hidden", "ffn_hidden", "heads") if k not in given]
+        if missing:
+            raise FlagError("give --model, or --hidden-size, --ffn-hidden-size and "
+                            "--num-attention-heads (missing: " + ", ".join(missing) + ")")
+        given.setdefault("query_groups", given["heads"])
+        name, dims = args.name or "custom", ModelDims(**given)
+    check_model(vars(dims), args.tp, label)
+    return name, dims
 
 
 def pick_measure(kind: str) -> str:
@@ -181,8 +196,8 @@ def _distributed(args: argparse.Namespace, layout):
     rank = dist.get_rank()
 
     def agree(hit):
-        box = [hit]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        from ..comm.exchange import broadcast_object
+
+        return broadcast_object(hit, 0, None, "tuner cache hit")
 
     return DistributedMeasure(backend=args.backend, reps=args.reps), rank, agree

@@ -1,0 +1,130 @@
+"""Inputs checked at the layer's door, before any transfer starts.
+
+A refused input raises `LayerInputError` on the calling rank only, having touched
+no transport: the next valid call works. Each message names the layer, what was
+expected, what came and the fix. The empty sequence is no error: it gets the
+empty result Megatron's own layer returns, computed without communication.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..config import LayerSettings
+from .wgrad import accumulates, autograd_grad, weight_grad
+
+
+class LayerInputError(ValueError):
+    """An input an overlapped layer cannot take (the message says why and the fix)."""
+
+
+def _fail(layer: Any, what: str, fix: str) -> LayerInputError:
+    return LayerInputError(f"megatron_overlap: layer {layer.overlap_plan.layer!r}: {what}; {fix}")
+
+
+def _common(layer: Any, x: Any, width: int, weight: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise _fail(layer, f"expected a torch.Tensor input, got {type(x).__name__}",
+                    "pass the activations as a tensor")
+    if x.dim() not in (2, 3):
+        raise _fail(layer, f"expected a 3-D [sequence, batch, {width}] or 2-D [tokens, {width}] "
+                    f"input, got {x.dim()}-D {tuple(x.shape)}",
+                    "reshape it to [s, b, h] as Megatron's layers take")
+    if x.shape[-1] != width:
+        raise _fail(layer, f"expected a last (hidden) dimension of {width}, got "
+                    f"{tuple(x.shape)}", f"give the layer inputs of width {width} (its "
+                    "input_size, divided by TP for a row-parallel layer whose input is parallel)")
+    if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+        raise _fail(layer, f"input dtype {x.dtype} does not match the weights' {weight.dtype}",
+                    f"cast the input with .to({weight.dtype})")
+    if x.device != weight.device:
+        raise _fail(layer, f"input is on {x.device}, the weights on {weight.device}",
+                    f"move the input with .to({str(weight.device)!r})")
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.shape[0] * x.shape[1] if x.dim() == 3 else x.shape[0]
+
+
+def _splits(layer: Any, s: LayerSettings | None, rows: int, tp: int, where: str) -> None:
+    """A pipelined GEMM->RS cuts `rows` (per rank) into num_splits chunks."""
+    if s is None or s.method != "pipeline" or rows == 0:
+        return
+    n = s.splits(tp)
+    if rows % n:
+        raise _fail(layer, f"{s.name}: num_splits={n} does not divide the {rows} rows per rank "
+                    f"of {where}", f"pick a num_splits that divides {rows} for {s.name}, or "
+                    f"a sequence length x micro-batch size that {n} divides")
+
+
+def check_column(layer: Any, x: Any, weight: torch.Tensor) -> None:
+    """OverlapColumnParallelLinear's input: [s/tp (SP) or s, b, input_size] or 2-D."""
+    _common(layer, x, layer.input_size, weight)
+    plan, tp = layer.overlap_plan, layer.tp_group.size()
+    if plan.sequence_parallel and plan.rs_dgrad:
+        _splits(layer, plan.dgrad, _rows(x), tp, "the dgrad's reduce-scatter")
+
+
+def check_row(layer: Any, x: Any) -> None:
+    """OverlapRowParallelLinear's input: [s, b, input_size / tp] (input_is_parallel) or
+    [s, b, input_size]; with SP the sequence is reduce-scattered, so TP divides s."""
+    width = layer.input_size_per_partition if layer.input_is_parallel else layer.input_size
+    _common(layer, x, width, layer.weight)
+    plan, tp = layer.overlap_plan, layer.tp_group.size()
+    if plan.sequence_parallel and x.shape[0] % tp:
+        raise _fail(layer, f"sequence parallelism reduce-scatters the sequence over TP={tp}, "
+                    f"and the input's sequence length {x.shape[0]} (shape {tuple(x.shape)}) "
+                    f"is not a multiple of {tp}", f"pad the sequence to a multiple of {tp} "
+                    "(Megatron's own layer refuses it too)")
+    rows = _rows(x) // tp if plan.sequence_parallel else _rows(x)
+    _splits(layer, plan.fprop, rows, tp, "the forward's reduce-scatter" if plan.sequence_parallel
+            else "the forward's all-reduce")
+
+
+def is_empty(x: torch.Tensor) -> bool:
+    return _rows(x) == 0
+
+
+def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.mm(a, b, out=out)
+
+
+class EmptyLinear(torch.autograd.Function):
+    """y = x @ W^T (+ b) for an input with no rows: the empty output, grads as
+    Megatron's layer gives them (an empty input grad, zero weight / bias grads, or
+    main_grad untouched under gradient_accumulation_fusion). No communication: every
+    collective over no rows moves nothing."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, out_rows: int, fuse_wgrad: bool):
+        ctx.save_for_backward(x, weight)
+        ctx.use_bias, ctx.fuse = bias is not None, fuse_wgrad
+        return x.new_empty(out_rows, *x.shape[1:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        g = grad_out.reshape(-1, weight.shape[0])
+        x2 = x.reshape(-1, x.shape[-1])
+        grad_w = None if accumulates(weight, ctx.fuse) else g.new_empty(weight.shape)
+        weight_grad(weight, g, x2, ctx.fuse, matmul_into, grad_w)
+        if grad_w is None:
+            grad_w = autograd_grad(weight, x)
+        grad_b = g.sum(0) if ctx.use_bias else None
+        return x.new_zeros(x.shape), grad_w, grad_b, None, None
+
+
+def empty_column(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """The column layer's output for no rows: [s x tp (SP) or s, b, output_size / tp]."""
+    sp = layer.overlap_plan.sequence_parallel
+    out_rows = x.shape[0] * layer.tp_group.size() if sp else x.shape[0]
+    return EmptyLinear.apply(x, weight, bias, out_rows, layer.gradient_accumulation_fusion)
+
+
+def empty_row(layer: Any, x: torch.Tensor):
+    """The row layer's output for no rows (before its bias): [s / tp (SP) or s, b, output_size]."""
+    sp = layer.overlap_plan.sequence_parallel
+    out_rows = x.shape[0] // layer.tp_group.size() if sp else x.shape[0]
+    return EmptyLinear.apply(x, layer.weight, None, out_rows, layer.gradient_accumulation_fusion)
