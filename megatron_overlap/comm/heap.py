@@ -125,7 +125,7 @@ class HeapTransport(Transport):
     # -- CUDA-graph replay of whole passes ---------------------------------------------------
     @property
     def generation(self) -> int:
-        return len(self._bufs)  # a new allocation: workspaces moved
+        return len(self._bufs)  # a new allocation (never freed, so never repeated): workspaces moved
 
     @contextlib.contextmanager
     def recording_waits(self) -> Iterator[list[str]]:

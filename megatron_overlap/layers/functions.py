@@ -55,11 +55,11 @@ def _begin(tp: Transport, s: LayerSettings | None, fallback: str) -> tuple[str, 
     return name, streams
 
 
-def _run(graphs: Graphs, key: str, tp: Transport, body, *tensors) -> None:
+def _run(graphs: Graphs, key: str, tp: Transport, body, *tensors, static: tuple = ()) -> None:
     if graphs is None or key not in graphs:
         body()
     else:
-        graphs[key].run(tp, body, tensors)
+        graphs[key].run(tp, body, tensors, static)
 
 
 def _gathered(x2: torch.Tensor, tp: Transport) -> torch.Tensor:
@@ -190,7 +190,8 @@ class ColumnParallelMatmul(torch.autograd.Function):
         _run(ctx.graphs, "bwd", tp,
              lambda: column_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, grad_b,
                                 plan, tp, ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad),
-             grad_out, x, weight, grad_in, grad_w, grad_b, _main_grad(weight, fuse))
+             grad_out, x, weight, grad_in, grad_w, grad_b, _main_grad(weight, fuse),
+             static=(ctx.allreduce_dgrad,))
         if grad_w is None:
             grad_w = autograd_grad(weight, x)
         return grad_in, grad_w, grad_b, None, None, None, None, None, None

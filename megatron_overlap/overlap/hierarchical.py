@@ -208,8 +208,10 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes
         for k, m in enumerate(partners(me_n, n_nodes)):
             part = _reduce_ring(tp, blocks, wt, nodes[m], ring_in[k], accs[k], chunk=k * size,
                                 st=st, **ring)
-            inter.append(tp.exchange([(part, nodes[m][me_l], node_in[me_n])],
-                                     [(node_in[m], nodes[m][me_l])], op=op, chunk=(k + 1) * size - 1))
+            with st.chunk((k + 1) * size - 1):  # the stream that wrote `part` sends it
+                inter.append(tp.exchange([(part, nodes[m][me_l], node_in[me_n])],
+                                         [(node_in[m], nodes[m][me_l])], op=op,
+                                         chunk=(k + 1) * size - 1))
         # 2. The own node's blocks, hiding those sends.
         last = (n_nodes - 1) * size
         own = _reduce_ring(tp, blocks, wt, mine, ring_in[n_nodes - 1], accs[n_nodes - 1],
@@ -220,7 +222,10 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes
             for h in inter:
                 h.wait()
             parts = [own if m == me_n else node_in[m] for m in range(n_nodes)]
-            torch.add(parts[0], parts[1], out=out)
-            for p in parts[2:]:
-                out.add_(p)
+            if len(parts) == 1:  # one node: the ring's sum is the result
+                out.copy_(parts[0])
+            else:
+                torch.add(parts[0], parts[1], out=out)
+                for p in parts[2:]:
+                    out.add_(p)
     return out

@@ -101,13 +101,14 @@ class PassGraphs:
         self.failed: str | None = None  # why a capture failed: the pass then runs eagerly
 
     def run(self, tp: Transport, body: Callable[[], None],
-            tensors: Sequence[Optional[torch.Tensor]]) -> None:
-        """Run `body` (the whole pass: every tensor it reads or writes is in `tensors`)
+            tensors: Sequence[Optional[torch.Tensor]], static: tuple = ()) -> None:
+        """Run `body` (the whole pass: every tensor it reads or writes is in `tensors`,
+        every host-side choice it makes that can change from call to call in `static`)
         eagerly, or as a replay of its graph."""
         if self.failed is not None or not self._usable(tp, tensors):
             body()
             return
-        key = _signature(tp, tensors)
+        key = _signature(tp, tensors) + static
         entry = self._graphs.get(key)
         if entry is None:
             seen = self._seen.pop(key, 0) + 1

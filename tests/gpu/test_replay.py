@@ -63,29 +63,38 @@ def _replay_vs_eager(rank, world):
         if fuse:
             ours.weight.main_grad = torch.zeros(ours.weight.shape, dtype=torch.float32, device="cuda")
         for seq in (64, 32, 64):  # a new token count, then back to the first
-            x = make_input(case, rank, world, ours, seq=seq, seed=seq).cuda()
+            # Fixed buffers refilled with new values every step: a replay that left an
+            # output unwritten, or read stale inputs, would not equal eager.
+            x = make_input(case, rank, world, ours, seq=seq, seed=seq).detach().cuda()
             with torch.no_grad():
-                y_shape = ours(x)[0].shape
-            dy = torch.randn(y_shape, generator=torch.Generator().manual_seed(seq)).to(x.dtype).cuda()
-            got = []
-            for _ in range(4):  # steps as training runs them: eager, capture, replays
-                if fuse:
-                    ours.weight.main_grad.zero_()
-                got.append(_step(ours, x, dy))
+                dy = torch.empty(ours(x)[0].shape, dtype=x.dtype, device="cuda")
+            g = torch.Generator().manual_seed(seq + 100 * rank)
+            values = [(torch.randn(x.shape, generator=g).to(x.dtype).cuda(),
+                       torch.randn(dy.shape, generator=g).to(x.dtype).cuda()) for _ in range(4)]
+            grad0 = torch.randn(ours.weight.shape, generator=g).cuda() if fuse else None
+
+            def steps():  # as training runs them: eager, capture, replays
+                out = []
+                for xv, dv in values:
+                    x.copy_(xv)
+                    dy.copy_(dv)
+                    if fuse:  # accumulation onto non-zero grads, not an overwrite
+                        ours.weight.main_grad.copy_(grad0)
+                    out.append(_step(ours, x, dy))
+                return out
+            got = steps()
             replay.set_enabled(False)
             try:
-                if fuse:
-                    ours.weight.main_grad.zero_()
-                eager = _step(ours, x, dy)
+                eager = steps()
             finally:
                 replay.set_enabled(None)
-            mega = _step(ref, x, dy)
-            for i, step in enumerate(got):
+            mega = _step(ref, x, dy)  # the last values
+            for i, (step, ref_step) in enumerate(zip(got, eager)):
                 for key, val in step.items():
-                    if val is None or eager[key] is None:  # dW in main_grad: both None
-                        errs[(kind, variant, seq, i, key, "eager")] = 0.0 if val is eager[key] else 1.0
+                    if val is None or ref_step[key] is None:  # dW in main_grad: both None
+                        errs[(kind, variant, seq, i, key, "eager")] = 0.0 if val is ref_step[key] else 1.0
                     else:
-                        errs[(kind, variant, seq, i, key, "eager")] = (val - eager[key]).abs().max().item()
+                        errs[(kind, variant, seq, i, key, "eager")] = (val - ref_step[key]).abs().max().item()
             for key in ("y", "dx", "db"):
                 if key in got[-1]:
                     errs[(kind, variant, seq, key, "megatron")] = gpu.rel(got[-1][key], mega[key])
@@ -102,9 +111,14 @@ def test_public_layers_replay_equal_eager(world):
         assert errs and not bad, bad
         print("replays, captures per pass:", counts)
         # Replays happen where a pass's tensors recur at the same addresses (steady
-        # state); each case must have replayed, and every replayed step equals eager.
-        for layer, passes in counts.items():
-            assert sum(replays for replays, _ in passes.values()) >= 2, (layer, passes)
+        # state): every case replays, and stored graphs are replayed again (more replays
+        # than captures), except where the output feeds an eager bias add outside the
+        # pass, whose allocation makes the output's address alternate (BENCHMARKS.md).
+        for (kind, variant), passes in counts.items():
+            assert sum(replays for replays, _ in passes.values()) >= 2, (variant, passes)
+            bias_outside = kind == "row" and any(c[2] for c in CASES if c[:2] == (kind, variant))
+            if not bias_outside:
+                assert any(r > c for r, c in passes.values()), (variant, passes)
 
 
 def _silent_peer_in_replay(rank, world):
