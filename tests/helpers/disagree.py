@@ -44,8 +44,13 @@ def disagree_case(rank: int, world: int, what: str) -> dict:
                                    .requires_grad_())
         return out
     finally:
+        # Every rank stays (a failed peer stays silent) until all are done; rank 0 hosts
+        # the store, so it leaves last, once every other rank's last store call is answered.
         store = dist.distributed_c10d._get_default_store()
+        wait = datetime.timedelta(seconds=60)
+        store.set(f"case_done_{rank}", "1")
+        store.wait([f"case_done_{r}" for r in range(world)], wait)
         if rank == 0:
-            store.set("case_done", "1")
+            store.wait([f"case_left_{r}" for r in range(1, world)], wait)
         else:
-            store.wait(["case_done"], datetime.timedelta(seconds=60))
+            store.set(f"case_left_{rank}", "1")
