@@ -12,10 +12,8 @@ from helpers import dist
 
 
 def _train_pair(rank, world, variant, ckpt_dir):
-    import torch
-
     import megatron_overlap as mo
-    from helpers.gpt import make_config, make_model, train
+    from helpers.gpt import checkpoint_both_ways, make_config, make_model, train
     from helpers.megatron_cpu import init
     from megatron_overlap.comm import stats
 
@@ -47,22 +45,7 @@ def _train_pair(rank, world, variant, ckpt_dir):
     stepped = min(rel(p.detach(), q) for p, q in zip(plain.parameters(), initial))
 
     # Checkpoints in Megatron's distributed format, each way: ours -> plain, plain -> ours.
-    import os
-
-    from megatron.core import dist_checkpointing, parallel_state
-
-    meta = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
-    ckpt_err = {}
-    for label, src, dst in (("ours_to_plain", ours, fresh_plain), ("plain_to_ours", plain, fresh_ours)):
-        path = os.path.join(ckpt_dir, label)
-        if rank == 0:
-            os.makedirs(path, exist_ok=True)
-        torch.distributed.barrier()
-        dist_checkpointing.save(src.sharded_state_dict(metadata=meta), path)
-        loaded = dist_checkpointing.load(dst.sharded_state_dict(metadata=meta), path)
-        missing, unexpected = dst.load_state_dict(loaded, strict=False)
-        assert not [k for k in missing + unexpected if not k.endswith("_extra_state")], (missing, unexpected)
-        ckpt_err[label] = max(rel(p, q) for p, q in zip(dst.parameters(), src.parameters()))
+    ckpt_err = checkpoint_both_ways(rank, ckpt_dir, ours, plain, fresh_ours, fresh_plain)
     return dict(classes=classes(ours), plain_classes=classes(plain), norm_sp=norm_sp,
                 losses=(losses_plain, losses_ours), param_err=param_err, moved=moved,
                 norms=norms, ckpt_err=ckpt_err, stepped=stepped)

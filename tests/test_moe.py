@@ -57,14 +57,10 @@ def _cpu_streams() -> None:
 
 
 def _moe_pair(rank, world, dispatcher, ckpt_dir):
-    import os
-
-    import torch
-    from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     import megatron_overlap as mo
-    from helpers.gpt import make_config, make_model, train
+    from helpers.gpt import checkpoint_both_ways, make_config, make_model, train
     from helpers.megatron_cpu import init
 
     init(world)
@@ -90,18 +86,8 @@ def _moe_pair(rank, world, dispatcher, ckpt_dir):
     moved = set(stats.snapshot())
     rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()  # noqa: E731
     param_err = max(rel(p, q) for p, q in zip(ours.parameters(), plain.parameters()))
-    meta = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
-    ckpt_err = {}
-    for label, src, dst in (("ours_to_plain", ours, fresh_plain), ("plain_to_ours", plain, fresh_ours)):
-        path = os.path.join(ckpt_dir, f"{dispatcher}_{label}")
-        if rank == 0:
-            os.makedirs(path, exist_ok=True)
-        torch.distributed.barrier()
-        dist_checkpointing.save(src.sharded_state_dict(metadata=meta), path)
-        loaded = dist_checkpointing.load(dst.sharded_state_dict(metadata=meta), path)
-        missing, unexpected = dst.load_state_dict(loaded, strict=False)
-        assert not [k for k in missing + unexpected if not k.endswith("_extra_state")], (missing, unexpected)
-        ckpt_err[label] = max(rel(p, q) for p, q in zip(dst.parameters(), src.parameters()))
+    ckpt_err = checkpoint_both_ways(rank, ckpt_dir, ours, plain, fresh_ours, fresh_plain,
+                                    tag=f"{dispatcher}_")
     return dict(classes=classes, losses=(losses_plain, losses_ours), param_err=param_err,
                 ckpt_err=ckpt_err, moved=moved)
 

@@ -3,12 +3,10 @@ differently (token counts, settings, one rank without install())."""
 
 from __future__ import annotations
 
-import datetime
 import time
 
-import torch
-
-from helpers.layers import Case, build, build_pair
+from helpers.faults import leave_together
+from helpers.layers import Case, build_pair
 from helpers.robust import compare, global_input
 
 
@@ -44,13 +42,4 @@ def disagree_case(rank: int, world: int, what: str) -> dict:
                                    .requires_grad_())
         return out
     finally:
-        # Every rank stays (a failed peer stays silent) until all are done; rank 0 hosts
-        # the store, so it leaves last, once every other rank's last store call is answered.
-        store = dist.distributed_c10d._get_default_store()
-        wait = datetime.timedelta(seconds=60)
-        store.set(f"case_done_{rank}", "1")
-        store.wait([f"case_done_{r}" for r in range(world)], wait)
-        if rank == 0:
-            store.wait([f"case_left_{r}" for r in range(1, world)], wait)
-        else:
-            store.set(f"case_left_{rank}", "1")
+        leave_together(rank, world)

@@ -164,29 +164,34 @@ def one_case(rank: int, world: int, kind: str, sp: bool, variant: str, point: st
     return out
 
 
-def raise_case(rank: int, world: int, case: tuple) -> dict:
-    """The victim raises and stays alive, holding its connections, until rank 0 has
-    its diagnosis: rank 0 can only learn of the failure from its own timeout."""
+def leave_together(rank: int, world: int) -> None:
+    """End a case on every rank together: each rank stays (a failed peer stays silent)
+    until all are done; rank 0 hosts the store, so it leaves last, once every other
+    rank's last store call is answered."""
     import datetime
 
     import torch.distributed as dist
 
+    store = dist.distributed_c10d._get_default_store()
+    wait = datetime.timedelta(seconds=60)
+    store.set(f"case_done_{rank}", "1")
+    store.wait([f"case_done_{r}" for r in range(world)], wait)
+    if rank == 0:
+        store.wait([f"case_left_{r}" for r in range(1, world)], wait)
+    else:
+        store.set(f"case_left_{rank}", "1")
+
+
+def raise_case(rank: int, world: int, case: tuple) -> dict:
+    """The victim raises and stays alive, holding its connections, until rank 0 has
+    its diagnosis: rank 0 can only learn of the failure from its own timeout."""
     from helpers.megatron_cpu import init
 
     init(world)
     try:
         return one_case(rank, world, *case, mode="raise")
     finally:
-        # Every rank stays (a failed peer stays silent) until all are done; rank 0 hosts
-        # the store, so it leaves last, once every other rank's last store call is answered.
-        store = dist.distributed_c10d._get_default_store()
-        wait = datetime.timedelta(seconds=60)
-        store.set(f"case_done_{rank}", "1")
-        store.wait([f"case_done_{r}" for r in range(world)], wait)
-        if rank == 0:
-            store.wait([f"case_left_{r}" for r in range(1, world)], wait)
-        else:
-            store.set(f"case_left_{rank}", "1")
+        leave_together(rank, world)
 
 
 def exit_case(rank: int, world: int, case: tuple, victim: int) -> dict:

@@ -105,3 +105,28 @@ def skip_dp_all_reduce_on_gloo_cuda(ddp) -> None:
     if (parallel_state.get_data_parallel_world_size(with_context_parallel=True) == 1
             and dist.get_backend(group) == "gloo"):
         ddp.finish_grad_sync = lambda *args, **kwargs: None
+
+
+def checkpoint_both_ways(rank: int, ckpt_dir: str, ours, plain, fresh_ours, fresh_plain,
+                         tag: str = "") -> dict[str, float]:
+    """Megatron distributed checkpoints each way (ours -> a fresh plain model, plain -> a
+    fresh one of ours); per direction, the largest relative parameter difference after
+    loading. Nothing but `_extra_state` may be missing or unexpected."""
+    import os
+
+    from megatron.core import dist_checkpointing, parallel_state
+
+    meta = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()  # noqa: E731
+    err = {}
+    for label, src, dst in (("ours_to_plain", ours, fresh_plain), ("plain_to_ours", plain, fresh_ours)):
+        path = os.path.join(ckpt_dir, tag + label)
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save(src.sharded_state_dict(metadata=meta), path)
+        loaded = dist_checkpointing.load(dst.sharded_state_dict(metadata=meta), path)
+        missing, unexpected = dst.load_state_dict(loaded, strict=False)
+        assert not [k for k in missing + unexpected if not k.endswith("_extra_state")], (missing, unexpected)
+        err[label] = max(rel(p, q) for p, q in zip(dst.parameters(), src.parameters()))
+    return err
