@@ -8,11 +8,14 @@ empty result Megatron's own layer returns, computed without communication.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from ..config import LayerSettings
+from ..overlap import matmul
+from .functions import token_rows
 from .wgrad import accumulates, autograd_grad, weight_grad
 
 
@@ -44,10 +47,6 @@ def _common(layer: Any, x: Any, width: int, weight: torch.Tensor) -> None:
                     f"move the input with .to({str(weight.device)!r})")
 
 
-def _rows(x: torch.Tensor) -> int:
-    return x.shape[0] * x.shape[1] if x.dim() == 3 else x.shape[0]
-
-
 def _splits(layer: Any, s: LayerSettings | None, rows: int, tp: int, where: str) -> None:
     """A pipelined GEMM->RS cuts `rows` (per rank) into num_splits chunks."""
     if s is None or s.method != "pipeline" or rows == 0:
@@ -64,7 +63,7 @@ def check_column(layer: Any, x: Any, weight: torch.Tensor) -> None:
     _common(layer, x, layer.input_size, weight)
     plan, tp = layer.overlap_plan, layer.tp_group.size()
     if plan.sequence_parallel and plan.rs_dgrad:
-        _splits(layer, plan.dgrad, _rows(x), tp, "the dgrad's reduce-scatter")
+        _splits(layer, plan.dgrad, token_rows(x), tp, "the dgrad's reduce-scatter")
 
 
 def check_row(layer: Any, x: Any) -> None:
@@ -78,17 +77,13 @@ def check_row(layer: Any, x: Any) -> None:
                     f"and the input's sequence length {x.shape[0]} (shape {tuple(x.shape)}) "
                     f"is not a multiple of {tp}", f"pad the sequence to a multiple of {tp} "
                     "(Megatron's own layer refuses it too)")
-    rows = _rows(x) // tp if plan.sequence_parallel else _rows(x)
+    rows = token_rows(x) // tp if plan.sequence_parallel else token_rows(x)
     _splits(layer, plan.fprop, rows, tp, "the forward's reduce-scatter" if plan.sequence_parallel
             else "the forward's all-reduce")
 
 
 def is_empty(x: torch.Tensor) -> bool:
-    return _rows(x) == 0
-
-
-def matmul_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.mm(a, b, out=out)
+    return token_rows(x) == 0
 
 
 class EmptyLinear(torch.autograd.Function):
@@ -109,7 +104,7 @@ class EmptyLinear(torch.autograd.Function):
         g = grad_out.reshape(-1, weight.shape[0])
         x2 = x.reshape(-1, x.shape[-1])
         grad_w = None if accumulates(weight, ctx.fuse) else g.new_empty(weight.shape)
-        weight_grad(weight, g, x2, ctx.fuse, matmul_into, grad_w)
+        weight_grad(weight, g, x2, ctx.fuse, functools.partial(matmul, op="wgrad"), grad_w)
         if grad_w is None:
             grad_w = autograd_grad(weight, x)
         grad_b = g.sum(0) if ctx.use_bias else None

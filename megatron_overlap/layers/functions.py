@@ -153,7 +153,8 @@ def _main_grad(weight: torch.Tensor, fuse: bool) -> Optional[torch.Tensor]:
     return weight.main_grad if accumulates(weight, fuse) else None
 
 
-def _rows(t: torch.Tensor) -> int:
+def token_rows(t: torch.Tensor) -> int:
+    """Rows of `t` flattened to [tokens, hidden] ([s, b, h] or [s, h] as Megatron takes)."""
     return t.numel() // t.shape[-1] if t.shape[-1] else 0
 
 
@@ -173,7 +174,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
         ctx.layouts = layouts = layouts or {}
         ctx.graphs, ctx.use_bias = graphs, bias is not None
         ctx.save_for_backward(x, weight)
-        local = _rows(x)
+        local = token_rows(x)
         rows = local * (tp.world_size if plan.sequence_parallel else 1)
         out = x.new_empty(rows, weight.shape[0])
         _run(graphs, "fprop", tp,
@@ -206,7 +207,7 @@ class RowParallelMatmul(torch.autograd.Function):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs = plan, tp, fuse_wgrad, graphs
         ctx.layouts = layouts = layouts or {}
         ctx.save_for_backward(x, weight)
-        local = _rows(x)
+        local = token_rows(x)
         rows = local // (tp.world_size if plan.sequence_parallel else 1)
         out = x.new_empty(rows, weight.shape[0])
         _run(graphs, "fprop", tp,

@@ -27,7 +27,7 @@ from ..config import state
 from ..overlap.hierarchical import RingOrder, choose
 from ..overlap.replay import PassGraphs
 from . import agree, checks
-from .functions import ColumnParallelMatmul, RowParallelMatmul
+from .functions import ColumnParallelMatmul, RowParallelMatmul, token_rows
 from .plan import LayerPlan, build_plan
 from .wgrad import HAVE_APEX_WGRAD
 
@@ -132,8 +132,7 @@ class _OverlapMixin:
         return (fallback or not self.overlap_plan.enabled) and not missing_apex
 
     def _note_tokens(self, x: torch.Tensor, full: bool) -> None:
-        tokens = x.shape[0] * x.shape[1] if x.dim() > 2 else x.shape[0]
-        tokens *= 1 if full else self.transport.world_size
+        tokens = token_rows(x) * (1 if full else self.transport.world_size)
         if tokens > self._max_tokens:  # (nn.Module attribute writes are slow: only on change)
             self._max_tokens, self._elem = tokens, x.element_size()
 
