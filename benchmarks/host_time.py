@@ -182,6 +182,7 @@ def time_null(tokens: int, tp: int, hidden: int, dtype, device, reps: int) -> di
     from megatron_overlap.comm import NullTransport
     from megatron_overlap.overlap.pass_fn import pass_fn
     from megatron_overlap.overlap.streams import ChunkStreams
+    from megatron_overlap.tune.measure import host_us
 
     x_ag = torch.randn(tokens // tp, hidden, device=device, dtype=dtype)
     w_ag = torch.randn(3 * hidden // tp, hidden, device=device, dtype=dtype)
@@ -199,20 +200,14 @@ def time_null(tokens: int, tp: int, hidden: int, dtype, device, reps: int) -> di
         for name, fn in cases.items():
             for _ in range(3):
                 fn()
-            drained, b2b = [], []
-            for _ in range(reps):
-                torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                fn()
-                drained.append((time.perf_counter() - t0) * 1e6)
-            torch.cuda.synchronize(device)
+            drained, b2b = host_us(fn, reps), []  # median, device drained before each call
             for _ in range(reps):
                 t0 = time.perf_counter()
                 fn()
                 b2b.append((time.perf_counter() - t0) * 1e6)
             torch.cuda.synchronize(device)
             out[f"{name} ({'replayed' if replayed else 'eager'})"] = dict(
-                drained_us=statistics.median(drained), b2b_us=statistics.median(b2b))
+                drained_us=drained, b2b_us=statistics.median(b2b))
     return out
 
 
