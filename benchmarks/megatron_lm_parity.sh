@@ -16,7 +16,8 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl/mlm pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
 #     typing-inspection==0.4.5 typing-extensions==4.16.0 six regex psutil
-# Env: OUT (logs, default /tmp/out), ITERS (20), RUN_TIMEOUT (s per run, 240), MODEL_ARGS
+# Env: OUT (logs, default /tmp/out), ITERS (20), GRAPHS (1: a third run, the overlap under
+# Megatron's own CUDA graphs, its losses against the eager overlapped run's), RUN_TIMEOUT (s per run, 240), MODEL_ARGS
 # (replaces the model size flags). Exit code: the number of trees that failed.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; ITERS=${ITERS:-20}; mkdir -p "$OUT"
@@ -38,8 +39,12 @@ ARGS="$MODEL_ARGS --tensor-model-parallel-size 2 --sequence-parallel --transform
 failed=0
 for tree in "$@"; do
   tag=$(basename "$tree"); tree=$(cd "$tree" && pwd)
-  for arm in on off; do
-    flag=$([ $arm = on ] && echo --tp-comm-overlap || true)
+  # Megatron's own CUDA graphs (GRAPHS=1): the overlap on, transformer layers graphed by
+  # Megatron's CudaGraphManager (--cuda-graph-impl local; --enable-cuda-graph in core_v0.14)
+  graph_flag=$(grep -q "'--cuda-graph-impl'" "$tree/megatron/training/arguments.py" \
+    && echo "--cuda-graph-impl local" || echo "--enable-cuda-graph")
+  for arm in on off ${GRAPHS:+graphs}; do
+    case $arm in on) flag=--tp-comm-overlap;; off) flag=;; graphs) flag="--tp-comm-overlap $graph_flag";; esac
     PYTHONPATH="$tree:$PWD:/tmp/site_mlm:${PYTHONPATH:-}" timeout "${RUN_TIMEOUT:-240}" \
       python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
       benchmarks/megatron_lm_shared_gpu.py "$tree/pretrain_gpt.py" $ARGS $flag \
@@ -49,5 +54,10 @@ for tree in "$@"; do
   done
   python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_on.log" "$OUT/mlm_${tag}_off.log" \
     --iters "$ITERS" --label "$tag" --json "$OUT/mlm_${tag}_parity.json" || failed=$((failed + 1))
+  if [ -n "${GRAPHS:-}" ]; then
+    python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_graphs.log" "$OUT/mlm_${tag}_on.log" \
+      --iters "$ITERS" --label "$tag graphs vs eager" --second-overlapped --json "$OUT/mlm_${tag}_graphs_parity.json" \
+      || failed=$((failed + 1))
+  fi
 done
 exit $failed

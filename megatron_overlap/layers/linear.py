@@ -27,6 +27,7 @@ from ..config import state
 from ..overlap.hierarchical import RingOrder, choose
 from ..overlap.replay import PassGraphs
 from . import agree, checks
+from .graphs import megatron_graphs
 from .functions import ColumnParallelMatmul, RowParallelMatmul, token_rows
 from .plan import LayerPlan, build_plan
 from .wgrad import HAVE_APEX_WGRAD
@@ -87,8 +88,13 @@ class _OverlapMixin:
         self._transport = None
         self._orders: dict[str, RingOrder] | None = None
         self._max_tokens = 0  # largest [sequence x batch] seen, across the TP group
-        # each pass captured in a CUDA graph and replayed where it can be (overlap.replay)
-        self.pass_graphs = {p: PassGraphs(f"{self.overlap_plan.layer} {p}") for p in ("fprop", "bwd")}
+        # each pass captured in a CUDA graph and replayed where it can be (overlap.replay),
+        # unless Megatron graphs the layer itself (layers.graphs; refuses what cannot run)
+        self.megatron_graphs = (megatron_graphs(self.config, self.overlap_plan.layer)
+                                if self.overlap_plan.enabled else None)
+        off = self.megatron_graphs and f"Megatron's CUDA graphs ({self.megatron_graphs}) capture it"
+        self.pass_graphs = {p: PassGraphs(f"{self.overlap_plan.layer} {p}", off=off)
+                            for p in ("fprop", "bwd")}
 
     @property
     def transport(self) -> comm.Transport:

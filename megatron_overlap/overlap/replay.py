@@ -23,7 +23,8 @@ can take longer than its GEMMs run. A replay issues it in one launch.
   re-emitted at each replay), and the watchdog: each replay is watched as one
   wait, and a replay that does not finish is diagnosed with every wait the pass
   makes (rank, pass, chunk, peer), the device-side timeout as backstop.
-- Not used inside someone else's capture (the pass is captured there), on CPU,
+- Not used inside someone else's capture (the pass is captured there), for a layer
+  Megatron graphs itself (`off`: layers.graphs), on CPU,
   or on transports whose transfers keep host-side state (`Transport.replayable`).
   MEGATRON_OVERLAP_GRAPHS=0 (or install(graphs=False)) turns it off.
 """
@@ -93,8 +94,10 @@ class _Graph:
 class PassGraphs:
     """The captured graphs of one layer pass (one per signature)."""
 
-    def __init__(self, name: str, max_graphs: int = 8, capture_after: int = 2):
+    def __init__(self, name: str, max_graphs: int = 8, capture_after: int = 2,
+                 off: Optional[str] = None):
         self.name, self.max_graphs, self.capture_after = name, max_graphs, capture_after
+        self.off = off or None  # why this pass is never captured here (it runs eagerly)
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: OrderedDict[tuple, int] = OrderedDict()
         self.replays = self.captures = 0
@@ -143,7 +146,8 @@ class PassGraphs:
                 trace.record(ev.kind, ev.op, ev.chunk, ev.via)
 
     def _usable(self, tp: Transport, tensors) -> bool:
-        return (tp.replayable and enabled() and tensors[0] is not None and tensors[0].is_cuda
+        return (tp.replayable and enabled() and self.off is None
+                and tensors[0] is not None and tensors[0].is_cuda
                 and not torch.cuda.is_current_stream_capturing())
 
     def _capture(self, tp: Transport, body: Callable[[], None]) -> _Graph:

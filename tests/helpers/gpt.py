@@ -59,12 +59,35 @@ def forward(model, b):
     return model(tokens, pos, mask, labels=labels).float().mean()
 
 
-def train(ddp, steps: int = 5, lr: float = 0.05, device: str = "cpu") -> list[float]:
+def forward_backward(ddp, b) -> float:
+    """One micro-batch's forward and backward through Megatron's own schedule
+    (`get_forward_backward_func`, no pipelining), which is also where Megatron's local
+    CUDA graphs are created (at the end of the step that recorded them)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def step(data_iterator, model):
+        tokens, pos, mask, labels = next(data_iterator)
+        out = model(tokens, pos, mask, labels=labels)
+
+        def loss_func(output):
+            loss = output.float().mean()
+            return loss, {"loss": loss.detach()}
+        return out, loss_func
+
+    reduced = get_forward_backward_func()(
+        forward_step_func=step, data_iterator=iter([b]), model=[ddp], num_microbatches=1,
+        seq_length=SEQ, micro_batch_size=BATCH, forward_only=False)
+    return reduced[0]["loss"].item()
+
+
+def train(ddp, steps: int = 5, lr: float = 0.05, device: str = "cpu", schedule: bool = False,
+          after_step=None) -> list[float]:
     """Megatron's own training step, as `megatron.training.train_step` runs it:
-    zero DDP's grad buffer and the optimizer, forward and backward,
-    `finalize_model_grads`, then Megatron's optimizer (`get_megatron_optimizer`:
-    SGD with momentum, no weight decay, no clipping) steps on each `main_grad`.
-    Nothing of megatron_overlap runs here beyond the model's own layers."""
+    zero DDP's grad buffer and the optimizer, forward and backward (directly, or
+    through Megatron's schedule with `schedule`), `finalize_model_grads`, then
+    Megatron's optimizer (`get_megatron_optimizer`: SGD with momentum, no weight
+    decay, no clipping) steps on each `main_grad`; `after_step(step)` is called after
+    each. Nothing of megatron_overlap runs here beyond the model's own layers."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -83,13 +106,18 @@ def train(ddp, steps: int = 5, lr: float = 0.05, device: str = "cpu") -> list[fl
     for step in range(steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        loss = forward(ddp, batch(step, device))
-        loss.backward()
+        if schedule:
+            losses.append(forward_backward(ddp, batch(step, device)))
+        else:
+            loss = forward(ddp, batch(step, device))
+            loss.backward()
+            losses.append(loss.item())
         finalize_model_grads([ddp])
         with on_device():
             ok, _, _ = optimizer.step()
         assert ok, f"Megatron's optimizer skipped step {step}"
-        losses.append(loss.item())
+        if after_step is not None:
+            after_step(step)
     return losses
 
 
