@@ -15,6 +15,7 @@ does it: no SMs taken from the GEMM) followed by a signal the peer waits on.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator, Sequence
 
 import torch
@@ -55,7 +56,8 @@ class SymmTransport(HeapTransport):
         super().begin_pass(name, comm_priority)
         # Every peer is past its previous pass (and its reads of our workspace) once this
         # barrier passes on the compute stream; copies of this pass are ordered after it.
-        self._barrier(PASS_BARRIER, torch.cuda.current_stream(), f"the barrier starting '{name}'")
+        self._barrier(PASS_BARRIER, torch.cuda.current_stream(),
+                      f"the barrier starting '{name}' (before chunk 0, with {self._others})")
 
     # -- the four transfers ------------------------------------------------------------------
     def _start_exchange(self, sends: Sequence[tuple[torch.Tensor, Peer, torch.Tensor]],
@@ -114,13 +116,20 @@ class SymmTransport(HeapTransport):
         with self._on_comm_stream() as stream:
             if stage is not inp:
                 stage.copy_(inp)
-            self._barrier(BULK_BARRIER, stream, f"'{op}' chunk {chunk} (staging barrier)")
+            self._barrier(BULK_BARRIER, stream,
+                          f"'{op}' chunk {chunk} (staging barrier with {self._others})")
             yield stream
 
     def _barrier(self, channel: int, stream: torch.cuda.Stream, what: str) -> None:
         with torch.cuda.stream(stream):
             self._signals.handle.barrier(channel, self._device_timeout_ms)
         self._watch(stream, what, channel, [p for p in range(self.world_size) if p != self.rank])
+
+    @functools.cached_property
+    def _others(self) -> str:
+        """The peers a barrier waits for, for its diagnosis ('rank 1', 'ranks 0, 2, 3')."""
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        return f"rank{'s' if len(peers) > 1 else ''} {', '.join(map(str, peers))}"
 
     def _watch(self, stream, what: str, channel: int, peers: list[int]) -> None:
         self._watchdog.watch(stream, f"rank {self.rank}/{self.world_size} waited for {what}",

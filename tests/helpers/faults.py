@@ -1,5 +1,7 @@
 """Peers that fail: run ranks that may raise or exit, and inject the failure at a
-chosen point of a layer's forward or backward (tests/test_robust_faults.py).
+chosen point of a layer's forward or backward; the case tables and what the
+survivors must see (tests/test_robust_faults.py on CPU, gloo;
+tests/gpu/test_faults_symm.py on `symm`, ranks sharing one GPU).
 
 `run_ranks` never hangs: ranks still running at its deadline are killed, and each
 rank's outcome (its return value, its traceback, its exit code, or 'killed') is
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
+import re
 import time
 from typing import Any, Callable
 
@@ -23,13 +26,16 @@ KILLED = "killed at the harness deadline"
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.tensor_parallel",
            "megatron.core.parallel_state", "megatron_overlap", "megatron_overlap.layers",
            "helpers.dist", "helpers.faults", "helpers.robust", "helpers.megatron_cpu",
-           "helpers.disagree"]
+           "helpers.disagree", "helpers.gpu", "helpers.reduction"]
 _ctx = None
 
 
 def _context():
     global _ctx
     if _ctx is None:
+        # A child forked from a server that initialised CUDA could not use it: should an
+        # import above ask torch.cuda.is_available(), torch answers through NVML instead.
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         _ctx = mp.get_context("forkserver")
         _ctx.set_forkserver_preload(PRELOAD)
     return _ctx
@@ -110,18 +116,45 @@ def arm(tp, log: list[str], after: int, mode: str, where: str) -> None:
 
 def step(layer, x: torch.Tensor, seed: int = 3) -> None:
     y, _ = layer(x.detach().requires_grad_())
-    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)))
+    y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.device))
+    settle(layer)
+
+
+def settle(layer) -> None:
+    """Wait until the layer's GPU work is done, as its next call would learn of a wait
+    that never ends: from the transport's check() (the watchdog's diagnosis), polled.
+    GPU transports enqueue their waits and return at once, so a pass returns before a
+    missing peer shows; and a CUDA call blocked behind the stuck wait (a synchronize)
+    would only return when the device-side timeout traps. Nothing to do on the CPU."""
+    if not layer.weight.is_cuda:
+        return
+    tp = layer.transport
+    current = torch.cuda.current_stream()
+    for stream in getattr(tp, "_streams", {}).values():  # the communication streams
+        current.wait_stream(stream)
+    done = torch.cuda.Event()
+    done.record(current)
+    while True:
+        tp.check()
+        try:
+            if done.query():
+                break
+        except RuntimeError:  # the device trapped: the diagnosis first, if there is one
+            tp.check()
+            raise
+        time.sleep(0.01)
+    tp.check()
 
 
 def one_case(rank: int, world: int, kind: str, sp: bool, variant: str, point: str, mode: str,
-             victim: int = 1) -> dict:
+             victim: int = 1, device: str = "cpu") -> dict:
     """The victim fails at `point` (first_forward | forward | backward | between) of a
     forward + backward through one layer; the others run on. What every rank saw."""
     import torch.distributed as dist
 
     from helpers.robust import global_input, pair
 
-    ours = pair(kind, sp, variant, world)[1]
+    ours = pair(kind, sp, variant, world, device)[1]
     dist.barrier()  # ranks start each phase together: the 2 s timeout measures the fault only
     x = global_input(ours, rank, world, 4, 2, seed=1)
     dy = None
@@ -133,6 +166,7 @@ def one_case(rank: int, world: int, kind: str, sp: bool, variant: str, point: st
         n["forward"] = len(log)
         y.backward(torch.ones_like(y))
         n["backward"] = len(log) - n["forward"]
+        settle(ours)
     out = {"rank": rank, "transfers": n}
     dist.barrier()
     t0 = time.monotonic()
@@ -157,6 +191,7 @@ def one_case(rank: int, world: int, kind: str, sp: bool, variant: str, point: st
                 fail(mode, "at the start of the backward")
             arm(ours.transport, log, min(1, n["backward"] - 1), mode, "inside the backward")
         y.backward(dy)
+        settle(ours)
         out["result"] = "no error"
     except Exception as e:  # noqa: BLE001 - the test reads type and message
         out["result"] = f"{type(e).__name__}: {e}"
@@ -182,21 +217,136 @@ def leave_together(rank: int, world: int) -> None:
         store.set(f"case_left_{rank}", "1")
 
 
-def raise_case(rank: int, world: int, case: tuple) -> dict:
+def raise_case(rank: int, world: int, case: tuple, device: str = "cpu") -> dict:
     """The victim raises and stays alive, holding its connections, until rank 0 has
     its diagnosis: rank 0 can only learn of the failure from its own timeout."""
-    from helpers.megatron_cpu import init
+    from helpers.robust import init
 
-    init(world)
+    init(world, device)
     try:
-        return one_case(rank, world, *case, mode="raise")
+        return one_case(rank, world, *case, mode="raise", device=device)
     finally:
         leave_together(rank, world)
 
 
-def exit_case(rank: int, world: int, case: tuple, victim: int) -> dict:
+def exit_case(rank: int, world: int, case: tuple, victim: int, device: str = "cpu") -> dict:
     """One case where the victim's process ends (os._exit) at the chosen point."""
-    from helpers.megatron_cpu import init
+    from helpers.robust import init
 
-    init(world)
-    return one_case(rank, world, *case, mode="exit", victim=victim)
+    init(world, device)
+    return one_case(rank, world, *case, mode="exit", victim=victim, device=device)
+
+
+# -- the cases, and what the survivors must see ---------------------------------------------
+POINTS = ("forward", "backward", "between")
+
+
+def raise_cases() -> list[tuple]:
+    """(kind, sp, variant, point): before the first forward (and in the topology
+    exchange it makes) once; each point of a pass for each of the four layer kinds."""
+    from helpers.robust import KINDS
+
+    return [(kind, sp, variant, p) for kind, sp, variant in KINDS[:1]
+            for p in ("first_forward", "topology")] + [
+        (kind, sp, variant, point) for kind, sp, variant in KINDS for point in POINTS]
+
+
+EXIT_CASES = [  # (case, victim)
+    (("column", True, "rs_dgrad_pipeline2", "first_forward"), 1),
+    (("row", True, "pipeline2", "first_forward"), 0),  # the rank that hosts the store
+    (("row", True, "pipeline2", "forward"), 1),
+    (("column", True, "rs_dgrad_pipeline2", "backward"), 1),
+    (("row", True, "pipeline2", "between"), 1),
+]
+
+
+def case_id(case: tuple) -> str:
+    from helpers.robust import kind_id
+
+    return f"{kind_id(case[0], case[1])}-{case[3]}"
+
+
+# What the wait that timed out is called, per transport: a torch_p2p handle's wait
+# names its peers; a symm wait is a signal from one peer, a staging barrier or the
+# barrier every symm pass starts with (so on symm every pass waits for every peer).
+_WAITED = {
+    "torch_p2p": r"'(?P<layer>qkv|proj)_(?P<pass>fprop|dgrad|wgrad)' chunk \d+ "
+                 r"\((all ranks|to \d+, from \d+)\) and it failed: .*",
+    "symm": r"(?:'[^']+' chunk \d+ \([^)]*\) and it failed: megatron_overlap\[symm\]: "
+            r"rank \d+/\d+ waited for )?"  # the same, seen through a handle's wait()
+            r"(the barrier starting )?'(?P<layer>qkv|proj)_(?P<pass>fprop|dgrad|wgrad)' "
+            r"(chunk \d+ from rank \d+|chunk \d+ \(staging barrier with ranks? [\d, ]+\)"
+            r"|\(before chunk 0, with ranks? [\d, ]+\)) \(still pending after {t}s\)\. .*",
+}
+PASS_BARRIER = {"torch_p2p": False, "symm": True}
+
+
+def _survivors(per_rank: list, victim: int) -> list[tuple[int, dict]]:
+    out = []
+    for r, (status, value) in enumerate(per_rank):
+        if r != victim:
+            assert status == "ok", f"rank {r} {status}: {value}"
+            out.append((r, value))
+    return out
+
+
+def _check_pass_error(rank: int, world: int, got: dict, kind: str, point: str,
+                      transport: str, t: float) -> None:
+    """The survivor's CommError names rank, layer pass, chunk and peer(s), and the pass
+    is the one the victim left."""
+    transfers = got["transfers"]
+    if point != "forward" and transfers["backward"] == 0 and not PASS_BARRIER[transport]:
+        assert got["result"] == "no error", got  # row without SP: no wait is left
+        return
+    pattern = (rf"CommError: megatron_overlap\[{transport}\]: rank {rank}/{world} waited for "
+               + _WAITED[transport].replace("{t}", f"{t:g}") + rf"MEGATRON_OVERLAP_TIMEOUT_S={t:g}s")
+    m = re.match(pattern, got["result"])
+    assert m, got["result"]
+    assert m.group("layer") == ("qkv" if kind == "column" else "proj")
+    fails_in_forward = point == "forward" and (transfers["forward"] > 0 or PASS_BARRIER[transport])
+    assert (m.group("pass") == "fprop") == fails_in_forward, (point, transfers, got["result"])
+
+
+def _first_forward_error(rank: int, world: int, victim: int, t: float, what: str) -> str:
+    return (f"CommError: megatron_overlap: rank {rank}/{world} waited for '{what}' chunk 0 "
+            f"(from all ranks) {t:g}s and group ranks {victim} (global {victim}) never arrived")
+
+
+def check_raised(per_rank: list, case: tuple, transport: str, t: float, slack: float,
+                 victim: int = 1) -> None:
+    """The victim raised (and stayed alive, silent); every other rank got its diagnosis
+    from its own timeout: within t plus slack, naming what it waited for."""
+    kind, _, _, point = case
+    assert per_rank[victim][0] == "ok", per_rank[victim]
+    assert per_rank[victim][1]["result"].startswith("Injected: injected failure"), per_rank[victim]
+    world = len(per_rank)
+    for rank, got in _survivors(per_rank, victim):
+        if got["result"] != "no error":  # only its own timeout can have told it
+            assert t * 0.9 <= got["elapsed"] <= t + slack, got
+        if point in ("first_forward", "topology"):
+            what = {"first_forward": "layer agreement (shape and settings)",
+                    "topology": "topology exchange before the first forward"}[point]
+            assert got["result"].startswith(_first_forward_error(rank, world, victim, t, what)), got
+            assert "a rank without install()" in got["result"]
+        else:
+            _check_pass_error(rank, world, got, kind, point, transport, t)
+
+
+def check_exited(per_rank: list, case: tuple, victim: int, transport: str, t: float,
+                 slack: float) -> None:
+    """The victim's process ended; every other rank got a bounded diagnosis."""
+    kind, _, _, point = case
+    assert per_rank[victim] == ("exited", 17), per_rank[victim]
+    world = len(per_rank)
+    for rank, got in _survivors(per_rank, victim):
+        assert got["elapsed"] <= t + slack, got
+        if point != "first_forward":
+            _check_pass_error(rank, world, got, kind, point, transport, t)
+        elif victim != 0:
+            assert _first_forward_error(rank, world, victim, t, "layer agreement (shape and "
+                                        "settings)").split(" waited for ")[1] in got["result"], got
+        else:
+            assert got["result"].startswith(
+                f"CommError: megatron_overlap: rank {rank}/{world} waited for 'layer agreement "
+                f"(shape and settings)' chunk 0 (from all ranks) {t:g}s and the rendezvous store "
+                f"(hosted by global rank 0) is unreachable"), got
