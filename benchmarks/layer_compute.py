@@ -3,8 +3,10 @@
 sequence parallel) at one TP rank's dimensions, forward + backward, ours against
 Megatron's own plain TP layer, side by side in one run on one GPU.
 
-One process plays rank 0 of a TP group (`ab.emulated_tp`): Megatron builds both
-layers at that TP size's per-rank dimensions, from the same weights.
+One process plays the last rank of a TP group (`ab.emulated_tp`): Megatron builds
+both layers at that TP size's per-rank dimensions, from the same weights. (The
+last: under the causal mask its sequence shard attends to every other shard, so
+the check below sees every block the all-gathers bring.)
 
 - ours: `tp_comm_overlap=True` after `install()` (TE's default settings, or
   `--ub-cfgs`), its linears on the `null` transport: the overlapped schedules'
@@ -228,15 +230,16 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def check(emu, arms: list[Arm], e: Extras, tol: float) -> dict:
+def check(emu, arms: list[Arm], e: Extras, tol: float, mirror=None) -> dict:
     """Both layers on MirrorTransport, once each from zero grads: output, input grad and
     every parameter grad of ours against Megatron's (max |diff| / max |megatron|), and
-    the transfers each arm started there, per op."""
+    the transfers each arm started there, per op. `mirror`: the transport class
+    (MirrorTransport; a test hands in a broken one)."""
     from megatron_overlap.ab.emulated_tp import MirrorTransport
     from megatron_overlap.comm import stats
 
     ref, ours = arms[0], arms[1]
-    emu.use(MirrorTransport(emu.world), [a.layer for a in arms])
+    emu.use((mirror or MirrorTransport)(emu.world, emu.rank), [a.layer for a in arms])
     got, moved = {}, {}
     for arm in (ref, ours):
         _zero_grads(arm)
@@ -260,7 +263,7 @@ def time_shape(emu, arms: list[Arm], e: Extras, args) -> dict:
     from megatron_overlap.comm import NullTransport
     from megatron_overlap.tune.measure import graphed, time_b2b, time_ms
 
-    emu.use(NullTransport(emu.world), [a.layer for a in arms])
+    emu.use(NullTransport(emu.world, emu.rank), [a.layer for a in arms])
     fns = {a.name: (lambda a=a: a.step(e)) for a in arms}
     for fn in fns.values():  # warm-up: buffers sized, pass graphs captured, kernels chosen
         for _ in range(3):
@@ -302,7 +305,7 @@ def flops(shape: LayerShape) -> float:
 def run_shape(shape: LayerShape, args, dtype, device) -> dict:
     from megatron_overlap.ab.emulated_tp import EmulatedTP
 
-    with EmulatedTP(shape.tp) as emu:
+    with EmulatedTP(shape.tp, rank=shape.tp - 1) as emu:
         seed_rng(device, args.seed)
         arms, extras = build_arms(shape, args, dtype, device)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -376,7 +379,7 @@ def main(argv=None) -> int:
         mo.uninstall()
     meta = machine_info(layout, device)
     meta.update(ranks=1, dist_backend="none (one process emulating a TP rank)",
-                note=("one GPU, one process playing TP rank 0" if device.type == "cuda" else
+                note=("one GPU, one process playing the last TP rank" if device.type == "cuda" else
                       "CPU: FUNCTIONAL ONLY (the check ran, nothing was timed)"),
                 cuda_device_max_connections=os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),
                 wall_s=time.perf_counter() - t0)

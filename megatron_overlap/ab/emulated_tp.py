@@ -4,9 +4,9 @@ layers build and run at that TP size's per-rank dimensions while no peer exists.
 
 Inside `EmulatedTP(world)`:
 
-- Megatron's TP group is an `EmulatedGroup` (size `world`, this process rank 0),
-  so every per-rank dimension (heads, ffn and qkv widths, sequence shards) is the
-  real one.
+- Megatron's TP group is an `EmulatedGroup` (size `world`, this process its rank
+  `rank`), so every per-rank dimension (heads, ffn and qkv widths, sequence
+  shards) is the real one.
 - Megatron's TP collectives, the entry points its linears and its sequence-parallel
   mappings call (`dist_all_gather_func`, `dist_reduce_scatter_func` of
   `tensor_parallel.layers` and `.mappings`, `torch.distributed.all_reduce`), run on
@@ -99,19 +99,20 @@ class EmulatedTP(contextlib.AbstractContextManager):
     parallel state initialised (one process: a world of 1 and TP 1), which it
     changes on entry and restores on exit."""
 
-    def __init__(self, world: int, transport: Transport | None = None):
-        self.world = world
-        self.group = EmulatedGroup(world)
-        self.transport: Transport = transport or NullTransport(world)
+    def __init__(self, world: int, rank: int = 0, transport: Transport | None = None):
+        self.world, self.rank = world, rank
+        self.group = EmulatedGroup(world, rank)
+        self.transport: Transport = transport or NullTransport(world, rank)
         self._undo: list[tuple[Any, str, Any]] = []
 
     # -- what runs on the transport ------------------------------------------------
     def use(self, transport: Transport, modules: Iterable[torch.nn.Module] = ()) -> None:
         """Megatron's collectives, and every overlapped linear in `modules`, run on
         `transport` from now on."""
-        if transport.world_size != self.world:
-            raise ValueError(f"EmulatedTP: a transport of {transport.world_size} ranks for an "
-                             f"emulated TP group of {self.world}")
+        if (transport.world_size, transport.rank) != (self.world, self.rank):
+            raise ValueError(f"EmulatedTP: a transport for rank {transport.rank} of "
+                             f"{transport.world_size} in an emulated TP group where this is rank "
+                             f"{self.rank} of {self.world}")
         self.transport = transport
         for root in modules:
             for m in root.modules():
@@ -148,7 +149,7 @@ class EmulatedTP(contextlib.AbstractContextManager):
         return all_gather_object
 
     def _topology(self, original):
-        flat = Topology(0, (0,) * self.world, (0,) * self.world, tuple(range(self.world)))
+        flat = Topology(self.rank, (0,) * self.world, (0,) * self.world, tuple(range(self.world)))
 
         def topology(group, device=None):
             return flat if group is self.group else original(group, device)
