@@ -19,6 +19,8 @@ the check below sees every block the all-gathers bring.)
   pays the output buffers it allocates itself. Ours keeps the one local copy its
   ring all-gather makes of this rank's own block (qkv, fc1 forward; proj, fc2
   dgrad), which a real transfer needs too: a cost counted against ours.
+  On `null` neither layer computes a layer's values (a reduce-scatter leaves its
+  output as allocated): only times are read there.
 
 Before timing, both layers run once on `MirrorTransport` (every emulated peer
 holds this rank's tensors: all-gather tiles, reduce-scatter is TP x this rank's
@@ -326,6 +328,8 @@ def run_shape(shape: LayerShape, args, dtype, device) -> dict:
                            for s in (m.overlap_plan.fprop, m.overlap_plan.dgrad,
                                      m.overlap_plan.wgrad) if s is not None]
         del arms
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the next shape's layers start from a clean pool
     return row
 
 
