@@ -82,7 +82,8 @@ def layer_shapes(seq: int) -> dict[str, LayerShape]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="all", help="all (70b_tp8,8b_tp4) | comma list of 70b_tp8, 8b_tp4, tiny")
+    ap.add_argument("--shapes", default="all",
+                    help="all (70b_tp8,8b_tp4) | comma list of 70b_tp8, 8b_tp4, tiny")
     ap.add_argument("--seq", type=int, default=4096, help="tokens per micro batch of the 70b / 8b shapes")
     ap.add_argument("--reps", type=int, default=30, help="fwd+bwd calls per timed sample")
     ap.add_argument("--repeat", type=int, default=7, help="interleaved samples per arm; medians reported")
@@ -271,7 +272,15 @@ def time_shape(emu, arms: list[Arm], e: Extras, args) -> dict:
         for _ in range(3):
             fn()
     torch.cuda.synchronize()
-    graphs = {n: graphed(fn) for n, fn in fns.items() if n != "ours_eager_passes"}
+    graphs, graph_errors = {}, {}
+    for n, fn in fns.items():
+        if n == "ours_eager_passes":  # graphed, it is "ours"
+            continue
+        try:
+            graphs[n] = graphed(fn)
+        except Exception as exc:  # keep the eager figures; say why the column is empty
+            graph_errors[n] = f"{type(exc).__name__}: {exc}"
+            torch.cuda.synchronize()
     samples = {n: {"eager_ms": [], "host_us": [], "graph_ms": []} for n in fns}
     for rep in range(args.repeat):
         for n in rotated(list(fns), rep):
@@ -285,7 +294,7 @@ def time_shape(emu, arms: list[Arm], e: Extras, args) -> dict:
     out = {}
     for n, s in samples.items():
         med = {k: statistics.median(v) if v else None for k, v in s.items()}
-        out[n] = {**med, "samples": s}
+        out[n] = {**med, "samples": s, "graph_error": graph_errors.get(n)}
     ref = out["megatron"]
     for n, r in out.items():
         for mode in ("eager", "graph"):
@@ -355,6 +364,8 @@ def _table(doc: dict) -> str:
             lines.append(f"{r['shape']:8s} {n:18s} {f(a['eager_ms'], 3):>9s} {f(a['host_us'], 0):>8s} "
                          f"{f(a['eager_ratio'], 3):>6s} {f(a['graph_ms'], 3):>9s} "
                          f"{f(a['graph_ratio'], 3):>6s}  {status if n == 'ours' else ''}")
+            if a["graph_error"]:
+                lines.append(f"{'':8s} {n}: the CUDA-graph capture failed: {a['graph_error'][:300]}")
     lines.append("ratio = megatron ms / arm ms, same mode (goal: ours >= 0.97). eager: calls queued "
                  "back to back, one sync; graph: fwd+bwd in one CUDA graph, replayed. Both arms "
                  "on the null transport (no communication); check: outputs and grads on the "
@@ -390,7 +401,8 @@ def main(argv=None) -> int:
     doc = {"benchmark": "layer_compute", "command": " ".join([sys.executable, *sys.argv]),
            "config": vars(args), "dtype": str(dtype).removeprefix("torch."), "meta": meta,
            "rows": rows, "checks_passed": all(r["check"]["passed"] for r in rows)}
-    path = os.path.join(args.out, f"layer_compute_{args.tag or ('gpu' if device.type == 'cuda' else 'cpu')}.json")
+    tag = args.tag or ("gpu" if device.type == "cuda" else "cpu")
+    path = os.path.join(args.out, f"layer_compute_{tag}.json")
     write_json(path, doc)
     print(_table(doc))
     print(f"results: {path}")
