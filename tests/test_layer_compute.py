@@ -1,0 +1,119 @@
+"""benchmarks/layer_compute.py on CPU: one process emulating a TP rank builds
+Megatron's plain TransformerLayer and ours from the same weights, at that TP
+size's per-rank dimensions, and both give the same output and grads on the
+mirror transport; the check catches a layer or a ring step that differs. Runs in
+a fresh process (the benchmark installs megatron-core's CPU shims)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+from helpers.dist import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location(
+        "layer_compute", os.path.join(ROOT, "benchmarks", "layer_compute.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cases(rank: int, world: int, out: str) -> dict:
+    import json
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import megatron_overlap as mo
+    from megatron_overlap.ab.emulated_tp import EmulatedTP, MirrorTransport
+
+    bench = _bench()
+    all_reduce = dist.all_reduce
+    res: dict = {"rc": bench.main(["--shapes", "tiny", "--device", "cpu", "--out", out])}
+    with open(os.path.join(out, "layer_compute_cpu.json")) as f:
+        res["doc"] = json.load(f)
+    res["tp_group_after"] = parallel_state.get_tensor_model_parallel_group().size()
+    res["all_reduce_restored"] = dist.all_reduce is all_reduce
+
+    class NoRing(MirrorTransport):
+        """A ring step that moves nothing: ours' gathered blocks stay stale."""
+
+        def _start_exchange(self, sends, recvs, op, chunk):
+            return super(MirrorTransport, self)._start_exchange(sends, recvs, op, chunk)
+
+    shape = bench.pick_shapes("tiny", 0)[0]
+    args = bench.parse_args(["--device", "cpu"])
+    device = torch.device("cpu")
+    bench.init_process(device, args.seed)
+    mo.install(backend="torch_p2p")
+    try:
+        with EmulatedTP(shape.tp, rank=shape.tp - 1) as emu:
+            bench.seed_rng(device, args.seed)
+            arms, extras = bench.build_arms(shape, args, torch.float32, device)
+            res["weights"] = {a.name: {n: tuple(p.shape) for n, p in a.layer.named_parameters()}
+                              for a in arms}
+            res["classes"] = {a.name: type(a.layer.mlp.linear_fc1).__name__ for a in arms}
+            res["no_ring"] = bench.check(emu, arms, extras, 1e-5, mirror=NoRing)
+            with torch.no_grad():
+                arms[1].layer.mlp.linear_fc2.weight[0, 0] += 1e-3
+            res["other_weight"] = bench.check(emu, arms, extras, 1e-5)
+    finally:
+        mo.uninstall()
+    return res
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory) -> dict:
+    return run(_cases, 1, str(tmp_path_factory.mktemp("layer_compute")), timeout=300)[0]
+
+
+def test_layer_compute_cpu_ours_equals_megatron(cases):
+    res = cases
+    assert res["rc"] == 0
+    doc = res["doc"]
+    assert doc["benchmark"] == "layer_compute" and doc["checks_passed"]
+    (row,) = doc["rows"]
+    assert row["shape"] == "tiny" and "arms" not in row and "GPU" in row["skipped"]
+    c = row["check"]
+    assert c["passed"] and c["max_rel_err"] <= 1e-5
+    params = set(res["weights"]["megatron"])
+    assert {k.removeprefix("grad ") for k in c["rel_err"] if k.startswith("grad ")} == params
+    assert {"output", "input grad"} <= set(c["rel_err"])
+    # every TP collective of both layers went through the emulation, none elsewhere:
+    # Megatron's all-gathers (qkv, fc1 forward and their backward re-gathers; proj, fc2
+    # backward) and reduce-scatters (proj, fc2 forward; qkv, fc1 dgrad); ours' passes
+    moved = c["transfers"]
+    assert moved["megatron"] == {"megatron_all_gather": 6, "megatron_reduce_scatter": 4}
+    assert {f"{b}_{p}" for b in ("qkv", "proj", "fc1", "fc2") for p in ("fprop", "dgrad")} \
+        <= set(moved["ours"])
+    assert not any(op.startswith("megatron_") for op in moved["ours"])
+    # the ring all-gathers ran TP - 1 steps
+    assert moved["ours"]["qkv_fprop"] == moved["ours"]["fc1_fprop"] == row["tp"] - 1
+    # Megatron built both at the emulated rank's dimensions: the per-rank GEMM shapes
+    assert res["weights"]["ours"] == res["weights"]["megatron"]
+    w = res["weights"]["megatron"]
+    linears = {s["buffer"]: (s["n"], s["k"]) for s in row["per_rank_linears"]}
+    assert w["self_attention.linear_qkv.weight"] == linears["qkv"]
+    assert w["self_attention.linear_proj.weight"] == linears["proj"]
+    assert w["mlp.linear_fc1.weight"] == linears["fc1"]
+    assert w["mlp.linear_fc2.weight"] == linears["fc2"]
+    assert res["classes"] == {"megatron": "ColumnParallelLinear",
+                              "ours": "OverlapColumnParallelLinear"}
+    # the emulation is undone on exit
+    assert res["tp_group_after"] == 1 and res["all_reduce_restored"]
+
+
+def test_layer_compute_check_catches_what_differs(cases):
+    res = cases
+    assert not res["no_ring"]["passed"] and res["no_ring"]["rel_err"]["output"] > 1e-3
+    bad = res["other_weight"]
+    assert not bad["passed"] and bad["rel_err"]["output"] > 1e-5
