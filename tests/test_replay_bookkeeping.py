@@ -129,3 +129,41 @@ def test_a_pass_that_cannot_be_captured_runs_eagerly_from_then_on(caplog):
     assert _Refuses.attempts == 1  # one failed capture, never tried again
     assert "not permitted" in graphs.failed
     assert "qkv fprop: the pass could not be captured" in caplog.text
+
+
+def test_the_contract_check_rides_the_first_eager_run_never_a_capture_or_replay(tmp_path):
+    """A pass's first run is audited (its calls recorded, compared over a one-rank group);
+    the capture at the second sighting and the replays after carry no recording."""
+    import pytest
+    import torch.distributed as dist
+
+    from megatron_overlap.comm import ContractError
+    from megatron_overlap.layers import agree, functions
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        tp, x, out, calls = NullTransport(2), torch.randn(2, 3), torch.empty(4, 3), []
+        seen: list[list] = []
+
+        def body():
+            calls.append(1)
+            tp.begin_pass("qkv_fprop")
+            seen.append("recording" if "workspace" in vars(tp) else "plain")
+            tp.workspace((4, 3), x.dtype, x.device)
+        graphs, audit = {"fprop": _Recorded("qkv fprop")}, agree.PassAudit("qkv", None)
+        for _ in range(3):
+            functions._run(graphs, "fprop", tp, body, x, out, audit=audit)
+        assert calls == [1, 1] and graphs["fprop"].captures == 1 and graphs["fprop"].replays == 2
+        assert seen == ["recording", "plain"] and audit.todo == {"bwd"}
+        assert "workspace" not in vars(tp) and "begin_pass" not in vars(tp)
+
+        def unopened():
+            tp.workspace((4, 3), x.dtype, x.device)
+        with pytest.raises(ContractError, match=r"layer 'qkv' bwd: workspace\(\(4, 3\), "
+                                                r"torch.float32\) at test_replay_bookkeeping.py"):
+            functions._run({"bwd": _Recorded("qkv bwd")}, "bwd", tp, unopened, x, out,
+                           audit=audit)
+        assert audit.todo == {"bwd"} and "workspace" not in vars(tp)
+    finally:
+        dist.destroy_process_group()

@@ -208,3 +208,26 @@ def test_compute_side_measure_on_one_gpu():
     got = [measure(t) for t in trials(shape, layout)[:3]]
     assert all(r["time_ms"] > 0 and "measured" in r["source"] for r in got)
     assert (2048, 1024, 512) in measure.calibration.mono_samples
+
+
+def test_the_tuner_times_the_layers_own_passes():
+    """Each trial's timed pass (four gloo ranks: at two, an aggregate ring is the plain
+    one), fed what our layer with the same settings saw, gives that layer's outputs and makes exactly its transfers, waits and GEMM
+    chunks in its order: the tuner runs the layer's passes, not a copy of them."""
+    per_rank = dist.run(_same_as_layer_rank, 4)
+    for rows in per_rank:
+        assert {r["pass"] for r in rows} == {"qkv_fprop", "qkv_dgrad", "qkv_wgrad",
+                                             "proj_fprop", "proj_dgrad", "proj_wgrad"}
+        for r in rows:
+            assert r["same_trace"] and r["events"] > 0, r
+            assert r["errors"] and max(r["errors"].values()) <= 1e-5, r
+        # the communicating passes did communicate (a trace of GEMMs alone proves less)
+        talking = {r["pass"] for r in rows if r["transfers"] > 0}
+        assert talking == {"qkv_fprop", "qkv_dgrad", "qkv_wgrad", "proj_fprop", "proj_dgrad"}
+        assert any(r["moved"] and r["transfers"] == 0 for r in rows)
+
+
+def _same_as_layer_rank(rank, world):
+    from helpers.tune_ranks import tuner_pass_matches_layer
+
+    return tuner_pass_matches_layer(rank, world)

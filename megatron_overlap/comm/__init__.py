@@ -22,7 +22,7 @@ from .hierarchical import PerPeerTransport
 from .null import NullTransport
 from .topology import Topology, topology
 from .torch_p2p import TorchP2PTransport
-from .transport import CommError, Handle, Transport
+from .transport import CommError, ContractError, Handle, Transport
 
 AVAILABLE = BACKENDS  # nvshmem needs nvshmem4py at run time
 _cache: dict[tuple[dist.ProcessGroup, str], Transport] = {}
@@ -133,6 +133,6 @@ def reset() -> None:
     _topology.reset()
 
 
-__all__ = ["Transport", "Handle", "CommError", "TorchP2PTransport", "NullTransport",
+__all__ = ["Transport", "Handle", "CommError", "ContractError", "TorchP2PTransport", "NullTransport",
            "PerPeerTransport", "Topology", "topology", "transport_for", "resolve_backend",
            "describe_peers", "reset", "AVAILABLE", "COMPOSITE", "INTER_BACKENDS"]

@@ -11,6 +11,10 @@ allocations the real runs do not pay, and all-zero buffers would flatter the
 GEMMs (a GPU draws less power on zeros and clocks higher), so each workspace slot
 is allocated once, filled with random values, and handed out again at the same
 place of every later pass.
+
+`like`: the transport whose compute side this stands for. Its backends are then
+this one's, so a pass on it runs under the same streams rule (the SM margin where
+that transport's kernels need SMs) as on the real one: the floor of that pass.
 """
 
 from __future__ import annotations
@@ -34,11 +38,17 @@ class NullTransport(Transport):
     name = "null"
     replayable = True
 
-    def __init__(self, world_size: int, rank: int = 0, seed: int = 0):
+    def __init__(self, world_size: int, rank: int = 0, seed: int = 0,
+                 like: Transport | None = None):
         super().__init__(rank, world_size)
         self._slots: dict[tuple, torch.Tensor] = {}
         self._index = 0
         self._seed = seed
+        self._backends = like.backends if like is not None else (self.name,)
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        return self._backends
 
     def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
         self._index = 0

@@ -13,8 +13,10 @@ from __future__ import annotations
 import abc
 import contextlib
 import datetime
+import os
+import sys
 import time
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -48,6 +50,28 @@ def _peers(peers: "str | tuple[tuple[int, ...], tuple[int, ...]]") -> str:
 
 class CommError(RuntimeError):
     """A transfer failed or timed out; the message names rank, op, chunk and peers."""
+
+
+class ContractError(CommError):
+    """A schedule broke the transport contract (a workspace() before its pass's
+    begin_pass(), or workspace calls that differ between ranks); names the pass."""
+
+
+class Call(NamedTuple):
+    """One contract call of a recorded pass: `key` is what must agree across ranks."""
+
+    key: tuple  # ("begin_pass",) | ("workspace", shape, dtype)
+    where: str  # the caller, for messages
+
+    def describe(self) -> str:
+        if self.key[0] == "begin_pass":
+            return f"begin_pass() at {self.where}"
+        return f"workspace({self.key[1]}, {self.key[2]}) at {self.where}"
+
+
+def _caller() -> str:
+    f = sys._getframe(2)  # the schedule that called the public method
+    return f"{os.path.basename(f.f_code.co_filename)}:{f.f_lineno} ({f.f_code.co_name})"
 
 
 class Handle(abc.ABC):
@@ -126,7 +150,9 @@ class Transport(abc.ABC):
                   ) -> torch.Tensor:
         """A tensor peers may write into directly: receive buffers of `exchange`.
         Valid until the next `begin_pass`; the same call sequence gives the same
-        layout on every rank. Plain memory here; symmetric memory on `symm`."""
+        layout on every rank, so every rank must make the same calls, in the same
+        order, after the pass's begin_pass (checked at each layer pass's first run:
+        `recording_calls`). Plain memory here; symmetric memory on `symm`."""
         return torch.empty(tuple(shape), dtype=dtype, device=device)
 
     def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
@@ -136,6 +162,41 @@ class Transport(abc.ABC):
 
     def check(self) -> None:
         """Raise the CommError a background watchdog diagnosed, if any."""
+
+    @contextlib.contextmanager
+    def recording_calls(self, what: str) -> Iterator[list[Call]]:
+        """Every begin_pass() and workspace() made on this transport inside the block, in
+        order (a layer pass's first run, `layers.agree`); a workspace() before any
+        begin_pass() raises ContractError naming `what`. Instance-level wrappers for the
+        block only: outside one the calls cost nothing extra."""
+        calls: list[Call] = []
+        saved = {k: self.__dict__[k] for k in ("workspace", "begin_pass") if k in self.__dict__}
+        workspace, begin_pass = self.workspace, self.begin_pass
+
+        def recorded_begin(name: str = "", comm_priority: int = 0) -> None:
+            calls.append(Call(("begin_pass",), _caller()))
+            begin_pass(name, comm_priority)
+
+        def recorded_workspace(shape, dtype, device=None) -> torch.Tensor:
+            call = Call(("workspace", tuple(int(d) for d in shape), str(dtype)), _caller())
+            if not any(c.key[0] == "begin_pass" for c in calls):
+                raise ContractError(
+                    f"megatron_overlap[{self.name}]: {what}: {call.describe()} came before the "
+                    f"pass called begin_pass(), so its workspace may overlap the previous "
+                    f"pass's, which peers can still be writing. A pass opens the transport's "
+                    f"pass first: tp.begin_pass(name) (layers.functions.begin does).")
+            calls.append(call)
+            return workspace(shape, dtype, device)
+
+        self.begin_pass, self.workspace = recorded_begin, recorded_workspace
+        try:
+            yield calls
+        finally:
+            for k in ("workspace", "begin_pass"):
+                if k in saved:
+                    self.__dict__[k] = saved[k]
+                else:
+                    self.__dict__.pop(k, None)
 
     # -- CUDA-graph replay of whole passes (`overlap.replay`) ------------------------------
     @property

@@ -7,16 +7,29 @@ Different fingerprints raise `DisagreementError` on every rank, naming which
 ranks differ on what, before any transfer (so the next agreeing call works).
 A rank that never comes (it crashed, or runs Megatron's layer without install())
 makes the exchange time out with a diagnosis that names it.
+
+The transport contract is checked the same way, once per layer, shape and pass
+(`PassAudit`): the first run of each pass (fprop, bwd) for a new shape records
+its begin_pass() / workspace() calls (a workspace before begin_pass raises at
+once), and after the pass the ranks compare a hash of that sequence through the
+same bounded exchange (the fingerprint goes before the pass, when the sequence
+is not known yet). Ranks whose sequences differ would lay their workspaces out
+differently (on symm / nvshmem a peer then writes into the wrong place): every
+rank raises `WorkspaceMismatchError` naming the pass, the ranks and the first
+call that differs. That first run is always eager (a new shape is a new replay
+signature, captured only at its second sighting), so every rank reaches the
+check; later calls, replayed or not, carry no recording and no exchange.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+from typing import Any, Callable
 
 import torch
 
 from ..comm.exchange import all_gather_object
-from ..comm.transport import CommError
+from ..comm.transport import CommError, ContractError, Transport
 
 
 class DisagreementError(CommError):
@@ -36,22 +49,67 @@ def fingerprint(layer: Any, x: torch.Tensor) -> dict[str, Any]:
     return fp
 
 
-def _describe(key: str, values: list[Any]) -> str:
+class WorkspaceMismatchError(DisagreementError, ContractError):
+    """The TP ranks made different workspace() calls in one layer pass."""
+
+
+def _describe(key: str, values: list[Any], show: Callable[[Any], str] = repr,
+              none: str = "(not overlapped)") -> str:
     by: dict[str, list[int]] = {}
     for r, v in enumerate(values):
-        by.setdefault(repr(v) if v is not None else "(not overlapped)", []).append(r)
+        by.setdefault(show(v) if v is not None else none, []).append(r)
     return f"{key}: " + "; ".join(f"rank{'s' if len(rs) > 1 else ''} "
                                   f"{', '.join(map(str, rs))}: {v}" for v, rs in by.items())
 
 
-def check(layer: Any, x: torch.Tensor) -> None:
-    """Every TP rank calls this layer alike (collective the first time per shape)."""
+class PassAudit:
+    """The contract check of one layer at one input shape: each of its passes
+    ("fprop", "bwd") recorded at its first run and compared across the TP group."""
+
+    def __init__(self, layer: str, group: Any) -> None:
+        self.layer, self.group = layer, group
+        self.todo = {"fprop", "bwd"}
+
+    def run(self, key: str, tp: Transport, body: Callable[[], None]) -> None:
+        """Run pass `key` (the body runs it as the layer would: eagerly, as a first
+        sighting is), recording its contract calls, then compare them (collective)."""
+        what = f"layer {self.layer!r} {key}"
+        with tp.recording_calls(what) as calls:
+            body()
+        mine = [c.key for c in calls]
+        digest = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
+        if len(set(all_gather_object(digest, self.group, "workspace calls (hash)"))) == 1:
+            self.todo.discard(key)
+            return
+        everyone = all_gather_object(list(calls), self.group, "workspace calls (sequences)")
+        n = next(i for i in range(max(map(len, everyone)))
+                 if len({repr(seq[i].key) if i < len(seq) else None for seq in everyone}) > 1)
+        at = _describe(f"call {n + 1}", [seq[n] if n < len(seq) else None for seq in everyone],
+                       show=lambda c: c.describe(), none="no call (its sequence ended)")
+        raise WorkspaceMismatchError(
+            f"megatron_overlap: {what}: the TP ranks made different workspace() calls, so "
+            f"their workspaces do not line up (a peer would write into the wrong place): {at}. "
+            f"Every rank must make the same begin_pass() / workspace() calls in the same "
+            f"order within a pass: a schedule must not choose its workspaces by rank or "
+            f"rank-local state.")
+
+
+_NEW = object()
+
+
+def check(layer: Any, x: torch.Tensor) -> PassAudit | None:
+    """Every TP rank calls this layer alike (collective the first time per shape).
+    Returns the shape's PassAudit while one of its passes is still to be checked
+    (the passes then run through it), None from then on."""
     if layer.tp_group.size() == 1:
-        return
+        return None
     key = (tuple(x.shape), x.dtype)
-    agreed = layer.__dict__.setdefault("_agreed_shapes", set())
-    if key in agreed:
-        return
+    agreed = layer.__dict__.setdefault("_agreed_shapes", {})
+    audit = agreed.get(key, _NEW)
+    if audit is not _NEW:
+        if audit is not None and not audit.todo:
+            agreed[key] = audit = None
+        return audit
     mine = fingerprint(layer, x)
     everyone = all_gather_object(mine, layer.tp_group, "layer agreement (shape and settings)")
     keys = list(dict.fromkeys(k for fp in everyone for k in fp))
@@ -62,4 +120,5 @@ def check(layer: Any, x: torch.Tensor) -> None:
             f"megatron_overlap: layer {layer.overlap_plan.layer!r}: the TP ranks disagree, "
             f"so no transfer was started: " + " | ".join(diffs) + ". Give every rank of the TP "
             f"group the same micro-batch shapes and the same install() settings.")
-    agreed.add(key)
+    agreed[key] = audit = PassAudit(layer.overlap_plan.layer, layer.tp_group)
+    return audit

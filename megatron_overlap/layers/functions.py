@@ -2,7 +2,9 @@
 [sequence, batch, hidden], flattened to rows, with sequence blocks in rank order.
 
 Each pass (a forward; a backward: dgrad and wgrad together) is one function of
-explicit tensors: its inputs, and outputs allocated here by the caller. It calls
+explicit tensors: its inputs, and outputs allocated here by the caller. A backward
+is its dgrad pass then its wgrad pass (`column_dgrad`, `row_wgrad`, ...), each a
+function of its own, which the tuner times one by one (`tune.passes`): no copy. It calls
 one overlap schedule (or the plain order when its plan says None). Written that
 way, a pass can run eagerly or as a replay of its CUDA graph (`overlap.replay`,
 `graphs`: the layer's PassGraphs per pass, None for eager only); what autograd
@@ -44,8 +46,9 @@ def pass_streams(tp: Transport, s: LayerSettings) -> tuple[int, ChunkStreams]:
     return comm_p, ChunkStreams(n=s.gemm_streams or None, priority=gemm_p, sm_margin=margin)
 
 
-def _begin(tp: Transport, s: LayerSettings | None, fallback: str) -> tuple[str, ChunkStreams | None]:
-    """Open the transport's pass for this layer pass; the GEMM streams its settings ask for."""
+def begin(tp: Transport, s: LayerSettings | None, fallback: str) -> tuple[str, ChunkStreams | None]:
+    """Open the transport's pass for this layer pass; its name (the settings' or `fallback`)
+    and the GEMM streams its settings ask for."""
     name = _name(s, fallback)
     if s is None:
         tp.begin_pass(name)
@@ -55,8 +58,13 @@ def _begin(tp: Transport, s: LayerSettings | None, fallback: str) -> tuple[str, 
     return name, streams
 
 
-def _run(graphs: Graphs, key: str, tp: Transport, body, *tensors, static: tuple = ()) -> None:
-    if graphs is None or key not in graphs:
+def _run(graphs: Graphs, key: str, tp: Transport, body, *tensors, static: tuple = (),
+         audit=None) -> None:
+    """Run pass `key` eagerly or as a replay; through `audit` (an `agree.PassAudit`,
+    None in steady state) on its first run for a new shape."""
+    if audit is not None and key in audit.todo:
+        audit.run(key, tp, lambda: _run(graphs, key, tp, body, *tensors, static=static))
+    elif graphs is None or key not in graphs:
         body()
     else:
         graphs[key].run(tp, body, tensors, static)
@@ -69,7 +77,7 @@ def _gathered(x2: torch.Tensor, tp: Transport) -> torch.Tensor:
 # -- the passes: every tensor they touch is an argument --------------------------------------
 def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes) -> None:
     """out = gather_sp(x2) @ weight^T (+ bias)."""
-    op, streams = _begin(tp, plan.fprop, "fprop")
+    op, streams = begin(tp, plan.fprop, "fprop")
     if plan.sequence_parallel and plan.fprop is not None:
         all_gather_matmul(x2, weight, tp, plan.fprop.method, op=op, aggregate=plan.fprop.aggregate,
                           streams=streams, nodes=nodes, out=out)
@@ -83,38 +91,56 @@ def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes) -
         out.add_(bias)
 
 
+def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams,
+                 op: str, allreduce_dgrad: bool):
+    """The column dgrad pass: g @ weight, with the input's all-gather (under SP, for the
+    wgrad) hidden under it, or run beside its reduce-scatter into grad_in (rs_dgrad).
+    Returns (the wgrad's input, what column_wgrad still reduces into grad_in or None)."""
+    if plan.sequence_parallel and plan.rs_dgrad:
+        full = _gathered(x2, tp)
+        handle = tp.all_gather(full, x2, op=op)
+        matmul_reduce_scatter(g, weight.t(), tp, plan.dgrad.method, plan.dgrad.splits(tp.world_size),
+                              op=op, streams=streams, nodes=nodes, out=grad_in)
+        handle.wait()
+        return full, None
+    if plan.sequence_parallel:
+        full = _gathered(x2, tp)
+        dgrad = hide(lambda: tp.all_gather(full, x2, op=op), lambda: matmul(g, weight, op=op),
+                     overlap=plan.dgrad is not None)
+        return full, dgrad
+    matmul(g, weight, grad_in, op=op)
+    return x2, (grad_in if allreduce_dgrad else None)
+
+
+def column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan: LayerPlan, tp: Transport,
+                 fuse: bool) -> None:
+    """The column wgrad pass: grad_w = g^T @ inp (or into main_grad), the dgrad's reduction
+    hidden under it: `pending` reduce-scattered into grad_in (SP), grad_in all-reduced
+    (without SP, `pending` is grad_in), or nothing (None)."""
+    op = _name(plan.wgrad, "wgrad")
+    start = None
+    if pending is not None:
+        start = ((lambda: tp.reduce_scatter(grad_in, pending, op=op)) if plan.sequence_parallel
+                 else (lambda: tp.all_reduce(grad_in, op=op)))
+    hide(start, lambda: weight_grad(weight, g, inp, fuse, functools.partial(matmul, op=op), grad_w),
+         overlap=plan.wgrad is not None)
+
+
 def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transport, nodes,
                fuse: bool, allreduce_dgrad: bool) -> None:
     """grad_in (reduce-scattered under SP, all-reduced when asked), grad_w (or main_grad),
-    grad_b, with the input gather / the reduction hidden under the other GEMM."""
-    dname, streams = _begin(tp, plan.dgrad, "dgrad")
-    wgemm = functools.partial(matmul, op=_name(plan.wgrad, "wgrad"))
-    wgrad = lambda inp: weight_grad(weight, g, inp, fuse, wgemm, grad_w)  # noqa: E731
-    if plan.sequence_parallel and plan.rs_dgrad:
-        # dgrad is a GEMM->RS; the input's all-gather for wgrad runs alongside it.
-        full = _gathered(x2, tp)
-        handle = tp.all_gather(full, x2, op=dname)
-        matmul_reduce_scatter(g, weight.t(), tp, plan.dgrad.method, plan.dgrad.splits(tp.world_size),
-                              op=dname, streams=streams, nodes=nodes, out=grad_in)
-        handle.wait()
-        wgrad(full)
-    elif plan.sequence_parallel:
-        full = _gathered(x2, tp)
-        dgrad = hide(lambda: tp.all_gather(full, x2, op=dname),
-                     lambda: matmul(g, weight, op=dname), overlap=plan.dgrad is not None)
-        hide(lambda: tp.reduce_scatter(grad_in, dgrad, op=wgemm.keywords["op"]),
-             lambda: wgrad(full), overlap=plan.wgrad is not None)
-    else:
-        matmul(g, weight, grad_in, op=dname)
-        start = (lambda: tp.all_reduce(grad_in, op=wgemm.keywords["op"])) if allreduce_dgrad else None
-        hide(start, lambda: wgrad(x2), overlap=plan.wgrad is not None)
+    grad_b: the dgrad pass, then the wgrad pass, in one transport pass."""
+    dname, streams = begin(tp, plan.dgrad, "dgrad")
+    inp, pending = column_dgrad(g, x2, weight, grad_in, plan, tp, nodes, streams, dname,
+                                allreduce_dgrad)
+    column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan, tp, fuse)
     if grad_b is not None:
         torch.sum(g, 0, out=grad_b)
 
 
 def row_fprop(x2, weight, out, plan: LayerPlan, tp: Transport, nodes) -> None:
     """out = reduce_sp(x2 @ weight^T): reduce-scattered under SP, all-reduced otherwise."""
-    op, streams = _begin(tp, plan.fprop, "fprop")
+    op, streams = begin(tp, plan.fprop, "fprop")
     s, sp = plan.fprop, plan.sequence_parallel
     if s is not None:
         matmul_reduce_scatter(x2, weight, tp, s.method, s.splits(tp.world_size), op=op,
@@ -123,25 +149,37 @@ def row_fprop(x2, weight, out, plan: LayerPlan, tp: Transport, nodes) -> None:
         matmul_reduce_scatter(x2, weight, tp, "bulk", 1, op=op, scatter=sp, out=out)
 
 
-def row_bwd(g, x2, weight, grad_in, grad_w, plan: LayerPlan, tp: Transport, nodes,
-            fuse: bool) -> None:
-    """grad_in = gather_sp(g) @ weight, the gather hidden under it; grad_w reuses it."""
-    dname, streams = _begin(tp, plan.dgrad, "dgrad")
+def row_dgrad(g, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams, op: str):
+    """The row dgrad pass: grad_in = gather_sp(g) @ weight, the gather hidden under it.
+    Returns the gathered g, the wgrad's input (with overlap the transport's workspace:
+    valid within this transport pass)."""
     if plan.sequence_parallel and plan.dgrad is not None:
-        # g_full is the transport's workspace: used by the wgrad below, within this pass.
-        _, g_full = all_gather_matmul(g, weight.t(), tp, plan.dgrad.method, op=dname,
+        _, g_full = all_gather_matmul(g, weight.t(), tp, plan.dgrad.method, op=op,
                                       aggregate=plan.dgrad.aggregate, streams=streams,
                                       nodes=nodes, out=grad_in)
-    elif plan.sequence_parallel:
+        return g_full
+    if plan.sequence_parallel:
         g_full = _gathered(g, tp)
-        tp.all_gather(g_full, g, op=dname).wait()
-        matmul(g_full, weight, grad_in, op=dname)
-    else:
-        g_full = g
-        matmul(g, weight, grad_in, op=dname)
-    # wgrad reuses the gathered gradient: no communication of its own ("external").
+        tp.all_gather(g_full, g, op=op).wait()
+        matmul(g_full, weight, grad_in, op=op)
+        return g_full
+    matmul(g, weight, grad_in, op=op)
+    return g
+
+
+def row_wgrad(g_full, x2, weight, grad_w, plan: LayerPlan, fuse: bool) -> None:
+    """The row wgrad pass: grad_w = g_full^T @ x2 on the dgrad's gathered gradient; no
+    communication of its own ("external")."""
     weight_grad(weight, g_full, x2, fuse, functools.partial(matmul, op=_name(plan.wgrad, "wgrad")),
                 grad_w)
+
+
+def row_bwd(g, x2, weight, grad_in, grad_w, plan: LayerPlan, tp: Transport, nodes,
+            fuse: bool) -> None:
+    """grad_in and grad_w: the dgrad pass, then the wgrad pass, in one transport pass."""
+    dname, streams = begin(tp, plan.dgrad, "dgrad")
+    g_full = row_dgrad(g, weight, grad_in, plan, tp, nodes, streams, dname)
+    row_wgrad(g_full, x2, weight, grad_w, plan, fuse)
 
 
 # -- autograd ------------------------------------------------------------------------------
@@ -169,17 +207,17 @@ class ColumnParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool, allreduce_dgrad: bool,
-                layouts: dict | None = None, graphs: Graphs = None):
+                layouts: dict | None = None, graphs: Graphs = None, audit=None):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.allreduce_dgrad = plan, tp, fuse_wgrad, allreduce_dgrad
         ctx.layouts = layouts = layouts or {}
-        ctx.graphs, ctx.use_bias = graphs, bias is not None
+        ctx.graphs, ctx.use_bias, ctx.audit = graphs, bias is not None, audit
         ctx.save_for_backward(x, weight)
         local = token_rows(x)
         rows = local * (tp.world_size if plan.sequence_parallel else 1)
         out = x.new_empty(rows, weight.shape[0])
         _run(graphs, "fprop", tp,
              lambda: column_fprop(_flat(x), weight, bias, out, plan, tp, layouts.get("fprop")),
-             x, weight, bias, out)
+             x, weight, bias, out, audit=audit)
         return out.view(rows // max(local, 1) * x.shape[0], *x.shape[1:-1], -1)
 
     @staticmethod
@@ -192,10 +230,10 @@ class ColumnParallelMatmul(torch.autograd.Function):
              lambda: column_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, grad_b,
                                 plan, tp, ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad),
              grad_out, x, weight, grad_in, grad_w, grad_b, _main_grad(weight, fuse),
-             static=(ctx.allreduce_dgrad,))
+             static=(ctx.allreduce_dgrad,), audit=ctx.audit)
         if grad_w is None:
             grad_w = autograd_grad(weight, x)
-        return grad_in, grad_w, grad_b, None, None, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 class RowParallelMatmul(torch.autograd.Function):
@@ -203,8 +241,8 @@ class RowParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, plan: LayerPlan, tp: Transport, fuse_wgrad: bool,
-                layouts: dict | None = None, graphs: Graphs = None):
-        ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs = plan, tp, fuse_wgrad, graphs
+                layouts: dict | None = None, graphs: Graphs = None, audit=None):
+        ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs, ctx.audit = plan, tp, fuse_wgrad, graphs, audit
         ctx.layouts = layouts = layouts or {}
         ctx.save_for_backward(x, weight)
         local = token_rows(x)
@@ -212,7 +250,7 @@ class RowParallelMatmul(torch.autograd.Function):
         out = x.new_empty(rows, weight.shape[0])
         _run(graphs, "fprop", tp,
              lambda: row_fprop(_flat(x), weight, out, plan, tp, layouts.get("fprop")),
-             x, weight, out)
+             x, weight, out, audit=audit)
         return out.view(rows * x.shape[0] // max(local, 1), *x.shape[1:-1], -1)
 
     @staticmethod
@@ -223,7 +261,7 @@ class RowParallelMatmul(torch.autograd.Function):
         _run(ctx.graphs, "bwd", tp,
              lambda: row_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, plan, tp,
                              ctx.layouts.get("dgrad"), fuse),
-             grad_out, x, weight, grad_in, grad_w, _main_grad(weight, fuse))
+             grad_out, x, weight, grad_in, grad_w, _main_grad(weight, fuse), audit=ctx.audit)
         if grad_w is None:
             grad_w = autograd_grad(weight, x)
-        return grad_in, grad_w, None, None, None, None, None
+        return grad_in, grad_w, None, None, None, None, None, None

@@ -22,14 +22,13 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from .. import comm
-from ..config import LayerSettings
 from ..config import state
-from ..overlap.hierarchical import RingOrder, choose
+from ..overlap.hierarchical import RingOrder
 from ..overlap.replay import PassGraphs
 from . import agree, checks
 from .graphs import megatron_graphs
 from .functions import ColumnParallelMatmul, RowParallelMatmul, token_rows
-from .plan import LayerPlan, build_plan
+from .plan import LayerPlan, build_plan, ring_order
 from .wgrad import HAVE_APEX_WGRAD
 
 log = logging.getLogger("megatron_overlap")
@@ -40,22 +39,6 @@ def _say(level: int, msg: str) -> None:
     if msg not in _said:
         _said.add(msg)
         log.log(level, msg)
-
-
-def _ring_order(s: LayerSettings, sequence_parallel: bool, topo: comm.Topology | None
-                ) -> RingOrder | None:
-    """The ring order a pass runs (None: it runs no ring), with why where it differs
-    from what ring_order asked."""
-    if s.method not in ("ring_exchange", "pipeline"):
-        return None
-    order = choose(s.ring_order, topo)
-    if order.order != "hierarchical":
-        return order
-    if not sequence_parallel:  # only the row fprop: an all-reduce, whose pipeline stays
-        return RingOrder("flat", note="" if s.ring_order == "auto" else
-                         f"ring_order {s.ring_order}: without sequence parallelism "
-                         "the reduction is an all-reduce, which keeps its flat pipeline")
-    return order
 
 
 @contextlib.contextmanager
@@ -114,7 +97,7 @@ class _OverlapMixin:
                 topo = comm.topology(self.tp_group, self.weight.device)
             orders = {}
             for s in (plan.fprop, plan.dgrad, plan.wgrad):
-                order = None if s is None else _ring_order(s, plan.sequence_parallel, topo)
+                order = None if s is None else ring_order(s, plan.sequence_parallel, topo)
                 if order is not None:
                     orders[s.pass_name] = order
                     if order.note:  # the order asked for (or auto's) could not run
@@ -176,7 +159,7 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
                                f"{tuple(weight.shape)}, not "
                                f"{(self.output_size_per_partition, self.input_size)} as expected")
         checks.check_column(self, input_, w)  # before any transfer: a refusal leaves no trace
-        agree.check(self, input_)  # ranks that disagree: diagnosed on all, nothing started
+        audit = agree.check(self, input_)  # ranks that disagree: diagnosed on all, nothing started
         bias = None if self.skip_bias_add else self.bias
         if checks.is_empty(input_):
             out = checks.empty_column(self, input_, w, bias)
@@ -186,7 +169,7 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
                                and not getattr(self, "disable_grad_reduce", False))
             out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
                                              self.gradient_accumulation_fusion, allreduce_dgrad,
-                                             self._layouts(), self.pass_graphs)
+                                             self._layouts(), self.pass_graphs, audit)
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
         if gather:
             out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
@@ -208,7 +191,7 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
         if self._use_megatron(self.weight):
             return super().forward(input_)
         checks.check_row(self, input_)  # before any transfer: a refusal leaves no trace
-        agree.check(self, input_)  # ranks that disagree: diagnosed on all, nothing started
+        audit = agree.check(self, input_)  # ranks that disagree: diagnosed on all, nothing started
         x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(
             input_, group=self.tp_group)
         if checks.is_empty(x):
@@ -216,7 +199,8 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
         else:
             self._note_tokens(input_, full=True)
             out = RowParallelMatmul.apply(x, self.weight, self.overlap_plan, self.transport,
-                                          self.gradient_accumulation_fusion, self._layouts(), self.pass_graphs)
+                                          self.gradient_accumulation_fusion, self._layouts(), self.pass_graphs,
+                                          audit)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None

@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from ..comm.topology import Topology
 from ..config import BUFFER_NAMES, COLUMN_BUFFERS, ROW_BUFFERS, LayerSettings, OverlapConfig
+from ..overlap.hierarchical import RingOrder, choose
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,22 @@ class LayerPlan:
                         "no_effect": {k: v for k, v in effects.items() if v != "active"},
                         "notes": "; ".join(notes)})
         return out
+
+
+def ring_order(s: LayerSettings, sequence_parallel: bool, topo: Topology | None
+               ) -> RingOrder | None:
+    """The ring order a pass runs (None: it runs no ring), with why where it differs
+    from what ring_order asked. The layers and the tuner both ask this."""
+    if s.method not in ("ring_exchange", "pipeline"):
+        return None
+    order = choose(s.ring_order, topo)
+    if order.order != "hierarchical":
+        return order
+    if not sequence_parallel:  # only the row fprop: an all-reduce, whose pipeline stays
+        return RingOrder("flat", note="" if s.ring_order == "auto" else
+                         f"ring_order {s.ring_order}: without sequence parallelism "
+                         "the reduction is an all-reduce, which keeps its flat pipeline")
+    return order
 
 
 # (method, reduce-scatter?) -> keys the hierarchical order does not read, and why

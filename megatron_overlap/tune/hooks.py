@@ -4,11 +4,13 @@ only ever picks by time_ms.
 
 - ModelMeasure (CPU, or anywhere): the cost model alone. Nothing is measured.
 - ComputeSideMeasure (one GPU): the pass's GEMM side timed on this GPU (the
-  schedule on the null transport, and the monolithic GEMM), the communication
+  layer's pass on the null transport, and the monolithic GEMM), the communication
   from the cost model.
 - DistributedMeasure (several GPUs, one rank per GPU, the TP group spanning
   them): the real overlapped pass, timed on every rank. Its timer is a
   callable, so the same code runs on gloo CPU ranks in tests.
+
+Both measuring ones time the layer's own pass functions (`tune.passes`).
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ class ComputeSideMeasure:
                          "torch": torch.__version__, **_machine(hw, layout)}
 
     def __call__(self, trial: Trial) -> dict[str, Any]:
-        from .measure import measure_gemm, measure_schedule
+        from ..comm import NullTransport
+        from .measure import measure_gemm, measure_pass
+        from .passes import one_stream, trial_pass
 
         m, k, n = trial.spec.gemm
         cal, tp = self.calibration, self.layout.tp
@@ -94,11 +98,11 @@ class ComputeSideMeasure:
             cal.add((m, k, n), measured["mono_graph_ms"] * 1e3)
         chunking = _chunking(trial, tp)
         if chunking and (m, k, n, chunking[1], chunking[2]) not in cal.ratios:
-            op, kind, chunks = chunking
-            s = trial.candidate.settings
-            method = "pipeline" if kind == "rs_pipeline" else "ring_exchange"
-            measured = measure_schedule(m, k, n, op, tp, method, chunks, reps=self.reps,
-                                        dtype=self.dtype, aggregate=s.aggregate, name=trial.name)
+            _, kind, chunks = chunking
+            # the layer's own pass on the null transport (one GEMM stream: the unit the
+            # cost model's calibration rows hold; the model adds the SM margin itself)
+            timed = trial_pass(one_stream(trial), NullTransport(tp), "cuda", self.dtype)
+            measured = measure_pass(timed.run, m, k, n, reps=self.reps, dtype=self.dtype)
             cal.add((m, k, n), measured["mono_graph_ms"] * 1e3, kind, chunks,
                     measured["sched_graph_ms"] * 1e3, measured["sched_ms"] * 1e3,
                     measured["host_us_sched"])
@@ -154,94 +158,20 @@ class DistributedMeasure:
 
     def __call__(self, trial: Trial) -> dict[str, Any]:
         from ..comm import NullTransport
-
         from ..comm.topology import topology
-        from ..overlap.hierarchical import choose
+        from ..layers.plan import ring_order
+        from .passes import trial_pass
 
         tp, s = self.transport, trial.candidate.settings
-        order = choose(s.ring_order, topology(self.group, self.device))
-        nodes = order.nodes if order.order == "hierarchical" else None
-        over = self._slowest(self.timer(run_pass(trial, tp, self.device, self.dtype, nodes=nodes)))
-        base = self._slowest(self.timer(run_pass(trial, tp, self.device, self.dtype, overlap=False)))
-        floor = self._slowest(self.timer(run_pass(
-            trial, NullTransport(tp.world_size, tp.rank), self.device, self.dtype, nodes=nodes,
-            like=tp)))
+        order = ring_order(s, True, topology(self.group, self.device))  # as the layer picks it
+        nodes = order.nodes if order is not None else None
+        time = lambda t, **kw: self._slowest(self.timer(  # noqa: E731
+            trial_pass(trial, t, self.device, self.dtype, **kw).run))
+        over = time(tp, nodes=nodes)
+        base = time(tp, overlap=False)
+        floor = time(NullTransport(tp.world_size, tp.rank, like=tp), nodes=nodes)
         room = base - floor
         return {"time_ms": over, "baseline_ms": base, "compute_only_ms": floor,
                 "exposed_ms": over - floor, "hidden_fraction": (base - over) / room if room > 0
-                else None, "ring_order": order.label, "source": f"measured ({tp.name})"}
-
-
-def run_pass(trial: Trial, tp: Any, device: Any, dtype: Any, overlap: bool = True,
-             nodes: Any = None, like: Any = None) -> Callable[[], Any]:
-    """A closure that runs the trial's pass once on transport `tp` (one rank's part):
-    the overlapped schedule, or with overlap=False the GEMM then the collective.
-    nodes: the group's ranks per node when the hierarchical ring order runs; like: the
-    transport whose streams and SM margin to run with (a floor's: the real one's)."""
-    import torch
-
-    from ..layers.functions import pass_streams
-
-    spec, s = trial.spec, trial.candidate.settings
-    m, k, n = spec.gemm
-    world = tp.world_size
-    g = torch.Generator(device="cpu").manual_seed(1234 + tp.rank)
-    x = torch.randn(m, k, generator=g, dtype=torch.float32).to(device, dtype)
-    w = torch.randn(n, k, generator=g, dtype=torch.float32).to(device, dtype)
-    block = spec.shape.m // world  # rows of one rank's block of the communicated tensor
-    width = spec.shape.k if spec.shape.column else spec.shape.n
-    comm_full = torch.zeros(block * world, width, device=device, dtype=dtype)
-    comm_part = torch.zeros(block, width, device=device, dtype=dtype)
-    comm_p, streams = pass_streams(like or tp, s)  # the layer's own: SM margin where it acts
-    name = trial.name
-    fn = _pass_fn(trial, tp, x, w, comm_full, comm_part, streams, overlap, nodes)
-
-    def run():
-        tp.begin_pass(name, comm_p)  # workspaces of the previous call may be reused
-        return fn()
-    return run
-
-
-def _pass_fn(trial: Trial, tp: Any, x: Any, w: Any, comm_full: Any, comm_part: Any,
-             streams: Any, overlap: bool, nodes: Any) -> Callable[[], Any]:
-    from ..overlap import all_gather_matmul, hide, matmul, matmul_reduce_scatter
-
-    spec, s, name = trial.spec, trial.candidate.settings, trial.name
-    m, world = x.shape[0], tp.world_size
-    # a wgrad whose reduce-scatter moved into its rs_dgrad dgrad runs alone; its
-    # non-overlapped path still has the reduce-scatter (as the cost model counts it)
-    kind = "none" if trial.comm_moved and overlap else spec.comm
-
-    def collective():
-        if kind == "ag":
-            return tp.all_gather(comm_full, comm_part, op=name)
-        return tp.reduce_scatter(comm_part, comm_full, op=name)
-
-    if kind == "none" or world == 1:
-        return lambda: matmul(x, w.t(), op=name)
-    if not overlap:  # Megatron's order: gather then GEMM, or GEMM then reduce-scatter
-        def plain():
-            if kind == "ag":
-                collective().wait()
-                return matmul(x, w.t(), op=name)
-            out = matmul(x, w.t(), op=name)
-            collective().wait()
-            return out
-        return plain
-    if s.method == "bulk":
-        return lambda: hide(collective, lambda: matmul(x, w.t(), op=name), overlap=True)
-    if not s.is_reduce_scatter:
-        local = x[: m // world]
-        return lambda: all_gather_matmul(local, w, tp, s.method, op=name, aggregate=s.aggregate,
-                                         streams=streams, nodes=nodes)
-    splits = s.splits(world)
-    if spec.pass_name == "dgrad" and spec.shape.column:  # rs_dgrad: the input gather alongside
-        def dgrad_rs():
-            h = tp.all_gather(comm_full, comm_part, op=name)
-            out = matmul_reduce_scatter(x, w, tp, s.method, splits, op=name, streams=streams,
-                                        nodes=nodes)
-            h.wait()
-            return out
-        return dgrad_rs
-    return lambda: matmul_reduce_scatter(x, w, tp, s.method, splits, op=name, streams=streams,
-                                         nodes=nodes)
+                else None, "ring_order": order.label if order is not None else "-",
+                "source": f"measured ({tp.name})"}

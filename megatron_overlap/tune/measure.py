@@ -3,7 +3,8 @@ GEMMs, order and waits, on the null transport: chunks already resident,
 nothing moved) against one monolithic cuBLAS GEMM of the same size, eager
 against eager and CUDA-graph replay against replay, plus host time per call.
 
-benchmarks/compute_side.py and the tuner's one-GPU mode both time through here.
+benchmarks/compute_side.py and the tuner's one-GPU mode both time through here
+(the tuner its trials' layer passes, `measure_pass`).
 """
 
 from __future__ import annotations
@@ -103,6 +104,19 @@ def measure_schedule(m: int, k: int, n: int, op: str, tp: int, method: str, spli
                host_us_b2b_sched=hb_sched, host_us_b2b_replay=hb_replay, host_us_b2b_mono=hb_mono)
     del g_mono, g_sched
     return out
+
+
+def measure_pass(fn: Callable[[], Any], m: int, k: int, n: int, *, reps: int = 50,
+                 dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """A whole pass (a closure, e.g. a layer pass on the null transport) against one
+    monolithic GEMM of its size: device times eager and graphed, host time per call."""
+    mono = measure_gemm(m, k, n, reps=reps, dtype=dtype)
+    g_sched = graphed(fn)
+    t_sched, tg_sched = time_ms(fn, reps), time_ms(g_sched, reps)
+    del g_sched
+    return dict(**mono, sched_ms=t_sched, eager_ratio=mono["mono_ms"] / t_sched,
+                sched_graph_ms=tg_sched, graph_ratio=mono["mono_graph_ms"] / tg_sched,
+                host_us_sched=host_us(fn, reps))
 
 
 def measure_gemm(m: int, k: int, n: int, *, reps: int = 50,

@@ -1,6 +1,8 @@
 """Rank functions of the disagreement cases (tests/test_robust_disagree.py on CPU,
 tests/gpu/test_faults_symm.py on CUDA): TP ranks that call one layer differently
-(token counts, settings, one rank without install()), and what every rank must see."""
+(token counts, settings, one rank without install()), schedules that break the
+transport contract (an extra workspace on one rank, no begin_pass), and what every
+rank must see."""
 
 from __future__ import annotations
 
@@ -11,6 +13,27 @@ from helpers.layers import Case, build_pair
 from helpers.robust import compare, global_input, init, on
 
 WHAT = ("tokens", "settings", "no_install")
+
+
+def _inject(what: str, rank: int):
+    """Patch the row fprop's schedule as `what` asks; returns the undo."""
+    import torch
+
+    from megatron_overlap.layers import functions
+
+    if what == "workspace" and rank == 1:  # one extra workspace, on this rank only
+        real = functions.matmul_reduce_scatter
+
+        def uneven(x, w, tp, *args, **kw):
+            tp.workspace((3,), torch.float32, x.device)
+            return real(x, w, tp, *args, **kw)
+        functions.matmul_reduce_scatter = uneven
+        return lambda: setattr(functions, "matmul_reduce_scatter", real)
+    if what == "no_begin_pass":  # every rank: the pass never opens the transport's pass
+        real = functions.begin
+        functions.begin = lambda tp, s, fallback: (s.name if s else fallback, None)
+        return lambda: setattr(functions, "begin", real)
+    return lambda: None
 
 
 def disagree_case(rank: int, world: int, what: str, device: str = "cpu") -> dict:
@@ -31,6 +54,7 @@ def disagree_case(rank: int, world: int, what: str, device: str = "cpu") -> dict
                 ours = ref
         ref, ours = on(device, ref, ours)
         x = global_input(ours, rank, world, seq, 2, seed=1).requires_grad_()
+        undo = _inject(what, rank)
         dist.barrier()
         t0 = time.monotonic()
         try:
@@ -38,8 +62,11 @@ def disagree_case(rank: int, world: int, what: str, device: str = "cpu") -> dict
             out["result"] = "no error"
         except Exception as e:  # noqa: BLE001 - the test reads type and message
             out["result"] = f"{type(e).__name__}: {e}"
+        finally:
+            undo()
         out["elapsed"] = time.monotonic() - t0
-        if what == "tokens":  # agreeing again: works, equal to Megatron's layer
+        if what in ("tokens", "workspace", "no_begin_pass"):  # agreeing again: works, equal
+            # to Megatron's layer (a contract check that failed is made again, and passes)
             out["after"] = compare(ref, ours, global_input(ours, rank, world, 4, 2, seed=2)
                                    .requires_grad_())
         return out
@@ -81,3 +108,46 @@ def check(what: str, per_rank: list, t: float, slack: float = 4.0) -> None:
                     "ring_order=auto'; rank 1: 'method=pipeline num_splits=4 aggregate=0 "
                     "ring_order=auto'") in got["result"]
             assert "input shape" not in got["result"]
+
+
+def audit_once(rank: int, world: int) -> dict:
+    """Exchanges and recordings per call: the first forward + backward of a shape, the
+    next two of the same shape, then a new shape (column with SP and a ring, row)."""
+    import torch.distributed as dist
+
+    from megatron_overlap.comm import exchange
+    from megatron_overlap.layers import agree
+
+    init(world, "cpu")
+    made: list[str] = []
+    real = exchange.all_gather_object
+
+    def counted(obj, group, what, *a, **kw):
+        made.append(what)
+        return real(obj, group, what, *a, **kw)
+    try:
+        agree.all_gather_object = counted
+        out: dict = {}
+        for kind, variant in (("column", "ring"), ("row", "pipeline2")):
+            case = Case(kind, True, "float32", True, False, variant)
+            ref, ours = build_pair(case, world, *_variant(kind, variant))
+            calls = []
+            for seq in (4, 4, 4, 8):
+                del made[:]
+                got = compare(ref, ours, global_input(ours, rank, world, seq, 2, seed=seq)
+                              .requires_grad_())
+                calls.append({"exchanges": list(made), "err": got["err"],
+                              "patched": sorted(k for k in ("workspace", "begin_pass")
+                                                if k in vars(ours.transport))})
+            out[kind] = calls
+        dist.barrier()
+        return out
+    finally:
+        agree.all_gather_object = real
+        leave_together(rank, world)
+
+
+def _variant(kind: str, variant: str):
+    from helpers.layers import VARIANTS
+
+    return VARIANTS[kind][variant]

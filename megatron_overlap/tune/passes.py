@@ -1,0 +1,117 @@
+"""One trial's pass, run by the layer's own code: the tuner allocates a pass's tensors
+at the trial's shape, builds the plan a layer with the candidate's settings has, and
+calls that pass's function in `layers.functions` (which opens the transport's pass
+with the layer's priorities, GEMM streams and SM-margin rule). Nothing of a schedule
+is written here, so what is timed is what the layer runs.
+
+Which function a trial is (SP, as tp_comm_overlap needs):
+
+| trial | function | with overlap=False (the baseline) |
+|---|---|---|
+| column fprop | `column_fprop` | the gather, then the GEMM |
+| column dgrad | `column_dgrad` (bulk, or rs_dgrad) | the gather, then the GEMM |
+| column wgrad | `column_wgrad` hiding the dgrad's reduce-scatter (none when it moved) | the reduce-scatter, then the GEMM |
+| row fprop | `row_fprop` | the GEMM, then the reduce-scatter |
+| row dgrad | `row_dgrad` | the gather, then the GEMM |
+| row wgrad | `row_wgrad` (the GEMM) | the same |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..comm.transport import Transport
+from ..layers import functions as F
+from ..layers.plan import LayerPlan
+from ..simulate import Trial
+
+
+@dataclass
+class TrialPass:
+    """`run()` runs the pass once (returns what the layer's function returns); `tensors`:
+    every tensor it reads or writes, by name; `op`: the name its transfers and GEMMs go
+    under (the trace's op)."""
+
+    run: Callable[[], Any]
+    tensors: dict[str, torch.Tensor]
+    op: str
+
+
+def trial_plan(trial: Trial, overlap: bool = True) -> LayerPlan:
+    """The plan of a layer whose settings for this pass are the trial's (None: Megatron's
+    plain order). A column wgrad whose reduce-scatter moved runs under an rs_dgrad plan,
+    as it does in the layer (its GEMM then goes under the plain "wgrad" name)."""
+    spec, s = trial.spec, trial.candidate.settings
+    column, p = spec.shape.column, spec.pass_name
+    if trial.comm_moved and overlap:
+        return LayerPlan(trial.name, "column", True, rs_dgrad=True)
+    rs_dgrad = overlap and column and p == "dgrad" and s.is_reduce_scatter
+    return LayerPlan(trial.name, "column" if column else "row", True, rs_dgrad=rs_dgrad,
+                     **{p: s if overlap else None})
+
+
+def trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype, *,
+               overlap: bool = True, nodes: Sequence[Sequence[int]] | None = None) -> TrialPass:
+    """The trial's pass on `tp` (one rank's part), its tensors random (seeded by rank).
+    nodes: the ranks per node of the hierarchical ring order (None: flat). A wgrad
+    trial opens its transport pass with its own settings (in the layer the dgrad's
+    opens it; they differ only in comm_priority, which the search does not vary)."""
+    shape, p = trial.spec.shape, trial.spec.pass_name
+    m, k, n, w = shape.m, shape.k, shape.n, tp.world_size
+    g = torch.Generator(device="cpu").manual_seed(1234 + tp.rank)
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=g, dtype=torch.float32).to(device, dtype)
+
+    def empty(*size: int) -> torch.Tensor:
+        return torch.empty(*size, device=device, dtype=dtype)
+
+    plan = trial_plan(trial, overlap)
+    s = getattr(plan, p)
+    op = s.name if s is not None else p  # the layer's name for it (plain: "fprop", ...)
+    t: dict[str, torch.Tensor] = {"weight": rand(n, k)}
+    if shape.column and p == "fprop":
+        t.update(x=rand(m // w, k), out=empty(m, n))
+        body = lambda: F.column_fprop(t["x"], t["weight"], None, t["out"], plan, tp, nodes)  # noqa: E731
+    elif shape.column and p == "dgrad":
+        t.update(g=rand(m, n), x=rand(m // w, k), grad_in=empty(m // w, k))
+
+        def body():
+            _, streams = F.begin(tp, plan.dgrad, "dgrad")
+            return F.column_dgrad(t["g"], t["x"], t["weight"], t["grad_in"], plan, tp, nodes,
+                                  streams, op, False)
+    elif shape.column:  # wgrad: hides the dgrad's reduce-scatter, unless that moved
+        t.update(g=rand(m, n), inp=rand(m, k), grad_w=empty(n, k), grad_in=empty(m // w, k))
+        if not (trial.comm_moved and overlap):
+            t["pending"] = rand(m, k)
+
+        def body():
+            F.begin(tp, plan.wgrad, "wgrad")
+            F.column_wgrad(t["g"], t["inp"], t["weight"], t["grad_w"], t["grad_in"],
+                           t.get("pending"), plan, tp, False)
+    elif p == "fprop":
+        t.update(x=rand(m, k), out=empty(m // w, n))
+        body = lambda: F.row_fprop(t["x"], t["weight"], t["out"], plan, tp, nodes)  # noqa: E731
+    elif p == "dgrad":
+        t.update(g=rand(m // w, n), grad_in=empty(m, k))
+
+        def body():
+            _, streams = F.begin(tp, plan.dgrad, "dgrad")
+            return F.row_dgrad(t["g"], t["weight"], t["grad_in"], plan, tp, nodes, streams, op)
+    else:  # wgrad: the GEMM on the dgrad's gathered gradient
+        t.update(g_full=rand(m, n), x=rand(m, k), grad_w=empty(n, k))
+
+        def body():
+            F.begin(tp, plan.wgrad, "wgrad")
+            F.row_wgrad(t["g_full"], t["x"], t["weight"], t["grad_w"], plan, False)
+    return TrialPass(body, t, op)
+
+
+def one_stream(trial: Trial) -> Trial:
+    """The trial with one GEMM stream: what the cost model's calibration rows hold."""
+    s = dataclasses.replace(trial.candidate.settings, gemm_streams=1)
+    return dataclasses.replace(trial, candidate=dataclasses.replace(trial.candidate, settings=s))
