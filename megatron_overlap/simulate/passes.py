@@ -18,15 +18,21 @@ The non-overlapped path runs the GEMM and the NCCL collective one after the othe
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
+from ..comm.transport import Transport
 from ..config import LayerSettings
-from . import schedules as sch
+from ..overlap import Gemm, all_gather_matmul, hide, matmul, matmul_reduce_scatter
 from .gemm import GemmModel
 from .hardware import Hardware, Layout
+from .play import Costs, play
 from .shapes import Shape
 from .timeline import Engine, Sim
+from .transport import Event, meta_empty, record
 
 PASSES = ("fprop", "dgrad", "wgrad")
 
@@ -149,47 +155,95 @@ _KIND = {"ag_ring": "ag_ring", "ag_hier": "ag_ring", "rs_ring": "rs_ring", "rs_h
          "rs_pipeline": "rs_pipeline"}
 
 
+@dataclass(frozen=True)
+class Run:
+    """One overlapped schedule as the layer runs it: what `run_schedule` needs, hashable
+    (the recording of a Run is the same whatever the machine, so it is made once)."""
+
+    name: str  # the layer pass (ub_cfgs name)
+    schedule: str  # schedule_of()
+    method: str
+    tp: int
+    local: int  # TP ranks per node
+    gemm: tuple[int, int, int]
+    block: tuple[int, int]  # one rank's block of the communicated tensor (rows, width)
+    aggregate: bool = False
+    splits: int = 1
+    gather: bool = False  # a column dgrad's input all-gather runs alongside (rs_dgrad)
+
+    @classmethod
+    def of(cls, spec: PassSpec, s: LayerSettings, layout: Layout) -> "Run":
+        schedule, shape, tp = schedule_of(s, layout), spec.shape, layout.tp
+        rows = shape.m // tp
+        return cls(spec.name, schedule, s.method, tp, layout.local, spec.gemm,
+                   (rows, spec.block_elems // rows), s.aggregate, s.splits(tp),
+                   gather=spec.pass_name == "dgrad" and shape.column and s.is_reduce_scatter)
+
+
+def run_schedule(run: Run, tp: Transport, gemm: Gemm = matmul, device: str = "meta") -> None:
+    """One rank's part of `run`: the overlap schedule the layer calls (layers.functions),
+    on `tp` with `gemm`, on `device` tensors of the pass's shapes (meta: no data)."""
+    m, k, n = run.gemm
+    world, op = tp.world_size, run.name
+    empty = meta_empty if device == "meta" else lambda *shape: torch.randn(*shape, device=device)
+    nodes = [list(range(i, i + run.local)) for i in range(0, world, run.local)] \
+        if run.schedule.endswith("hier") else None
+    rows, width = run.block
+    block, full = empty(rows, width), empty(world * rows, width)
+    if run.schedule == "bulk":  # the backward's bulk overlap: the collective under the GEMM
+        a, b = empty(m, k), empty(k, n)
+        start = (lambda: tp.all_gather(full, block, op=op)) if "dgrad" in op else \
+            (lambda: tp.reduce_scatter(block, full, op=op))
+        hide(start, lambda: gemm(a, b, op=op), overlap=True)
+    elif run.schedule.startswith("ag"):
+        all_gather_matmul(empty(m // world, k), empty(n, k), tp, run.method, op=op,
+                          aggregate=run.aggregate, nodes=nodes, gemm=gemm)
+    else:
+        rs = lambda: matmul_reduce_scatter(empty(m, k), empty(n, k), tp, run.method,  # noqa: E731
+                                           run.splits, op=op, nodes=nodes, gemm=gemm)
+        if run.gather:
+            hide(lambda: tp.all_gather(full, block, op=op), rs, overlap=True)
+        else:
+            rs()
+
+
+@functools.lru_cache(maxsize=512)
+def recorded(run: Run) -> tuple[tuple[Event, ...], ...]:
+    """What every rank of `run` issues (simulate.transport.record)."""
+    return tuple(tuple(events) for events in record(lambda tp, gemm: run_schedule(run, tp, gemm),
+                                                     run.tp))
+
+
 def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout,
                   gemm: GemmModel, engine: Engine, comm_moved: bool) -> float:
-    """One run of the pass's overlapped schedule (the compute-only floor when engine.free)."""
+    """One run of the pass's overlapped schedule, the real one on every rank on the
+    modelled clock (the compute-only floor when engine.free)."""
     m, k, n = spec.gemm
     tp = layout.tp
     if spec.comm == "none" or comm_moved or tp == 1 or s.method == "external":  # the GEMM alone
         return gemm.mono_us(m, k, n)
     sim = Sim(hw, layout, engine)
-    sms, block = sim.gemm_sms, spec.block_elems * hw.dtype_bytes
-    schedule = schedule_of(s, layout)
-    kind = _KIND.get(schedule)
-    chunks = s.splits(tp) if schedule == "rs_pipeline" else tp
+    run = Run.of(spec, s, layout)
+    kind = _KIND.get(run.schedule)
+    chunks = run.splits if run.schedule == "rs_pipeline" else tp
     mode = layout.mode
     # a schedule timed eagerly already holds its host launch gaps
     step_us = 0.0 if mode == "eager" and gemm.measured_chunks(m, k, n, chunks, kind, "eager") \
         else _step_us(hw, gemm)
-    if schedule == "bulk":
-        sch.bulk(sim, gemm.mono_us(m, k, n, sms), block)
-    elif schedule in ("ag_ring", "ag_hier"):
-        work = sch.Work(gemm.chunk_us(m, k, n, tp, kind, sms, mode=mode), block, step_us)
-        if schedule == "ag_hier":
-            sch.hierarchical_ag(sim, work)
-        else:
-            sch.ring_ag(sim, list(range(tp)), work, s.aggregate)
-    else:  # GEMM -> reduce-scatter (row fprop, or a column dgrad under rs_dgrad)
-        if spec.pass_name == "dgrad" and spec.shape.column:  # the input's gather alongside
-            for r in range(tp):
-                sim.launch_comm(r)
-            sim.collective(block, sms=engine.sms if engine.kind == "sm" else None)
-        add_us = gemm.add_us(block)
-        if schedule == "rs_pipeline":
-            work = sch.Work(gemm.chunk_us(m, k, n, chunks, kind, sms, mode=mode), block, step_us)
-            sch.pipeline_rs(sim, work, chunks, block / chunks)
-        else:
-            extra = (tp - 1) * add_us  # a measured ring schedule includes its adds
-            work = sch.Work(gemm.chunk_us(m, k, n, tp, kind, sms, extra, mode), block,
-                            step_us, add_us)
-            if schedule == "rs_hier":
-                sch.hierarchical_rs(sim, work)
-            else:
-                sch.ring_rs(sim, list(range(tp)), work)
+    # a measured ring reduce-scatter includes its adds: taken out of its chunk GEMMs
+    extra = (tp - 1) * gemm.add_us(spec.block_elems * hw.dtype_bytes) \
+        if run.schedule in ("rs_ring", "rs_hier") else 0.0
+    sms = sim.gemm_sms
+
+    def gemm_us(rows: int, kk: int, nn: int) -> float:
+        if (kk, nn) != (k, n) or m % rows:
+            raise ValueError(f"{spec.name}: the schedule ran a [{rows}, {kk}] x [{kk}, {nn}] GEMM, "
+                             f"not a row chunk of the pass's [{m}, {k}] x [{k}, {n}]")
+        return gemm.chunk_us(m, k, n, m // rows, kind, sms, extra, mode)
+
+    # bulk: two launches and no schedule loop, each what a collective launch costs the host
+    launch = sim.comm_launch_us if run.schedule == "bulk" else step_us
+    play(sim, recorded(run), Costs(gemm_us, launch, gemm.add_us, hw.dtype_bytes, engine.sms or None))
     return sim.end()
 
 
