@@ -7,10 +7,17 @@ matched as the transports match it:
   waited on before issuing it has landed (and, eagerly, once the host launched it);
 - a send is matched to the peer's receive from this rank in issue order (p2p
   FIFO); the put starts once the data it sends is in place (the GEMM or add that
-  wrote it, or its arrival) and both ranks have issued it, and queues on the
-  sender's egress; a wait returns when what its handle receives has landed;
-- a collective starts once every rank has issued it and its input is ready, and
-  holds every rank's links; a wait on it returns when it ends.
+  wrote it, or its arrival), what its rank waited on before issuing it has landed,
+  and both ranks have issued it; it queues on the sender's egress. A wait returns
+  when what its handle receives has landed (sent buffers are not reused within a
+  pass, so a put's own completion holds nobody);
+- a collective starts once every rank has issued it, with its input ready and
+  what the rank waited on landed, and holds every rank's links; a wait on it
+  returns when it ends.
+
+A put does not wait for GEMMs issued before it that do not write its data: the
+copy engine starts when its data is there (the transports order a put after the
+whole issuing stream; with one GEMM stream the model is that much optimistic).
 
 A rank stops at a send whose receive is not posted yet, at a collective not every
 rank has reached, or at a wait on what has not landed, and runs on once it is
@@ -145,7 +152,7 @@ class _Player:
                 return ("posted", r, peer)
             host, ph, dst = queue.popleft()
             t = sim.transfer(r, peer, elems * self.costs.elem_bytes,
-                             max(self.ready[r].at(region), sim.host[r], host))
+                             max(self.ready[r].at(region), self.frontier[r], sim.host[r], host))
             self.ready[peer].write(dst, t)
             self.landed(peer, ph, t)
             sent[r] += 1
@@ -159,7 +166,7 @@ class _Player:
             sim.launch_comm(r)
             self.handles[(r, h)] = [1, 0.0]
             issued = self.colls[n]
-            issued.append((r, h, max(self.ready[r].at(inp), sim.host[r]), out))
+            issued.append((r, h, max(self.ready[r].at(inp), self.frontier[r], sim.host[r]), out))
             if len(issued) == len(self.traces):
                 nbytes = block * costs.elem_bytes
                 end = sim.collective(nbytes, max(i[2] for i in issued), costs.collective_sms)
