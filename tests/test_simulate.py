@@ -14,7 +14,8 @@ from megatron_overlap.simulate import (
     REFERENCE, PRESETS, Calibration, GemmModel, Hardware, Layout, candidates, layer_passes,
     parse_shapes, simulate, simulate_pass, trials,
 )
-from megatron_overlap.simulate.passes import PassSpec, Run, recorded, run_schedule
+from megatron_overlap.simulate.passes import PassSpec
+from megatron_overlap.simulate.runs import Run, recorded, run_schedule
 from megatron_overlap.overlap import ring_steps
 
 HW = Hardware()
@@ -242,19 +243,19 @@ def test_presets_reproduce_the_reference_shapes():
 def _small_runs():
     """One Run per schedule the layers call, on small shapes: TP=4 (2 nodes x 2 for the
     hierarchical orders), 64 tokens."""
-    def run(name, schedule, method, **kw):
+    def run(name, schedule, method, comm, **kw):
         spec = dict(tp=4, local=2 if schedule.endswith("hier") else 4, gemm=(64, 8, 12),
                     block=(16, 8))
-        return Run(name, schedule, method, **{**spec, **kw})
-    return [run("qkv_fprop", "ag_ring", "ring_exchange"),
-            run("qkv_fprop", "ag_ring", "ring_exchange", aggregate=True),
-            run("qkv_fprop", "ag_hier", "ring_exchange"),
-            run("proj_fprop", "rs_ring", "ring_exchange"),
-            run("proj_fprop", "rs_pipeline", "pipeline", splits=2),
-            run("proj_fprop", "rs_hier", "pipeline"),
-            run("qkv_dgrad", "rs_pipeline", "pipeline", splits=4, gather=True),
-            run("qkv_dgrad", "bulk", "bulk"),
-            run("qkv_wgrad", "bulk", "bulk")]
+        return Run(name, schedule, method, comm, **{**spec, **kw})
+    return [run("qkv_fprop", "ag_ring", "ring_exchange", "ag"),
+            run("qkv_fprop", "ag_ring", "ring_exchange", "ag", aggregate=True),
+            run("qkv_fprop", "ag_hier", "ring_exchange", "ag"),
+            run("proj_fprop", "rs_ring", "ring_exchange", "rs"),
+            run("proj_fprop", "rs_pipeline", "pipeline", "rs", splits=2),
+            run("proj_fprop", "rs_hier", "pipeline", "rs"),
+            run("qkv_dgrad", "rs_pipeline", "pipeline", "ag", splits=4, gather=True),
+            run("qkv_dgrad", "bulk", "bulk", "ag"),
+            run("qkv_wgrad", "bulk", "bulk", "rs")]
 
 
 def test_the_model_issues_what_the_schedules_issue_on_a_real_transport():

@@ -18,21 +18,16 @@ The non-overlapped path runs the GEMM and the NCCL collective one after the othe
 
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
-
-from ..comm.transport import Transport
 from ..config import LayerSettings
-from ..overlap import Gemm, all_gather_matmul, hide, matmul, matmul_reduce_scatter
 from .gemm import GemmModel
 from .hardware import Hardware, Layout
 from .play import Costs, play
+from .runs import Run, recorded
 from .shapes import Shape
 from .timeline import Engine, Sim
-from .transport import Event, meta_empty, record
 
 PASSES = ("fprop", "dgrad", "wgrad")
 
@@ -155,63 +150,13 @@ _KIND = {"ag_ring": "ag_ring", "ag_hier": "ag_ring", "rs_ring": "rs_ring", "rs_h
          "rs_pipeline": "rs_pipeline"}
 
 
-@dataclass(frozen=True)
-class Run:
-    """One overlapped schedule as the layer runs it: what `run_schedule` needs, hashable
-    (the recording of a Run is the same whatever the machine, so it is made once)."""
-
-    name: str  # the layer pass (ub_cfgs name)
-    schedule: str  # schedule_of()
-    method: str
-    tp: int
-    local: int  # TP ranks per node
-    gemm: tuple[int, int, int]
-    block: tuple[int, int]  # one rank's block of the communicated tensor (rows, width)
-    aggregate: bool = False
-    splits: int = 1
-    gather: bool = False  # a column dgrad's input all-gather runs alongside (rs_dgrad)
-
-    @classmethod
-    def of(cls, spec: PassSpec, s: LayerSettings, layout: Layout) -> "Run":
-        schedule, shape, tp = schedule_of(s, layout), spec.shape, layout.tp
-        rows = shape.m // tp
-        return cls(spec.name, schedule, s.method, tp, layout.local, spec.gemm,
-                   (rows, spec.block_elems // rows), s.aggregate, s.splits(tp),
-                   gather=spec.pass_name == "dgrad" and shape.column and s.is_reduce_scatter)
-
-
-def run_schedule(run: Run, tp: Transport, gemm: Gemm = matmul, device: str = "meta") -> None:
-    """One rank's part of `run`: the overlap schedule the layer calls (layers.functions),
-    on `tp` with `gemm`, on `device` tensors of the pass's shapes (meta: no data)."""
-    m, k, n = run.gemm
-    world, op = tp.world_size, run.name
-    empty = meta_empty if device == "meta" else lambda *shape: torch.randn(*shape, device=device)
-    nodes = [list(range(i, i + run.local)) for i in range(0, world, run.local)] \
-        if run.schedule.endswith("hier") else None
-    rows, width = run.block
-    block, full = empty(rows, width), empty(world * rows, width)
-    if run.schedule == "bulk":  # the backward's bulk overlap: the collective under the GEMM
-        a, b = empty(m, k), empty(k, n)
-        start = (lambda: tp.all_gather(full, block, op=op)) if "dgrad" in op else \
-            (lambda: tp.reduce_scatter(block, full, op=op))
-        hide(start, lambda: gemm(a, b, op=op), overlap=True)
-    elif run.schedule.startswith("ag"):
-        all_gather_matmul(empty(m // world, k), empty(n, k), tp, run.method, op=op,
-                          aggregate=run.aggregate, nodes=nodes, gemm=gemm)
-    else:
-        rs = lambda: matmul_reduce_scatter(empty(m, k), empty(n, k), tp, run.method,  # noqa: E731
-                                           run.splits, op=op, nodes=nodes, gemm=gemm)
-        if run.gather:
-            hide(lambda: tp.all_gather(full, block, op=op), rs, overlap=True)
-        else:
-            rs()
-
-
-@functools.lru_cache(maxsize=512)
-def recorded(run: Run) -> tuple[tuple[Event, ...], ...]:
-    """What every rank of `run` issues (simulate.transport.record)."""
-    return tuple(tuple(events) for events in record(lambda tp, gemm: run_schedule(run, tp, gemm),
-                                                     run.tp))
+def run_of(spec: PassSpec, s: LayerSettings, layout: Layout) -> Run:
+    """What the layer runs for pass `spec` with settings `s` on `layout`."""
+    schedule, shape, tp = schedule_of(s, layout), spec.shape, layout.tp
+    rows = shape.m // tp
+    return Run(spec.name, schedule, s.method, spec.comm, tp, layout.local, spec.gemm,
+               (rows, spec.block_elems // rows), s.aggregate, s.splits(tp),
+               gather=spec.pass_name == "dgrad" and shape.column and s.is_reduce_scatter)
 
 
 def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout,
@@ -223,7 +168,7 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
     if spec.comm == "none" or comm_moved or tp == 1 or s.method == "external":  # the GEMM alone
         return gemm.mono_us(m, k, n)
     sim = Sim(hw, layout, engine)
-    run = Run.of(spec, s, layout)
+    run = run_of(spec, s, layout)
     kind = _KIND.get(run.schedule)
     chunks = run.splits if run.schedule == "rs_pipeline" else tp
     mode = layout.mode

@@ -26,9 +26,13 @@ import torch
 
 from ..comm import stats, trace
 from ..comm.transport import Handle, Peer, SendRecv, Transport
+from ..overlap.gemm import Gemm
 
 Region = tuple[int, int, int]
 Event = tuple
+_IN_PLACE = frozenset(f"__i{op}__" for op in (
+    "sub", "mul", "truediv", "floordiv", "mod", "pow", "and", "or", "xor", "lshift", "rshift",
+    "matmul")) | {"__setitem__"}
 
 
 class _Rank:
@@ -55,6 +59,39 @@ class _Rank:
     def handle(self) -> int:
         self._handles += 1
         return self._handles
+
+
+_recording: ContextVar[Optional[_Rank]] = ContextVar("megatron_overlap_simulate", default=None)
+
+
+class _Meta(torch.Tensor):
+    """A meta tensor whose in-place adds and copies are events of the rank that runs
+    (views and allocations of it are _Meta too). Nothing is computed: no data."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        rec = _recording.get()
+        if rec is not None:
+            if name in ("add_", "__iadd__") or (name == "add" and "out" in kwargs):
+                out = kwargs.get("out", args[0])
+                rec.events.append(("add", out.numel(), rec.region(out)))
+                return out
+            if name == "copy_":
+                rec.events.append(("copy", rec.region(args[0]), rec.region(args[1])))
+                return args[0]
+            if "out" in kwargs or name in _IN_PLACE or (name.endswith("_")
+                                                        and not name.endswith("__")):
+                raise NotImplementedError(
+                    f"megatron_overlap.simulate: the schedule ran {name}, which the cost model "
+                    f"has no time for; give it one in simulate/transport.py and simulate/play.py")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def meta_empty(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """A tensor of `shape` for a modelled run: no memory, its writes recorded."""
+    return torch.empty(*shape, dtype=dtype, device="meta").as_subclass(_Meta)
 
 
 class _Issued(Handle):
@@ -105,7 +142,7 @@ class ModelledTransport(Transport):
         return self._collective("all_reduce", tensor.numel() // self.world_size, tensor, tensor)
 
 
-def modelled_gemm(record: _Rank):
+def modelled_gemm(record: _Rank) -> Gemm:
     """The `gemm=` seam on the modelled clock: records the chunk's shape (its time is the
     cost model's per-chunk GEMM time, applied by `play`); traced like `overlap.matmul`."""
 
@@ -118,39 +155,6 @@ def modelled_gemm(record: _Rank):
         record.events.append(("gemm", rows, a.shape[-1], b.shape[-1], record.region(out)))
         return out
     return gemm
-
-
-_recording: ContextVar[Optional[_Rank]] = ContextVar("megatron_overlap_simulate", default=None)
-
-
-class _Meta(torch.Tensor):
-    """A meta tensor whose in-place adds and copies are events of the rank that runs
-    (views and allocations of it are _Meta too). Nothing is computed: no data."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        rec = _recording.get()
-        if rec is not None:
-            if name in ("add_", "__iadd__") or (name == "add" and "out" in kwargs):
-                out = kwargs.get("out", args[0])
-                rec.events.append(("add", out.numel(), rec.region(out)))
-                return out
-            if name == "copy_":
-                rec.events.append(("copy", rec.region(args[0]), rec.region(args[1])))
-                return args[0]
-            if "out" in kwargs or name.startswith("__i") or name == "__setitem__" or (
-                    name.endswith("_") and not name.endswith("__")):
-                raise NotImplementedError(
-                    f"megatron_overlap.simulate: the schedule ran {name}, which the cost model "
-                    f"has no time for; give it one in simulate/transport.py and simulate/play.py")
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def meta_empty(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """A tensor of `shape` for a modelled run: no memory, its writes recorded."""
-    return torch.empty(*shape, dtype=dtype, device="meta").as_subclass(_Meta)
 
 
 def record(body: Callable[[Transport, Callable], None], world: int) -> list[list[Event]]:
