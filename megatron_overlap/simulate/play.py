@@ -15,9 +15,11 @@ matched as the transports match it:
   what the rank waited on landed, and holds every rank's links; a wait on it
   returns when it ends.
 
-A put does not wait for GEMMs issued before it that do not write its data: the
-copy engine starts when its data is there (the transports order a put after the
-whole issuing stream; with one GEMM stream the model is that much optimistic).
+A put does not wait for GEMMs issued before it that do not write its data (the
+model's choice, as before it ran the code: the copy engine starts once its data is
+there). symm and torch_p2p order a put after everything its stream has so far, so
+with one GEMM stream a ring AG's forward also waits for the GEMM before it: on
+those, the model is optimistic by up to a chunk GEMM per step.
 
 A rank stops at a send whose receive is not posted yet, at a collective not every
 rank has reached, or at a wait on what has not landed, and runs on once it is
