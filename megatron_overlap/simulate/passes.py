@@ -188,7 +188,8 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
 
     # bulk: two launches and no schedule loop, each what a collective launch costs the host
     launch = sim.comm_launch_us if run.schedule == "bulk" else step_us
-    play(sim, recorded(run), Costs(gemm_us, launch, gemm.add_us, hw.dtype_bytes, engine.sms or None))
+    play(sim, recorded(run),
+         Costs(gemm_us, launch, gemm.add_us, hw.dtype_bytes, engine.sms or None))
     return sim.end()
 
 
