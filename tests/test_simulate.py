@@ -15,7 +15,8 @@ from megatron_overlap.simulate import (
     parse_shapes, simulate, simulate_pass, trials,
 )
 from megatron_overlap.simulate.passes import PassSpec
-from megatron_overlap.simulate.schedules import ring_steps
+from megatron_overlap.simulate.runs import Run, recorded, run_schedule
+from megatron_overlap.overlap import ring_steps
 
 HW = Hardware()
 QKV8 = REFERENCE["70B_tp8_qkv"]
@@ -235,6 +236,99 @@ def test_presets_reproduce_the_reference_shapes():
     assert "re-cut" in recut.source
     with pytest.raises(ValueError, match="not `reference`"):
         parse_shapes("nope", 8)
+
+
+# -- the model runs the schedule code ----------------------------------------------------------
+
+def _small_runs():
+    """One Run per schedule the layers call, on small shapes: TP=4 (2 nodes x 2 for the
+    hierarchical orders), 64 tokens."""
+    def run(name, schedule, method, comm, **kw):
+        spec = dict(tp=4, local=2 if schedule.endswith("hier") else 4, gemm=(64, 8, 12),
+                    block=(16, 8))
+        return Run(name, schedule, method, comm, **{**spec, **kw})
+    return [run("qkv_fprop", "ag_ring", "ring_exchange", "ag"),
+            run("qkv_fprop", "ag_ring", "ring_exchange", "ag", aggregate=True),
+            run("qkv_fprop", "ag_hier", "ring_exchange", "ag"),
+            run("proj_fprop", "rs_ring", "ring_exchange", "rs"),
+            run("proj_fprop", "rs_pipeline", "pipeline", "rs", splits=2),
+            run("proj_fprop", "rs_hier", "pipeline", "rs"),
+            run("qkv_dgrad", "rs_pipeline", "pipeline", "ag", splits=4, gather=True),
+            run("qkv_dgrad", "bulk", "bulk", "ag"),
+            run("qkv_wgrad", "bulk", "bulk", "rs")]
+
+
+def test_the_model_issues_what_the_schedules_issue_on_a_real_transport():
+    """Every rank's recorded launches, transfers and waits (comm.trace) on the modelled
+    transport are the same, in order, as the same schedule's on the null transport with
+    real tensors and cuBLAS/BLAS GEMMs; the Sim times one transfer per send and one per
+    collective; nothing reaches the per-op stats."""
+    from megatron_overlap.comm import stats, trace
+    from megatron_overlap.comm.null import NullTransport
+    from megatron_overlap.simulate.play import Costs, play
+    from megatron_overlap.simulate.timeline import Engine, Sim
+    from megatron_overlap.simulate.transport import record
+
+    for run in _small_runs():
+        real = []
+        for rank in range(run.tp):
+            with trace.recording() as events:
+                run_schedule(run, NullTransport(run.tp, rank), device="cpu")
+            real.append([(e.kind, e.op, e.chunk) for e in events])
+        before = stats.snapshot(reset=False)
+        modelled = []
+
+        def body(tp, gemm):
+            with trace.recording() as events:
+                run_schedule(run, tp, gemm)
+            modelled.append([(e.kind, e.op, e.chunk) for e in events])
+        traces = record(body, run.tp)
+        assert stats.snapshot(reset=False) == before, run
+        assert modelled == real and any(e[0] == "start" for e in real[0]), run
+        assert traces == [list(t) for t in recorded(run)]
+        kinds = [e[0] for t in traces for e in t]
+        assert kinds.count("gemm") == sum(e[0] == "gemm" for t in real for e in t), run
+        sim = Sim(HW, Layout(tp=run.tp, gpus_per_node=run.local), Engine())
+        play(sim, traces, Costs(lambda *_: 1.0, 0.0, lambda _: 0.5, 2))
+        sends = sum(len(e[2]) for t in traces for e in t if e[0] == "exchange")
+        assert sim.transfers == sends + kinds.count("collective") // run.tp, run
+        assert sim.end() >= kinds.count("gemm") // run.tp * 1.0, run
+
+
+def test_a_schedule_change_in_overlap_is_seen_by_the_model(monkeypatch):
+    """Swap overlap's ring AG->GEMM for its gather-then-GEMM: the modelled pass becomes the
+    collective followed by one whole GEMM, which it can only be if the model runs
+    overlap's code."""
+    from megatron_overlap.overlap import ag_gemm
+    from megatron_overlap.simulate.timeline import Engine, Sim
+
+    spec, s, lay, gemm = _spec(QKV8, "fprop"), _ring("qkv_fprop"), Layout(tp=8), GemmModel(HW)
+    ring = simulate_pass(spec, s, HW, lay, gemm)
+    recorded.cache_clear()
+    monkeypatch.setattr(ag_gemm, "ring_exchange",
+                        lambda x, w, tp, *, op, aggregate, streams, out, gemm:
+                        ag_gemm.bulk(x, w, tp, op=op, out=out, gemm=gemm))
+    try:
+        serial = simulate_pass(spec, s, HW, lay, gemm)
+    finally:
+        recorded.cache_clear()
+    coll = Sim(HW, lay, Engine()).collective_us(_block_bytes(spec))
+    assert serial.overlapped_us == pytest.approx(coll + gemm.mono_us(*spec.gemm))
+    assert serial.compute_only_us == pytest.approx(gemm.mono_us(*spec.gemm))
+    assert ring.overlapped_us < serial.overlapped_us - 0.5 * coll
+
+
+def test_a_deadlock_or_untimed_work_is_a_clear_error():
+    from megatron_overlap.simulate.play import Costs, play
+    from megatron_overlap.simulate.timeline import Engine, Sim
+    from megatron_overlap.simulate.transport import meta_empty, record
+
+    # rank 0 waits for a block from rank 1, which never sends it
+    traces = [[("exchange", 1, (), ((1, (0, 0, 8)),)), ("wait", 1)], []]
+    with pytest.raises(RuntimeError, match="rank 0 at .*deadlocks"):
+        play(Sim(HW, Layout(tp=2), Engine()), traces, Costs(lambda *_: 1.0, 0.0, lambda _: 0.5, 2))
+    with pytest.raises(NotImplementedError, match="mul_.*no time for"):
+        record(lambda tp, gemm: meta_empty(4).mul_(2), 1)
 
 
 def test_ring_steps_and_node_pairing_are_what_the_model_assumes():

@@ -5,8 +5,10 @@ belongs to the benchmarks). Telemetry reads and resets them once per step."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import asdict, dataclass
+from typing import Iterator
 
 
 @dataclass
@@ -44,3 +46,15 @@ def snapshot(reset: bool = True) -> dict[str, dict[str, float]]:
     if reset:
         _stats.clear()
     return out
+
+
+@contextlib.contextmanager
+def set_aside() -> Iterator[None]:
+    """Counters of what runs inside the block go nowhere (the cost model runs schedules
+    on a modelled transport: nothing moved that telemetry should report)."""
+    global _stats
+    saved, _stats = _stats, defaultdict(OpStats)
+    try:
+        yield
+    finally:
+        _stats = saved

@@ -2,8 +2,11 @@
 time, exposed communication and a step-time estimate against the
 non-overlapped path (GEMM, then the NCCL collective), from GEMM times (measured
 on one GPU, or a roofline) and link bandwidths and latencies. Owns the layer
-shapes (`shapes`: DESIGN.md's reference shapes, the presets). A tool: imports
-`config` and `overlap`; never Megatron or a tool's extra.
+shapes (`shapes`: DESIGN.md's reference shapes, the presets). It times the
+schedules by running `overlap`'s own code on every TP rank, on a modelled
+transport and GEMM seam over meta tensors (`transport`), then playing what each
+rank issued on an event model of the GPUs and links (`play`, `timeline`). A tool:
+imports `config`, `comm` and `overlap`; never Megatron or a tool's extra.
 
     from megatron_overlap.simulate import Hardware, Layout, parse_shapes, simulate
     report = simulate(parse_shapes("70b", tp=16), Hardware(), Layout(tp=16, gpus_per_node=8))

@@ -22,9 +22,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ..config import LayerSettings
-from . import schedules as sch
 from .gemm import GemmModel
 from .hardware import Hardware, Layout
+from .play import Costs, play
+from .runs import Run, recorded
 from .shapes import Shape
 from .timeline import Engine, Sim
 
@@ -149,47 +150,46 @@ _KIND = {"ag_ring": "ag_ring", "ag_hier": "ag_ring", "rs_ring": "rs_ring", "rs_h
          "rs_pipeline": "rs_pipeline"}
 
 
+def run_of(spec: PassSpec, s: LayerSettings, layout: Layout) -> Run:
+    """What the layer runs for pass `spec` with settings `s` on `layout`."""
+    schedule, shape, tp = schedule_of(s, layout), spec.shape, layout.tp
+    rows = shape.m // tp
+    return Run(spec.name, schedule, s.method, spec.comm, tp, layout.local, spec.gemm,
+               (rows, spec.block_elems // rows), s.aggregate, s.splits(tp),
+               gather=spec.pass_name == "dgrad" and shape.column and s.is_reduce_scatter)
+
+
 def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout,
                   gemm: GemmModel, engine: Engine, comm_moved: bool) -> float:
-    """One run of the pass's overlapped schedule (the compute-only floor when engine.free)."""
+    """One run of the pass's overlapped schedule, the real one on every rank on the
+    modelled clock (the compute-only floor when engine.free)."""
     m, k, n = spec.gemm
     tp = layout.tp
     if spec.comm == "none" or comm_moved or tp == 1 or s.method == "external":  # the GEMM alone
         return gemm.mono_us(m, k, n)
     sim = Sim(hw, layout, engine)
-    sms, block = sim.gemm_sms, spec.block_elems * hw.dtype_bytes
-    schedule = schedule_of(s, layout)
-    kind = _KIND.get(schedule)
-    chunks = s.splits(tp) if schedule == "rs_pipeline" else tp
+    run = run_of(spec, s, layout)
+    kind = _KIND.get(run.schedule)
+    chunks = run.splits if run.schedule == "rs_pipeline" else tp
     mode = layout.mode
     # a schedule timed eagerly already holds its host launch gaps
     step_us = 0.0 if mode == "eager" and gemm.measured_chunks(m, k, n, chunks, kind, "eager") \
         else _step_us(hw, gemm)
-    if schedule == "bulk":
-        sch.bulk(sim, gemm.mono_us(m, k, n, sms), block)
-    elif schedule in ("ag_ring", "ag_hier"):
-        work = sch.Work(gemm.chunk_us(m, k, n, tp, kind, sms, mode=mode), block, step_us)
-        if schedule == "ag_hier":
-            sch.hierarchical_ag(sim, work)
-        else:
-            sch.ring_ag(sim, list(range(tp)), work, s.aggregate)
-    else:  # GEMM -> reduce-scatter (row fprop, or a column dgrad under rs_dgrad)
-        if spec.pass_name == "dgrad" and spec.shape.column:  # the input's gather alongside
-            for r in range(tp):
-                sim.launch_comm(r)
-            sim.collective(block, sms=engine.sms if engine.kind == "sm" else None)
-        add_us = gemm.add_us(block)
-        if schedule == "rs_pipeline":
-            work = sch.Work(gemm.chunk_us(m, k, n, chunks, kind, sms, mode=mode), block, step_us)
-            sch.pipeline_rs(sim, work, chunks, block / chunks)
-        else:
-            extra = (tp - 1) * add_us  # a measured ring schedule includes its adds
-            work = sch.Work(gemm.chunk_us(m, k, n, tp, kind, sms, extra, mode), block,
-                            step_us, add_us)
-            if schedule == "rs_hier":
-                sch.hierarchical_rs(sim, work)
-            else:
-                sch.ring_rs(sim, list(range(tp)), work)
+    # a measured ring reduce-scatter includes its adds: taken out of its chunk GEMMs
+    extra = (tp - 1) * gemm.add_us(spec.block_elems * hw.dtype_bytes) \
+        if run.schedule in ("rs_ring", "rs_hier") else 0.0
+    sms = sim.gemm_sms
+
+    def gemm_us(rows: int, kk: int, nn: int) -> float:
+        if (kk, nn) != (k, n) or m % rows:
+            raise ValueError(f"{spec.name}: the schedule ran a [{rows}, {kk}] x [{kk}, {nn}] GEMM, "
+                             f"not a row chunk of the pass's [{m}, {k}] x [{k}, {n}]")
+        return gemm.chunk_us(m, k, n, m // rows, kind, sms, extra, mode)
+
+    # bulk: two launches and no schedule loop, each what a collective launch costs the host
+    launch = sim.comm_launch_us if run.schedule == "bulk" else step_us
+    play(sim, recorded(run),
+         Costs(gemm_us, launch, gemm.add_us, hw.dtype_bytes, engine.sms or None))
     return sim.end()
 
 

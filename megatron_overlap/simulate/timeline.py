@@ -52,10 +52,14 @@ class Sim:
             self.host[rank] += us
         return self.host[rank]
 
+    @property
+    def comm_launch_us(self) -> float:
+        """Host time to launch a transfer or collective; free on the compute-only floor,
+        whose measured step cost (the null transport's) already holds the schedule's calls."""
+        return 0.0 if self.engine.free else self.hw.eager_comm_us
+
     def launch_comm(self, rank: int) -> float:
-        """Launching a transfer; free on the compute-only floor, whose measured step cost
-        (the null transport's) already holds the schedule's own calls."""
-        return self.launch(rank, 0.0 if self.engine.free else self.hw.eager_comm_us)
+        return self.launch(rank, self.comm_launch_us)
 
     # -- device -----------------------------------------------------------------------------
     def run(self, resources: Iterable[tuple], duration: float, after: float = 0.0,
@@ -88,15 +92,15 @@ class Sim:
         return nbytes / (bw * 1e3), self.hw.nvlink_latency_us
 
     def transfer(self, src: int, dst: int, nbytes: float, after: float = 0.0) -> float:
-        """A put from src to dst (both ranks' launches are in: a p2p rendezvous). It holds
-        the sender's egress: puts a rank issues together share its link one after the
-        other. Ingress is not modelled apart: in these schedules every rank receives, per
-        link and at the same time, as many bytes as it sends, so egress is the bound."""
+        """A put from src to dst, from `after` (its data is ready and both ranks have
+        issued it: a p2p rendezvous). It holds the sender's egress: puts a rank issues
+        share its link one after the other. Ingress is not modelled apart: in these
+        schedules every rank receives, per link and at the same time, as many bytes as it
+        sends, so egress is the bound."""
         link = self.link(src, dst)
         self.transfers += 1
         busy, latency = self.link_cost(link, nbytes)
-        return self.run([("out", link, src)], busy,
-                        max(after, self.host[src], self.host[dst]), latency)
+        return self.run([("out", link, src)], busy, after, latency)
 
     def collective_us(self, block_bytes: float, sms: int | None = None) -> float:
         """A ring all-gather / reduce-scatter of one `block_bytes` block per rank, as NCCL
@@ -116,11 +120,12 @@ class Sim:
         return lat + (tp - 1) * block_bytes / (bw * 1e3)
 
     def collective(self, block_bytes: float, after: float = 0.0, sms: int | None = None) -> float:
-        """A collective over the whole group: every rank's links are busy for its duration."""
+        """A collective over the whole group, from `after` (every rank has issued it and
+        its input is ready): every rank's links are busy for its duration."""
         links = ("nvlink",) if self.layout.nodes == 1 else ("nvlink", "ib")
         res = [("out", link, r) for r in range(self.layout.tp) for link in links]
         self.transfers += 1
-        return self.run(res, self.collective_us(block_bytes, sms), max([after] + self.host))
+        return self.run(res, self.collective_us(block_bytes, sms), after)
 
     def end(self) -> float:
         """When the last thing of the pass finishes, on any rank."""
