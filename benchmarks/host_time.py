@@ -12,7 +12,14 @@ by side in one run:
 - first-call latency: the device drained (and the ranks lined up) before the
   call, `perf_counter` around `layer(x)` / `out.backward(g)`, no sync inside;
 - back-to-back: `--inner` forward+backward calls queued as a training step
-  queues them, one sync at the end; host time per call.
+  queues them, one sync at the end; host time per call; with every rank issuing at
+  once (as training does), and staggered (one rank at a time while the others sleep
+  in a barrier: ranks sharing one machine's CPUs then do not slow each other down,
+  as ranks with their own GPU and cores would not);
+- one transformer layer's four linears chained (qkv -> proj -> fc1 -> fc2), then one
+  backward through all of them, as a model runs them (one autograd-engine call per
+  backward, not per linear); ours against Megatron's own linears on a one-rank group
+  (no communication: what any autograd TP linear costs on this host).
 
 `--profile` adds a cProfile of rank 0's calls (every rank runs them), each function's own time sorted
 into parts (GEMM launches, copies, signal kernels, stream/event calls, views,
@@ -30,6 +37,7 @@ import json
 import os
 import pstats
 import statistics
+import sys
 import time
 import warnings
 
@@ -95,8 +103,8 @@ def build(tp: int, hidden: int, dtype: torch.dtype, device: torch.device, backen
     config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=32,
                                tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
                                tp_comm_overlap=tp > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16,
-                               use_cpu_initialization=False, gradient_accumulation_fusion=False,
-                               perform_initialization=True)
+                               use_cpu_initialization=device.type == "cpu",
+                               gradient_accumulation_fusion=False, perform_initialization=True)
     init = torch.nn.init.xavier_normal_
     out = {}
     for name, kind, mult in LAYERS:
@@ -109,9 +117,54 @@ def build(tp: int, hidden: int, dtype: torch.dtype, device: torch.device, backen
     return out
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _drained(device: torch.device) -> None:
-    torch.cuda.synchronize(device)
+    _sync(device)
     dist.barrier()
+
+
+def _waits_on_device(layer) -> bool:
+    """Staggered turns need a transport whose waits are GPU-side (a host then never
+    blocks on a peer inside a call); torch_p2p's (gloo's) block the host."""
+    return layer.weight.is_cuda and layer.transport.name in ("symm", "nvshmem")
+
+
+def _turns(calls, device: torch.device):
+    """Staggered: each rank in turn runs `calls()` (its back-to-back calls, timed) while
+    the other ranks sleep in a gloo barrier, so no other rank's host competes for the
+    CPUs. Every rank makes the same calls in the same order; the GPU side pairs them up
+    once every rank has had its turn (replayed passes and the symm transport's waits
+    are on the GPU: a host never blocks on a peer inside a call). Returns what
+    `calls()` returned on this rank."""
+    mine = None
+    for r in range(dist.get_world_size()):
+        dist.barrier()
+        if dist.get_rank() == r:
+            mine = calls()
+    _drained(device)
+    return mine
+
+
+def _median(values):
+    return statistics.median(values) if values else None
+
+
+def _b2b(fwd, bwd, n: int) -> tuple[list[float], list[float]]:
+    """n forward+backward calls queued back to back: host µs of each forward, each backward."""
+    f, b = [], []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        y = fwd()
+        t1 = time.perf_counter()
+        bwd(y)
+        t2 = time.perf_counter()
+        f.append((t1 - t0) * 1e6)
+        b.append((t2 - t1) * 1e6)
+    return f, b
 
 
 def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, reps: int,
@@ -120,6 +173,9 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
 
     replay.set_enabled(replayed)
     res: dict = {}
+    # staggered turns queue a rank's calls behind GPU waits for ranks yet to come: keep the
+    # eager turn short (tens of launches a call), well inside the device's launch queue
+    turn = inner if replayed else min(inner, 4)
     for name, kind, mult in LAYERS:
         layer = layers[name]
         k_in = hidden if kind == "column" else mult * hidden // tp
@@ -141,18 +197,15 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
             y.backward(g)
             bwd.append((time.perf_counter() - t0) * 1e6)
         _drained(device)
-        f_b2b, b_b2b = [], []
-        for _ in range(inner):
-            t0 = time.perf_counter()
-            y = layer(x)[0]
-            t1 = time.perf_counter()
-            y.backward(g)
-            t2 = time.perf_counter()
-            f_b2b.append((t1 - t0) * 1e6)
-            b_b2b.append((t2 - t1) * 1e6)
-        torch.cuda.synchronize(device)
-        row = dict(fwd_us=statistics.median(fwd), bwd_us=statistics.median(bwd),
-                   fwd_b2b_us=statistics.median(f_b2b), bwd_b2b_us=statistics.median(b_b2b))
+        f_b2b, b_b2b = _b2b(lambda: layer(x)[0], lambda y: y.backward(g), inner)
+        _sync(device)
+        f_st, b_st = [], []
+        if _waits_on_device(layer):
+            f_st, b_st = _turns(lambda: _b2b(lambda: layer(x)[0], lambda y: y.backward(g), turn),
+                                device)
+        med = _median
+        row = dict(fwd_us=med(fwd), bwd_us=med(bwd), fwd_b2b_us=med(f_b2b), bwd_b2b_us=med(b_b2b),
+                   fwd_staggered_us=med(f_st), bwd_staggered_us=med(b_st))
         if profile:
             for p, fn in (("fwd", lambda: layer(x)[0]), ("bwd", None)):
                 prof = cProfile.Profile()
@@ -173,6 +226,68 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
         row["replays"] = {p: g.replays for p, g in getattr(layer, "pass_graphs", {}).items()}
         res[name] = row
     return res
+
+
+def chain(layers: dict, tokens: int, tp: int, hidden: int, dtype, device):
+    """The four TP linears of one transformer layer in their dataflow (qkv -> its first
+    h/tp columns -> proj -> fc1 -> fc2), as a training step runs them: the forwards one
+    after another, then one backward through all four (one autograd-engine call for the
+    layer, as in a model, not one per linear). Returns (forward fn, backward fn)."""
+    rows = tokens // tp if layers["proj"].sequence_parallel else tokens
+    x = torch.randn(rows, 1, hidden, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(rows, 1, hidden, device=device, dtype=dtype)
+    width = layers["proj"].weight.shape[1]
+
+    def fwd():
+        q = layers["qkv"](x)[0]
+        return layers["fc2"](layers["fc1"](layers["proj"](q[..., :width])[0])[0])[0]
+
+    return fwd, (lambda y: y.backward(g))
+
+
+def megatron_layers(tp: int, hidden: int, dtype, device) -> dict:
+    """Megatron's own ColumnParallelLinear / RowParallelLinear (tp_comm_overlap off) at
+    this rank's GEMM shapes on a one-rank group: no communication at all, so their host
+    time is what any autograd TP linear pays on this host (the floor to compare with)."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    mine = None
+    for r in range(dist.get_world_size()):  # new_group is collective
+        grp = dist.new_group([r])
+        mine = grp if r == dist.get_rank() else mine
+    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=32,
+                               params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                               use_cpu_initialization=device.type == "cpu",
+                               gradient_accumulation_fusion=False, perform_initialization=True)
+    init = torch.nn.init.xavier_normal_
+    out = {}
+    for name, kind, mult in LAYERS:
+        cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
+        size = (hidden, mult * hidden // tp) if kind == "column" else (mult * hidden // tp, hidden)
+        kw = dict(gather_output=False) if kind == "column" else dict(input_is_parallel=True)
+        out[name] = cls(*size, config=config, init_method=init, bias=False, skip_bias_add=True,
+                        tp_comm_buffer_name=name, tp_group=mine, **kw).to(device)
+    return out
+
+
+def time_chain(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, inner: int,
+               staggered: bool) -> dict:
+    """Host µs per layer call inside `chain` (its forward and its backward, divided by 4),
+    back to back; `staggered`: the ranks in turns (see _turns)."""
+    fwd, bwd = chain(layers, tokens, tp, hidden, dtype, device)
+    for _ in range(3):
+        bwd(fwd())
+    _drained(device)
+    f: list[float] = []
+    b: list[float] = []
+    if not staggered:
+        f, b = _b2b(fwd, bwd, inner)
+        _sync(device)
+    elif all(_waits_on_device(layer) or not hasattr(layer, "overlap_plan") for layer in layers.values()):
+        f, b = _turns(lambda: _b2b(fwd, bwd, inner), device)
+    per = lambda v: _median(v) and _median(v) / len(LAYERS)  # noqa: E731
+    return dict(fwd_us=per(f), bwd_us=per(b))
 
 
 def time_null(tokens: int, tp: int, hidden: int, dtype, device, reps: int) -> dict:
@@ -251,25 +366,45 @@ def _rank(rank: int, world: int, args) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    layout = plan_layout(world, "cuda")
+    layout = plan_layout(world, args.device)
     device = init_dist(layout, rank)
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
-    model_parallel_cuda_manual_seed(0)
+    if device.type == "cpu":  # megatron-core on CPU: the test suite's shims (never in the library)
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from helpers.megatron_cpu import init
+
+        init(world, 0)
+    else:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+        model_parallel_cuda_manual_seed(0)
     dtype = getattr(torch, args.dtype)
     layers = build(world, args.hidden, dtype, device, args.backend)
     row = dict(tp=world, layout=layout.note)
     for mode, replayed in (("eager", False), ("replay", True)):
         row[mode] = time_layers(layers, args.tokens, world, args.hidden, dtype, device, args.reps,
                                 args.inner, args.profile, replayed)
+    from megatron_overlap.overlap import replay
+
+    mcore = megatron_layers(world, args.hidden, dtype, device)
+    for mode, replayed, chain_of in (("eager", False, layers), ("replay", True, layers),
+                                     ("megatron", False, mcore)):
+        replay.set_enabled(replayed)
+        row[f"chain_{mode}"] = {how: time_chain(chain_of, args.tokens, world, args.hidden, dtype,
+                                                device, args.inner, how == "staggered")
+                                for how in ("concurrent", "staggered")}
     if rank == 0:
-        row["null"] = time_null(args.tokens, world, args.hidden, dtype, device, args.reps)
-        if args.primitives:
+        row["null"] = (time_null(args.tokens, world, args.hidden, dtype, device, args.reps)
+                       if device.type == "cuda" else {})
+        if args.primitives and device.type == "cuda":
             row["primitives_us"] = primitives(device)
         with open(args.out + f".tp{world}", "w") as f:
             json.dump(row, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _us(v: float | None, width: int) -> str:
+    return f"{v:{width}.0f}" if v is not None else f"{'-':>{width}s}"
 
 
 def main() -> None:
@@ -283,17 +418,23 @@ def main() -> None:
     ap.add_argument("--inner", type=int, default=20, help="back-to-back calls")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--primitives", action="store_true")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cpu: a functional run only (no host time worth reporting: no GPU launches)")
     ap.add_argument("--out", default="benchmarks/results/host_time.json")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("host_time.py needs a CUDA GPU (host time of GPU launches)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("host_time.py needs a CUDA GPU (host time of GPU launches); "
+                         "--device cpu runs it for function only")
+    if args.device == "cpu":
+        print("FUNCTIONAL ONLY: CPU run, host times of no GPU launches")
     rows = []
     for tp in args.tp:
-        launch(_rank, tp, args, device="cuda")
+        launch(_rank, tp, args, device=args.device)
         with open(args.out + f".tp{tp}") as f:
             rows.append(json.load(f))
         os.remove(args.out + f".tp{tp}")
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, backend=args.backend,
+    meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                torch=torch.__version__, backend=args.backend,
                 hidden=args.hidden, tokens=args.tokens, dtype=args.dtype, reps=args.reps,
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
@@ -302,14 +443,27 @@ def main() -> None:
     print(f"{meta['device']}  torch {meta['torch']}  backend {args.backend}  hidden {args.hidden}  "
           f"{args.tokens} tokens  {args.dtype}; host µs per call, median")
     print(f"{'TP':>3s} {'layer':6s} {'mode':7s} {'fwd':>7s} {'bwd':>7s} {'fwd b2b':>8s} "
-          f"{'bwd b2b':>8s}  (first call: device drained before it; b2b: back to back)")
+          f"{'bwd b2b':>8s} {'fwd stg':>8s} {'bwd stg':>8s}  (first call: device drained before "
+          "it; b2b: back to back, all ranks at once; stg: back to back, one rank at a time)")
     for r in rows:
         for mode in ("eager", "replay"):
             for name, v in r[mode].items():
-                print(f"{r['tp']:3d} {name:6s} {mode:7s} {v['fwd_us']:7.0f} {v['bwd_us']:7.0f} "
-                      f"{v['fwd_b2b_us']:8.0f} {v['bwd_b2b_us']:8.0f}  replays {v.get('replays')}")
+                print(f"{r['tp']:3d} {name:6s} {mode:7s} {_us(v['fwd_us'], 7)} {_us(v['bwd_us'], 7)} "
+                      f"{_us(v['fwd_b2b_us'], 8)} {_us(v['bwd_b2b_us'], 8)} "
+                      f"{_us(v['fwd_staggered_us'], 8)} {_us(v['bwd_staggered_us'], 8)}  "
+                      f"replays {v.get('replays')}")
         for name, v in r["null"].items():
             print(f"{r['tp']:3d} null {name}: drained {v['drained_us']:.0f}, b2b {v['b2b_us']:.0f}")
+    print("\none transformer layer's four TP linears in their dataflow, one backward for all "
+          "four; host µs per linear call, back to back (concurrent: all ranks at once; "
+          "staggered: one rank at a time); megatron: Megatron's own linears, no communication")
+    print(f"{'TP':>3s} {'arm':9s} {'fwd conc':>9s} {'bwd conc':>9s} {'fwd stg':>8s} {'bwd stg':>8s}")
+    for r in rows:
+        for mode in ("eager", "replay", "megatron"):
+            c = r[f"chain_{mode}"]
+            print(f"{r['tp']:3d} {mode:9s} {_us(c['concurrent']['fwd_us'], 9)} "
+                  f"{_us(c['concurrent']['bwd_us'], 9)} {_us(c['staggered']['fwd_us'], 8)} "
+                  f"{_us(c['staggered']['bwd_us'], 8)}")
     for r in rows:
         for mode in ("eager", "replay"):
             for name, v in r[mode].items():

@@ -139,3 +139,25 @@ def test_backend_selection_by_layout():
     assert "symm" in run and "torch_p2p" in run
     assert ("nvshmem" in run) != ("nvshmem" in skipped)
     assert select("symm,torch_p2p", Layout("cpu", 2, 0)) == (["torch_p2p"], {"symm": "needs CUDA tensors"})
+
+
+def test_host_time_cpu(tmp_path):
+    """host_time.py end to end on CPU (functional only: there are no GPU launches to time):
+    every layer's passes, the four linears chained with one backward, and Megatron's own
+    linears on a one-rank group beside them."""
+    out = tmp_path / "host_time.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_time.py"),
+                           "--device", "cpu", "--backend", "torch_p2p", "--tp", "2", "--hidden", "64",
+                           "--tokens", "64", "--reps", "2", "--inner", "2", "--dtype", "float32",
+                           "--out", str(out)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "FUNCTIONAL ONLY" in proc.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    for mode in ("eager", "replay"):
+        assert set(row[mode]) == {"qkv", "proj", "fc1", "fc2"}
+        for v in row[mode].values():
+            assert v["fwd_us"] > 0 and v["bwd_b2b_us"] > 0
+            assert v["fwd_staggered_us"] is None  # gloo's waits block the host: no turns on CPU
+    for arm in ("chain_eager", "chain_replay", "chain_megatron"):
+        assert row[arm]["concurrent"]["fwd_us"] > 0 and row[arm]["concurrent"]["bwd_us"] > 0
+    assert row["chain_megatron"]["staggered"]["bwd_us"] > 0  # no communication: turns work

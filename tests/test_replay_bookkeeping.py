@@ -29,12 +29,8 @@ class _Recorded(replay.PassGraphs):
         before = stats.snapshot(reset=False)
         with trace.recording() as events:
             body()
-        after = stats.snapshot(reset=False)
-        delta = {op: (s["transfers"] - before.get(op, {}).get("transfers", 0),
-                      s["bytes"] - before.get(op, {}).get("bytes", 0)) for op, s in after.items()}
-        stats.forget(delta)
         self.captures += 1
-        return replay._Graph(_Graph(), tuple(events), delta, "diagnosis")
+        return replay._Graph(_Graph(), tuple(events), replay.taken_back(before), "diagnosis")
 
 
 class _Growing(NullTransport):

@@ -143,8 +143,10 @@ class HeapTransport(Transport):
 
     def watch_replay(self, diagnosis: str) -> None:
         """Watch the replay as one wait (its diagnosis lists every wait of the pass: one of
-        them never finished); the release sets every signal slot."""
-        self._watchdog.watch(torch.cuda.current_stream(), diagnosis, self._release_all)
+        them never finished); the release sets every signal slot. A replay is never
+        issued inside a capture (`overlap.replay` checked)."""
+        self._watchdog.watch(torch.cuda.current_stream(), diagnosis, self._release_all,
+                             capturing=False)
 
     def _release_all(self) -> None:
         """Let every stuck wait of this rank move on (the watchdog's release)."""

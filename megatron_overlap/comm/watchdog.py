@@ -69,22 +69,26 @@ class Watchdog:
         # one hardware queue: a release enqueued on any stream waits behind the stuck wait
         self.can_release = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1"
         self._pending: list[_Pending] = []
+        self._spent: list = []  # events of finished waits, recorded again by later watches
         self._lock = threading.RLock()
         self._thread: threading.Thread | None = None
         self._device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self.captured: list[str] | None = None  # set: what waits captured in a graph wait for
 
-    def watch(self, stream: torch.cuda.Stream, what: str, release: Callable[[], None]) -> None:
+    def watch(self, stream: torch.cuda.Stream, what: str, release: Callable[[], None],
+              capturing: bool | None = None) -> None:
         """Watch everything enqueued on `stream` so far (not inside CUDA-graph capture:
-        a captured wait has no event to poll; the device-side backstop covers it)."""
+        a captured wait has no event to poll; the device-side backstop covers it).
+        `capturing`: whether the caller's stream is capturing, where it already asked."""
         global _capture_seen
-        if torch.cuda.is_current_stream_capturing():
+        if torch.cuda.is_current_stream_capturing() if capturing is None else capturing:
             _capture_seen = True  # stop polling until a capture is over (next eager watch)
             if self.captured is not None:
                 self.captured.append(what)
             return
         _capture_seen = False
-        event = torch.cuda.Event()
+        with self._lock:  # an event whose wait finished is recorded again: no create / destroy
+            event = self._spent.pop() if self._spent else torch.cuda.Event()
         event.record(stream)
         self._add(event, what, release)
 
@@ -130,6 +134,8 @@ class Watchdog:
             for p in self._pending:
                 try:
                     if p.event.query():
+                        if len(self._spent) < 256 and isinstance(p.event, torch.cuda.Event):
+                            self._spent.append(p.event)
                         continue
                 except RuntimeError as exc:  # the device failed (a trap): report, stop
                     failed.append(p)

@@ -212,13 +212,13 @@ class ColumnParallelMatmul(torch.autograd.Function):
         ctx.layouts = layouts = layouts or {}
         ctx.graphs, ctx.use_bias, ctx.audit = graphs, bias is not None, audit
         ctx.save_for_backward(x, weight)
-        local = token_rows(x)
-        rows = local * (tp.world_size if plan.sequence_parallel else 1)
-        out = x.new_empty(rows, weight.shape[0])
+        # the output in its final shape (no host-side view after a replay): SP gathers the sequence
+        seq = x.shape[0] * (tp.world_size if plan.sequence_parallel else 1)
+        out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
         _run(graphs, "fprop", tp,
-             lambda: column_fprop(_flat(x), weight, bias, out, plan, tp, layouts.get("fprop")),
+             lambda: column_fprop(_flat(x), weight, bias, _flat(out), plan, tp, layouts.get("fprop")),
              x, weight, bias, out, audit=audit)
-        return out.view(rows // max(local, 1) * x.shape[0], *x.shape[1:-1], -1)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -245,13 +245,13 @@ class RowParallelMatmul(torch.autograd.Function):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs, ctx.audit = plan, tp, fuse_wgrad, graphs, audit
         ctx.layouts = layouts = layouts or {}
         ctx.save_for_backward(x, weight)
-        local = token_rows(x)
-        rows = local // (tp.world_size if plan.sequence_parallel else 1)
-        out = x.new_empty(rows, weight.shape[0])
+        # SP reduce-scatters the sequence (the layer's door checked that TP divides it)
+        seq = x.shape[0] // (tp.world_size if plan.sequence_parallel else 1)
+        out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
         _run(graphs, "fprop", tp,
-             lambda: row_fprop(_flat(x), weight, out, plan, tp, layouts.get("fprop")),
+             lambda: row_fprop(_flat(x), weight, _flat(out), plan, tp, layouts.get("fprop")),
              x, weight, out, audit=audit)
-        return out.view(rows * x.shape[0] // max(local, 1), *x.shape[1:-1], -1)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -111,8 +111,12 @@ class _OverlapMixin:
         return self._orders
 
     def _layouts(self) -> dict[str, Any]:
-        """Per pass: the hierarchical ring layout (ranks per node), or None (flat)."""
-        return {p: o.nodes for p, o in self.ring_orders.items()}
+        """Per pass: the hierarchical ring layout (ranks per node), or None (flat); made
+        once (the ring orders are fixed at the first forward), as every call asks."""
+        layouts = self.__dict__.get("_layouts_made")
+        if layouts is None:
+            layouts = self.__dict__["_layouts_made"] = {p: o.nodes for p, o in self.ring_orders.items()}
+        return layouts
 
     def _use_megatron(self, weight: torch.Tensor) -> bool:
         fallback = (not weight.requires_grad or getattr(self, "explicit_expert_comm", False)

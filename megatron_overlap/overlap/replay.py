@@ -84,8 +84,22 @@ def _signature(tp: Transport, tensors: Sequence[Optional[torch.Tensor]]) -> tupl
         None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
 
 
+def taken_back(before: dict) -> tuple[tuple[str, int, int], ...]:
+    """What the stats counted since the snapshot `before` (a capture's transfers), taken
+    back out of them, as ((op, transfers, bytes), ...): the capture moved nothing, each
+    replay counts it."""
+    counted = []
+    for op, s in stats.snapshot(reset=False).items():
+        b = before.get(op, {"transfers": 0, "bytes": 0})
+        if s["transfers"] > b["transfers"]:
+            counted.append((op, s["transfers"] - b["transfers"], s["bytes"] - b["bytes"]))
+    stats.forget({op: (t, n) for op, t, n in counted})
+    return tuple(counted)
+
+
 class _Graph:
-    __slots__ = ("graph", "events", "stats", "waits")  # waits: what tp.watch_replay reports
+    # stats: ((op, transfers, bytes), ...) re-counted per replay; waits: what tp.watch_replay reports
+    __slots__ = ("graph", "events", "stats", "waits")
 
     def __init__(self, graph, events, op_stats, waits):
         self.graph, self.events, self.stats, self.waits = graph, events, op_stats, waits
@@ -139,7 +153,7 @@ class PassGraphs:
         entry.graph.replay()
         self.replays += 1
         tp.watch_replay(entry.waits)
-        for op, (transfers, nbytes) in entry.stats.items():
+        for op, transfers, nbytes in entry.stats:
             stats.started(op, nbytes, transfers)
         if entry.events and trace.active():
             for ev in entry.events:
@@ -163,12 +177,6 @@ class PassGraphs:
             finally:
                 graph.capture_end()
         main.wait_stream(stream)
-        after = stats.snapshot(reset=False)
-        delta = {}
-        for op, s in after.items():
-            b = before.get(op, {"transfers": 0, "bytes": 0})
-            if s["transfers"] > b["transfers"]:
-                delta[op] = (s["transfers"] - b["transfers"], s["bytes"] - b["bytes"])
-        stats.forget(delta)  # the capture moved nothing; each replay counts
+        counted = taken_back(before)
         self.captures += 1
-        return _Graph(graph, tuple(events), delta, tp.replay_diagnosis(self.name, waits))
+        return _Graph(graph, tuple(events), counted, tp.replay_diagnosis(self.name, waits))
