@@ -50,9 +50,8 @@ DEFAULT_METHODS: dict[str, str] = {
     "proj_wgrad": "external", "fc2_wgrad": "external",
 }
 
-# TE's layers_all_gather_overlap / layers_reduce_scatter_overlap (before the rs-dgrad switch).
-ALL_GATHER_LAYERS = frozenset({"qkv_fprop", "qkv_dgrad", "proj_dgrad", "proj_wgrad",
-                               "fc1_fprop", "fc1_dgrad", "fc2_dgrad", "fc2_wgrad"})
+# TE's layers_reduce_scatter_overlap (before the rs-dgrad switch); every other layer
+# all-gathers (TE's layers_all_gather_overlap).
 REDUCE_SCATTER_LAYERS = frozenset({"proj_fprop", "fc2_fprop", "qkv_wgrad", "fc1_wgrad"})
 # TE's dgrad_reduce_scatter_overlap: a non-bulk method turns these into GEMM+RS overlaps and
 # leaves their wgrad partner unused.
