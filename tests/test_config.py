@@ -612,3 +612,9 @@ def test_console_table_wraps_to_its_width():
     assert sum(1 for line in out if set(line.strip()) == {"─"}) == 2  # header rule + one section
     assert out[-1].split() == ["bb", "12.25", "short"]
     assert lines("x", "y") == "x\ny\n"
+    from megatron_overlap.config.console import wrapped
+
+    notes = wrapped("word " * 30, "short", width=40)
+    assert notes[-1] == "  short" and all(len(n) <= 40 for n in notes)
+    assert notes[0].startswith("  word") and notes[1].startswith("    word")  # hanging indent
+    assert " ".join(notes[:-1]).split() == ["word"] * 30

@@ -57,6 +57,15 @@ REDUCE_SCATTER_LAYERS = frozenset({"proj_fprop", "fc2_fprop", "qkv_wgrad", "fc1_
 # leaves their wgrad partner unused.
 RS_DGRAD_LAYERS: tuple[str, ...] = ("qkv_dgrad", "fc1_dgrad")
 BULK_LAYERS = frozenset({"qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad"})
+# What `bulk` means on those passes (the settings table, the layers' rows, wandb): one
+# whole collective started before a GEMM that does not need its result and waited on
+# after it, i.e. hidden under another GEMM; never "no overlap" (the schedules' own `bulk`,
+# which the per-layer benchmark arms run, is that: the whole transfer, then the GEMM).
+BULK_HIDES: dict[str, str] = {
+    "dgrad": "the saved input's all-gather (for the wgrad) runs whole under the dgrad GEMM",
+    "wgrad": "the dgrad's reduce-scatter (all-reduce without sequence parallelism) runs "
+             "whole under the wgrad GEMM",
+}
 # TE's ag_rs_pairs: AG and RS halves of one TP block (atomic ring-exchange must match).
 AG_RS_PAIRS: dict[str, str] = {"qkv_fprop": "proj_fprop", "fc1_fprop": "fc2_fprop"}
 # TE's external_gemm_to_overlap: these wgrads all-gather on their dgrad's ring-exchange streams.
