@@ -52,7 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="default: bfloat16 on GPUs, float32 on CPU")
     ap.add_argument("--backends", default="auto", help="auto, or a comma list of symm,torch_p2p,nvshmem")
     ap.add_argument("--methods", default=DEFAULT_METHODS,
-                    help="comma list: ring_exchange[+agg], pipeline:N, bulk; '/2s' = chunk GEMMs on "
+                    help="comma list: ring_exchange[+agg], pipeline:N, bulk (the whole transfer, "
+                         "then the GEMM: no overlap); '/2s' = chunk GEMMs on "
                          "2 streams (each shape runs the ones that apply to it)")
     ap.add_argument("--no-torch-async-tp", action="store_true", help="leave torch's fused ops out")
     ap.add_argument("--scale", type=int, default=1, help="divide M (tokens) by this")

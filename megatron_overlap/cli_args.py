@@ -4,7 +4,6 @@ and the checks across flags that refuse a model or layout that cannot exist."""
 from __future__ import annotations
 
 import argparse
-import math
 from typing import Callable, Mapping
 
 
@@ -26,17 +25,6 @@ def _integer(lo: int) -> Callable[[str], int]:
 
 
 positive_int = _integer(1)
-nonnegative_int = _integer(0)
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
 
 
 def model_spec(text: str) -> tuple[str, int]:

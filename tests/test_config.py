@@ -559,6 +559,19 @@ def test_backend_registry_is_the_one_list_of_backends():
         comm.resolve_backend("nccl")
 
 
+def test_the_megatron_lm_flag_takes_the_registry_backends():
+    """--tp-comm-overlap-backend (the entry point's flag and the source patch's) offers
+    auto and every transport of the registry, no list of its own."""
+    from megatron_overlap.config.backends import AUTO
+    from megatron_overlap.megatron_lm import hooks
+
+    assert hooks.BACKENDS == (AUTO,) + BACKENDS
+    patch = (pathlib.Path(__file__).parents[1] / "patches" / "megatron-lm-core_v0.16.1.patch").read_text()
+    # the patch is text applied to Megatron-LM's tree; it keeps a copy that must agree
+    choices = re.search(r"'--tp-comm-overlap-backend'.*?\n\+\s*choices=(\[.*?\]),", patch)
+    assert choices and tuple(ast.literal_eval(choices.group(1))) == hooks.BACKENDS
+
+
 def test_buffer_names_live_once():
     from megatron_overlap.config import BUFFER_NAMES, COLUMN_BUFFERS, PASSES, ROW_BUFFERS
     from megatron_overlap.layers import plan
@@ -567,6 +580,10 @@ def test_buffer_names_live_once():
     assert sorted(COLUMN_BUFFERS + ROW_BUFFERS) == sorted(BUFFER_NAMES)
     assert LAYER_NAMES == tuple(f"{b}_{p}" for b in BUFFER_NAMES for p in PASSES)
     assert plan.BUFFER_NAMES is BUFFER_NAMES and shapes.BUFFERS is BUFFER_NAMES
+    from megatron_overlap.ab import shapes as ab
+
+    assert ab.ORDER == COLUMN_BUFFERS + ROW_BUFFERS  # the short shapes' order: column first
+    assert [s.name.split("_")[2] for s in ab.SHORT[:4]] == list(ab.ORDER)
 
 
 def test_reference_shapes_live_once():
@@ -595,3 +612,9 @@ def test_console_table_wraps_to_its_width():
     assert sum(1 for line in out if set(line.strip()) == {"─"}) == 2  # header rule + one section
     assert out[-1].split() == ["bb", "12.25", "short"]
     assert lines("x", "y") == "x\ny\n"
+    from megatron_overlap.config.console import wrapped
+
+    notes = wrapped("word " * 30, "short", width=40)
+    assert notes[-1] == "  short" and all(len(n) <= 40 for n in notes)
+    assert notes[0].startswith("  word") and notes[1].startswith("    word")  # hanging indent
+    assert " ".join(notes[:-1]).split() == ["word"] * 30

@@ -77,24 +77,57 @@ def test_overlap_layer_spec_swaps_the_four_linears_only():
 
 def test_install_takes_every_environment_knob_and_uninstall_restores_them(monkeypatch):
     from megatron_overlap import comm
+    from megatron_overlap.comm.transport import default_timeout
     from megatron_overlap.overlap import replay, streams
 
     monkeypatch.setenv("MEGATRON_OVERLAP_GEMM_STREAMS", "3")
     monkeypatch.setenv("MEGATRON_OVERLAP_INTER_BACKEND", "torch_p2p")
     monkeypatch.setenv("MEGATRON_OVERLAP_GRAPHS", "1")
+    monkeypatch.setenv("MEGATRON_OVERLAP_TIMEOUT_S", "45")
     replay.set_enabled(None)
-    before = (replay.enabled(), streams.default_gemm_streams(), comm.inter_backend())
-    assert before == (True, 3, "torch_p2p")  # the variables are the defaults
-    mo.install(graphs=False, gemm_streams=2, inter_backend="nvshmem")
+
+    def knobs():
+        return (replay.enabled(), streams.default_gemm_streams(), comm.inter_backend(),
+                default_timeout().total_seconds())
+
+    before = knobs()
+    assert before == (True, 3, "torch_p2p", 45.0)  # the variables are the defaults
+    mo.install(graphs=False, gemm_streams=2, inter_backend="nvshmem", timeout_s=7.5)
     try:
-        assert (replay.enabled(), streams.default_gemm_streams(), comm.inter_backend()) == (
-            False, 2, "nvshmem")
+        assert knobs() == (False, 2, "nvshmem", 7.5)
+        # a transport made now (at a layer's first forward) waits that long
+        assert comm.NullTransport(2, 0).timeout.total_seconds() == 7.5
+        mo.install(timeout_s=20)  # nested: the inner one wins, its uninstall gives it back
+        assert knobs() == (True, 3, "torch_p2p", 20.0)
+        mo.uninstall()
+        assert knobs() == (False, 2, "nvshmem", 7.5)
     finally:
         mo.uninstall()
-    assert (replay.enabled(), streams.default_gemm_streams(), comm.inter_backend()) == before
+    assert knobs() == before
+    assert comm.NullTransport(2, 0).timeout.total_seconds() == 45
     for kw, match in (({"graphs": "yes"}, "graphs"), ({"gemm_streams": 0}, "gemm_streams"),
-                      ({"inter_backend": "symm"}, "inter_backend")):
+                      ({"inter_backend": "symm"}, "inter_backend"), ({"timeout_s": 0}, "timeout_s"),
+                      ({"timeout_s": -1}, "timeout_s"), ({"timeout_s": float("inf")}, "timeout_s"),
+                      ({"timeout_s": float("nan")}, "timeout_s"), ({"timeout_s": "5"}, "timeout_s"),
+                      ({"timeout_s": True}, "timeout_s"), ({"timeout_s": 8 * 24 * 3600}, "timeout_s")):
         with pytest.raises(ValueError, match=match):
             mo.install(**kw)
-        assert (replay.enabled(), streams.default_gemm_streams(), comm.inter_backend()) == before
+        assert knobs() == before
         assert not mo.config.state.installed()
+
+
+def test_every_environment_variable_has_an_install_keyword():
+    """Each MEGATRON_OVERLAP_* variable config.env reads is also an install() keyword of
+    the same name (lower case, without the prefix); the variable is its default."""
+    import inspect
+
+    from megatron_overlap.config import env
+    from megatron_overlap.megatron.install import install
+
+    names = {v for k, v in vars(env).items() if k.isupper() and isinstance(v, str)
+             and v.startswith("MEGATRON_OVERLAP_")}
+    assert len(names) == 4, names
+    params = inspect.signature(install).parameters
+    for name in names:
+        kw = name.removeprefix("MEGATRON_OVERLAP_").lower()
+        assert kw in params and params[kw].default is None, (name, kw)

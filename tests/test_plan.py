@@ -71,10 +71,38 @@ def test_bad_buffer_names_and_contradictory_settings_are_clear_errors():
         plan(flags(), "qkv", "column", settings=cfg)
 
 
-def test_a_ring_exchange_that_runs_as_a_pipeline_is_reported():
+def test_a_ring_exchange_that_runs_as_a_pipeline_is_reported(caplog):
+    from megatron_overlap.layers import plan as plan_module
+
+    plan_module._warned.clear()
     ring = OverlapConfig.load({"proj_fprop": {"method": "ring_exchange"}})
-    row = plan(flags(), "proj", "row", sp=False, settings=ring)
+    with caplog.at_level("WARNING", logger="megatron_overlap"):
+        row = plan(flags(), "proj", "row", sp=False, settings=ring)
+        plan(flags(), "proj", "row", sp=False, settings=ring)  # every layer of a model: once
+    said = [r.getMessage() for r in caplog.records if "runs as a pipeline" in r.getMessage()]
+    assert said == ["megatron_overlap: proj_fprop: method ring_exchange runs as a pipeline of "
+                    "TP-size chunked all-reduces (an all-reduce has no ring schedule)"]  # the log
     assert any("proj_fprop: method ring_exchange runs as a pipeline" in n for n in row.notes)
     shown = row.rows(4, "symm")
     assert shown and "runs as a pipeline" in shown[0]["notes"]  # the settings table and wandb
     assert not any("runs as a pipeline" in n for n in plan(flags(), "proj", "row", settings=ring).notes)
+
+
+def test_bulk_says_what_it_hides_under():
+    """ub_cfgs' bulk exists only on the column backward and means hidden under another
+    GEMM; the rows (console table, wandb) and the settings table say under which."""
+    rows = {r["pass"]: r for r in plan(flags(), "fc1", "column").rows(4, "symm")}
+    assert rows["dgrad"]["method"] == rows["wgrad"]["method"] == "bulk"
+    assert "fc1_dgrad: bulk: the saved input's all-gather (for the wgrad) runs whole under " \
+        "the dgrad GEMM" in rows["dgrad"]["notes"]
+    assert "fc1_wgrad: bulk: the dgrad's reduce-scatter" in rows["wgrad"]["notes"]
+    assert "under the wgrad GEMM" in rows["wgrad"]["notes"]
+    assert "bulk" not in rows["fprop"]["notes"]
+    table = CFG.table("symm", tp_size=4)
+    line = next(x for x in table.splitlines() if x.startswith("bulk ("))
+    assert "hidden under another GEMM of the backward, not unoverlapped" in line
+    assert "under the dgrad GEMM [qkv_dgrad, fc1_dgrad]" in line
+    assert "under the wgrad GEMM [qkv_wgrad, fc1_wgrad]" in line
+    none = OverlapConfig.load({"qkv_dgrad": {"method": "pipeline"}, "fc1_dgrad": {"method": "pipeline"}},
+                              rs_dgrad=True)
+    assert not any(x.startswith("bulk (") for x in none.table("symm").splitlines())

@@ -25,7 +25,7 @@ def test_cpu_nodes_by_key_in_group_order():
     t = from_peers(1, [("a", None), ("b", None), ("a", None), ("b", None)])  # interleaved
     assert (t.node, t.domain, t.local) == ((0, 1, 0, 1), (0, 1, 0, 1), (0, 0, 1, 1))
     assert t.nodes == ((0, 2), (1, 3)) and t.spans_nodes and t.is_hierarchical and t.uniform
-    assert t.same_domain(3) and not t.same_domain(0) and t.describe() == "2 nodes x 2 ranks"
+    assert t.domain[3] == t.domain[t.rank] != t.domain[0] and t.describe() == "2 nodes x 2 ranks"
     u = from_peers(0, [("a", None), ("a", None), ("b", None)])
     assert not u.uniform and u.describe() == "2 nodes (2+1 ranks)"
     one = from_peers(0, [("a", None)] * 4)

@@ -138,6 +138,9 @@ LAYERS = {
     "overlap": ({"config", "comm"}, True, False),
     "layers": ({"config", "comm", "overlap"}, True, True),
     "megatron": ({"config", "comm", "overlap", "layers"}, True, True),
+    # the entry point: the backend names at import; torch, megatron and the integration
+    # only once the script's tree is first on sys.path (inside its hooks)
+    "megatron_lm": ({"config"}, False, False),
 }
 
 

@@ -4,9 +4,10 @@ compute-only floor, run side by side, with loss / output parity and medians.
 
 - `train`, `report`: the A/B main job's training arm and report.
 - `launch`, `machine`: ranks on any machine (GPUs, a shared GPU, CPU) and what ran.
-- `model`: the GPT of the end-to-end runs; `shapes`, `layer_arms`, `async_tp`, `floor`:
-  the per-layer benchmark's arms; `emulated_tp`: one process playing a TP rank (the
-  whole-layer benchmark); `timing`, `results`, `plots`: measuring and writing.
+- `model`: the GPT of the end-to-end runs; `shapes`, `layer_arms`, `async_tp`: the
+  per-layer benchmark's arms (their floor: the schedule on `comm.NullTransport`);
+  `emulated_tp`: one process playing a TP rank (the whole-layer benchmark); `timing`,
+  `results`, `plots`: measuring and writing.
 
 A tool: imports the runtime and `simulate` (the shapes); matplotlib, rich and wandb
 only through `extras.require` ([ab]).

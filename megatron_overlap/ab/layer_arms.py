@@ -28,7 +28,10 @@ from .shapes import Shape
 @dataclass(frozen=True)
 class Method:
     """A schedule and its knobs, written `ring_exchange`, `ring_exchange+agg`,
-    `pipeline:4`, `bulk`, optionally with `/2s` (chunk GEMMs on 2 streams)."""
+    `pipeline:4`, `bulk`, optionally with `/2s` (chunk GEMMs on 2 streams). `bulk` here
+    is the schedules' bulk: the whole transfer, then the GEMM, no overlap (the pass's
+    plain order on our transport); ub_cfgs' `bulk` of a backward pass hides it under
+    another GEMM, which one pass alone cannot show."""
 
     method: str
     splits: int = 0  # pipeline chunks (0: the schedule's own: TP blocks)

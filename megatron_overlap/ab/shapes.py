@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ..config.names import COLUMN_BUFFERS, ROW_BUFFERS
 from ..simulate import shapes as sim
 
 
@@ -36,12 +37,12 @@ def _of(s: "sim.Shape", name: str | None = None) -> Shape:
 # DESIGN.md's reference shapes, kept once in simulate.shapes.
 REFERENCE: tuple[Shape, ...] = tuple(_of(s) for s in sim.REFERENCE.values())
 # Short sequences, where the host's share is largest: the 70B and 8B presets at TP=8.
-_ORDER = ("qkv", "fc1", "proj", "fc2")
+ORDER = COLUMN_BUFFERS + ROW_BUFFERS  # qkv, fc1, proj, fc2
 SHORT: tuple[Shape, ...] = tuple(
     _of(s, f"{s.model}_tp8_{s.buffer}_{seq}")
     for model, seq in (("70b", 2048), ("70b", 4096), ("8b", 4096))
     for s in sorted(replace(sim.PRESETS[model], seq_length=seq, micro_batch=1)
-                    .shapes(model.upper(), 8), key=lambda s: _ORDER.index(s.buffer)))
+                    .shapes(model.upper(), 8), key=lambda s: ORDER.index(s.buffer)))
 BY_NAME = {s.name: s for s in REFERENCE + SHORT}
 
 

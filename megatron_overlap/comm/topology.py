@@ -67,9 +67,6 @@ class Topology:
         hierarchical ring order needs: N domains x L local ranks)."""
         return len({len(d) for d in self.domains}) == 1
 
-    def same_domain(self, peer: int) -> bool:
-        return self.domain[peer] == self.domain[self.rank]
-
     def describe(self) -> str:
         """'2 nodes x 4 ranks', '1 node, 2 domains x 2 ranks', '3 nodes (2+1+1 ranks)'."""
         def count(groups: tuple[tuple[int, ...], ...], what: str) -> str:

@@ -76,3 +76,11 @@ def table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[str]], 
 def lines(*texts: str) -> str:
     """Lines printed below a table, each as it is (never wrapped)."""
     return "".join(t + "\n" for t in texts)
+
+
+def wrapped(*texts: str, indent: str = "  ", width: int = WIDTH) -> list[str]:
+    """Each text as lines of at most `width`, starting at `indent` and continuing
+    two spaces further in (notes below a table)."""
+    return [line for t in texts for line in textwrap.wrap(
+        t, width, initial_indent=indent, subsequent_indent=indent + "  ",
+        break_on_hyphens=False) or [indent]]

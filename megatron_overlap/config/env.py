@@ -12,6 +12,9 @@ variable, the value found and what is allowed. Meanings:
 - MEGATRON_OVERLAP_GRAPHS: 1 / 0 (also true/false, on/off, yes/no): whole-pass
   CUDA-graph replay on or off;
 - LOCAL_WORLD_SIZE (torchrun's, read for the topology): an integer >= 1.
+
+`install(timeout_s=...)` overrides the timeout for the process (`set_timeout_s`;
+`timeout_s()` is what every wait reads); the variable stays the default.
 """
 
 from __future__ import annotations
@@ -46,20 +49,51 @@ def _raw(name: str) -> str | None:
     return None if value is None or not value.strip() else value
 
 
+_TIMEOUT_ALLOWED = (f"a number of seconds > 0 and <= {MAX_TIMEOUT_S:g} (a week); 0, negative, "
+                    "nan and inf are refused because every wait must end")
+_timeout_override: float | None = None  # install(timeout_s=...)
+
+
 def timeout_s() -> float:
-    """MEGATRON_OVERLAP_TIMEOUT_S (default 300): how long one wait may block."""
+    """How long one wait may block: install()'s timeout_s, else MEGATRON_OVERLAP_TIMEOUT_S
+    (checked), else 300 s."""
+    return _timeout_override if _timeout_override is not None else _timeout_env()
+
+
+def _timeout_env() -> float:
     raw = _raw(TIMEOUT_S)
     if raw is None:
         return DEFAULT_TIMEOUT_S
-    allowed = (f"a number of seconds > 0 and <= {MAX_TIMEOUT_S:g} (a week); 0, negative, "
-               "nan and inf are refused because every wait must end")
     try:
         value = float(raw)
     except ValueError:
-        raise EnvError(TIMEOUT_S, raw, allowed) from None
-    if not math.isfinite(value) or not 0 < value <= MAX_TIMEOUT_S:
-        raise EnvError(TIMEOUT_S, raw, allowed)
+        raise EnvError(TIMEOUT_S, raw, _TIMEOUT_ALLOWED) from None
+    if not _usable_timeout(value):
+        raise EnvError(TIMEOUT_S, raw, _TIMEOUT_ALLOWED)
     return value
+
+
+def _usable_timeout(value: float) -> bool:
+    return math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S
+
+
+def checked_timeout_s(seconds: float) -> float:
+    """`seconds` as a timeout (float), or ValueError saying what is allowed."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+            or not _usable_timeout(float(seconds)):
+        raise ValueError(f"megatron_overlap: timeout_s must be {_TIMEOUT_ALLOWED}; "
+                         f"not {seconds!r}")
+    return float(seconds)
+
+
+def set_timeout_s(seconds: float | None) -> float | None:
+    """Override the variable (None restores it); returns the previous override. Read by
+    every bounded wait that starts later, and by transports made later (a transport
+    keeps the timeout it was made with: they are made at a layer's first forward)."""
+    global _timeout_override
+    previous = _timeout_override
+    _timeout_override = None if seconds is None else checked_timeout_s(seconds)
+    return previous
 
 
 def _int(name: str, default: int, lo: int, hi: int | None) -> int:
@@ -114,7 +148,7 @@ def local_world_size() -> int | None:
 def check_all() -> None:
     """Read every variable once: install() calls it so a bad value fails there, not at
     the first forward."""
-    timeout_s()
+    _timeout_env()
     gemm_streams()
     inter_backend()
     graphs()

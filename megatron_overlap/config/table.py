@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Iterable
 from .console import Column, lines, table
 from .effects import ACTIVE, caps_for
 from .errors import bad_value
-from .names import KEYS, LAYER_NAMES
+from .names import BULK_HIDES, KEYS, LAYER_NAMES
 
 if TYPE_CHECKING:
     from .overlap import OverlapConfig
@@ -94,6 +94,11 @@ def render(config: "OverlapConfig", backend: str, tp_size: int | None = None) ->
                 keys[key], layers[name] = None, None
 
     below = [_ring_orders(config, effects)]
+    bulk = {p: [n for n in LAYER_NAMES if config[n].method == "bulk" and n.endswith(p)
+                and effects[n]["method"] == ACTIVE] for p in BULK_HIDES}  # (not a wgrad left unused)
+    if any(bulk.values()):
+        below.append("bulk (hidden under another GEMM of the backward, not unoverlapped): " + "; ".join(
+            f"{p}: {BULK_HIDES[p]} [{_where(names)}]" for p, names in bulk.items() if names))
     if legend:
         below.append("Keys without effect here, where, and why:")
         for why, (keys, layers) in sorted(legend.items(),

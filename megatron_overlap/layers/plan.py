@@ -3,12 +3,17 @@ Transformer Engine's meaning) applied to the per-layer settings."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from ..comm.topology import Topology
 from ..config import BUFFER_NAMES, COLUMN_BUFFERS, ROW_BUFFERS, LayerSettings, OverlapConfig
+from ..config.names import BULK_HIDES
 from ..overlap.hierarchical import RingOrder, choose
+
+log = logging.getLogger("megatron_overlap")
+_warned: set[str] = set()  # every layer of a model would repeat the same swap
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,8 @@ class LayerPlan:
                 continue
             order = (orders or {}).get(s.pass_name)
             notes = list(self.notes) + ([order.note] if order is not None and order.note else [])
+            if s.method == "bulk":  # what it hides under: not the schedules' unoverlapped bulk
+                notes.append(f"{s.name}: bulk: {BULK_HIDES[s.pass_name]}")
             effects = _effects(s, backends or (backend,))
             if order is not None and order.order == "hierarchical":
                 effects.update(_HIERARCHICAL_IGNORES.get((s.method, s.is_reduce_scatter), {}))
@@ -136,7 +143,11 @@ def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_para
         notes.append("no sequence parallelism: fprop reduces with chunked all-reduces "
                      "(pipeline); the backward has no communication")
         if fprop is not None and fprop.method == "ring_exchange":
-            notes.append(f"{fprop.name}: method ring_exchange runs as a pipeline of TP-size "
-                         f"chunked all-reduces (an all-reduce has no ring schedule)")
+            swap = (f"{fprop.name}: method ring_exchange runs as a pipeline of TP-size "
+                    f"chunked all-reduces (an all-reduce has no ring schedule)")
+            notes.append(swap)  # the settings table and wandb (rows), and the log once:
+            if swap not in _warned:
+                _warned.add(swap)
+                log.warning("megatron_overlap: %s", swap)
     wgrad = get(settings, "wgrad") if dgrad is not None else None  # reuses dgrad's gathered grad
     return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, False, tuple(notes))

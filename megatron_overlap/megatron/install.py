@@ -14,7 +14,7 @@ log = logging.getLogger("megatron_overlap")
 _previous: list[tuple[state.State | None, tuple]] = []
 
 
-def _check_knobs(graphs, gemm_streams, inter) -> None:
+def _check_knobs(graphs, gemm_streams, inter, timeout_s) -> None:
     if graphs is not None and not isinstance(graphs, bool):
         raise ValueError(f"megatron_overlap.install: graphs must be True, False or None, not {graphs!r}")
     if gemm_streams is not None and (not isinstance(gemm_streams, int) or isinstance(gemm_streams, bool)
@@ -24,17 +24,21 @@ def _check_knobs(graphs, gemm_streams, inter) -> None:
     if inter is not None and inter not in comm.INTER_BACKENDS:
         raise ValueError(f"megatron_overlap.install: inter_backend must be one of "
                          f"{comm.INTER_BACKENDS} or None, not {inter!r}")
+    if timeout_s is not None:
+        envvars.checked_timeout_s(timeout_s)
 
 
 def _set_knobs(knobs: tuple) -> tuple:
-    """(graphs, gemm_streams, inter_backend) overrides in force; returns the previous ones."""
-    graphs, gemm_streams, inter = knobs
+    """(graphs, gemm_streams, inter_backend, timeout_s) overrides in force; returns the
+    previous ones."""
+    graphs, gemm_streams, inter, timeout_s = knobs
     return (replay.set_enabled(graphs), streams.set_default_gemm_streams(gemm_streams),
-            comm.set_inter_backend(inter))
+            comm.set_inter_backend(inter), envvars.set_timeout_s(timeout_s))
 
 
 def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool | None = None,
-            gemm_streams: int | None = None, inter_backend: str | None = None) -> OverlapConfig:
+            gemm_streams: int | None = None, inter_backend: str | None = None,
+            timeout_s: float | None = None) -> OverlapConfig:
     """Turn the overlap on for layers built from now on: Megatron's TP linears
     built for the 'qkv' / 'proj' / 'fc1' / 'fc2' buffers of a config with
     `tp_comm_overlap=True` become overlapped, and torch norms accept sequence
@@ -49,13 +53,15 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool
     graphs: capture each pass in a CUDA graph and replay it (MEGATRON_OVERLAP_GRAPHS, on);
     gemm_streams: streams for chunk GEMMs where a layer's `gemm_streams` key is 0
     (MEGATRON_OVERLAP_GEMM_STREAMS, 1); inter_backend: the transport between nodes of a
-    TP group that spans them (MEGATRON_OVERLAP_INTER_BACKEND, torch_p2p)."""
+    TP group that spans them (MEGATRON_OVERLAP_INTER_BACKEND, torch_p2p); timeout_s: how
+    long one wait may block before it is a diagnosed CommError, in seconds, > 0 and at
+    most a week (MEGATRON_OVERLAP_TIMEOUT_S, 300; transports made before keep theirs)."""
     envvars.check_all()  # a bad MEGATRON_OVERLAP_* value fails here, naming it
     if backend != "auto":
         comm.resolve_backend(backend)  # fail now, not at the first forward
-    _check_knobs(graphs, gemm_streams, inter_backend)
+    _check_knobs(graphs, gemm_streams, inter_backend, timeout_s)
     new = state.make(ub_cfgs, backend)
-    previous_knobs = _set_knobs((graphs, gemm_streams, inter_backend))
+    previous_knobs = _set_knobs((graphs, gemm_streams, inter_backend, timeout_s))
     if not _previous:
         swap.patch()
         norms.patch()

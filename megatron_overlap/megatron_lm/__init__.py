@@ -7,7 +7,10 @@
 
 `hooks` wraps Megatron-LM's argument parsing, validation and TP-communicator setup;
 `__main__` puts the script's tree first on sys.path, installs the hooks and runs the
-script unchanged. Importing this package imports no megatron.
+script unchanged. Owns the hooks and the flags they add. Imports `config` (the
+backend names) and nothing else of ours at import; never megatron, torch or the
+integration at import: `megatron_overlap.install` is loaded inside the TP-communicator
+hook, once the script's tree is first on sys.path.
 """
 
 from .hooks import UnsupportedMegatronLM, install_hooks, uninstall_hooks

@@ -33,9 +33,11 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..config.backends import AUTO, BACKENDS as _TRANSPORTS
+
 IMPL = "megatron_overlap"
 IMPLS = ("te", IMPL)
-BACKENDS = ("auto", "torch_p2p", "symm", "nvshmem")
+BACKENDS = (AUTO,) + _TRANSPORTS  # --tp-comm-overlap-backend: the registry's transports
 ARGS_MODULE = "megatron.training.arguments"
 INIT_MODULE = "megatron.training.initialize"
 

@@ -74,7 +74,9 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
 def bulk(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
          out: torch.Tensor | None = None, gemm: Gemm = matmul) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather everything, then one GEMM: no overlap at all (the plain path, for layers
-    where nothing else is there to hide the gather under)."""
+    where nothing else is there to hide the gather under). Not ub_cfgs' `bulk`, which
+    exists only on the column backward and hides the whole collective under another
+    GEMM (`overlap.bulk.hide`; `config.names.BULK_HIDES`)."""
     gathered = x.new_empty(tp.world_size * x.shape[0], x.shape[1])
     tp.all_gather(gathered, x, op=op).wait()
     out = x.new_empty(gathered.shape[0], w.shape[0]) if out is None else out

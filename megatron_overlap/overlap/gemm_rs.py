@@ -111,7 +111,7 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, metho
                         gemm=gemm)
     if method == "ring_exchange":
         return ring_exchange(x, w, tp, op=op, streams=streams, out=out, gemm=gemm)
-    if method == "bulk":
+    if method == "bulk":  # the GEMM, then the whole reduction: no overlap (see ag_gemm.bulk)
         if not scatter:
             full = gemm(x, w.t(), out, op=op)
             tp.all_reduce(full, op=op).wait()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..config.console import Column, lines, table
+from ..config.console import Column, lines, table, wrapped
 
 
 def human_bytes(n: float) -> str:
@@ -59,6 +59,6 @@ def settings_table(rows: Sequence[dict[str, Any]]) -> str:
     below += [f"Transport per TP peer (this rank's view): {line}" for line in links]
     notes = {r["notes"]: None for r in rows if r.get("notes")}
     if notes:
-        below += ["Notes:"] + [f"  {line}" for line in notes]
+        below += ["Notes:"] + wrapped(*notes)
     title = f"TP comm+GEMM overlap: {len(modules)} layers, {len(rows)} passes"
     return table(title, columns, cells, rules_after=rules) + lines(*below)
