@@ -49,7 +49,13 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
 
 from megatron_overlap.ab.launch import init_dist, launch, plan_layout  # noqa: E402
 
-LAYERS = (("qkv", "column", 3), ("proj", "row", 1), ("fc1", "column", 4), ("fc2", "row", 4))
+from megatron_overlap.config.backends import AUTO, BACKENDS  # noqa: E402
+from megatron_overlap.config.names import COLUMN_BUFFERS  # noqa: E402
+
+# one transformer layer's four TP linears, in their dataflow order: (buffer name, kind,
+# output or input width / hidden); the names are config.names' buffers
+MULT = {"qkv": 3, "proj": 1, "fc1": 4, "fc2": 4}
+LAYERS = tuple((n, "column" if n in COLUMN_BUFFERS else "row", m) for n, m in MULT.items())
 
 # cProfile entries -> parts; first match wins (builtins are matched by name).
 # symm's pybind calls (put_signal, wait_signal, barrier, get_buffer) are not profiled
@@ -413,7 +419,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    ap.add_argument("--backend", default="symm", choices=("symm", "torch_p2p", "nvshmem", "auto"))
+    ap.add_argument("--backend", default="symm", choices=(AUTO,) + BACKENDS)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--inner", type=int, default=20, help="back-to-back calls")
     ap.add_argument("--profile", action="store_true")

@@ -155,18 +155,17 @@ class PerPeerTransport(Transport):
             parts.setdefault(role, (tp, [], []))[2].append((t, local))
         handles = []
         for tp, s, r in parts.values():
-            tp.check()
-            handles.append(tp._start_exchange(s, r, op, chunk))
+            handles.append(tp.start_untraced("exchange", s, r, op, chunk))
         return handles[0] if len(handles) == 1 else _All(handles)
 
     def _start_all_gather(self, out, inp, op, chunk) -> Handle:
-        return self.inter._start_all_gather(out, inp, op, chunk)
+        return self.inter.start_untraced("all_gather", out, inp, op, chunk)
 
     def _start_reduce_scatter(self, out, inp, op, chunk) -> Handle:
-        return self.inter._start_reduce_scatter(out, inp, op, chunk)
+        return self.inter.start_untraced("reduce_scatter", out, inp, op, chunk)
 
     def _start_all_reduce(self, tensor, op, chunk) -> Handle:
-        return self.inter._start_all_reduce(tensor, op, chunk)
+        return self.inter.start_untraced("all_reduce", tensor, op, chunk)
 
 
 def build(group: dist.ProcessGroup, topo: Topology, device: torch.device | None,

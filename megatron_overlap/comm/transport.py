@@ -217,6 +217,14 @@ class Transport(abc.ABC):
     def watch_replay(self, diagnosis: str) -> None:
         """A replay was just enqueued on the current stream; `diagnosis`: see above."""
 
+    def start_untraced(self, kind: str, *args) -> Handle:
+        """Start transfer `kind` ("exchange", "all_gather", "reduce_scatter", "all_reduce";
+        the `_start_*` arguments, sends with their destinations) without the trace, the
+        stats or the error wrapping: for a transport built from others (per peer), whose own
+        public call already recorded it."""
+        self.check()
+        return getattr(self, f"_start_{kind}")(*args)
+
     # -- what a backend implements -------------------------------------------------------
     @abc.abstractmethod
     def _start_exchange(self, sends: Sequence[tuple[torch.Tensor, Peer, torch.Tensor]],

@@ -11,7 +11,7 @@ makes the exchange time out with a diagnosis that names it.
 The transport contract is checked the same way, once per layer, shape and pass
 (`PassAudit`): the first run of each pass (fprop, bwd) for a new shape records
 its begin_pass() / workspace() calls (a workspace before begin_pass raises at
-once), and after the pass the ranks compare a hash of that sequence through the
+once, a pass without begin_pass after it), and after the pass the ranks compare a hash of that sequence through the
 same bounded exchange (the fingerprint goes before the pass, when the sequence
 is not known yet). Ranks whose sequences differ would lay their workspaces out
 differently (on symm / nvshmem a peer then writes into the wrong place): every
@@ -76,6 +76,12 @@ class PassAudit:
         what = f"layer {self.layer!r} {key}"
         with tp.recording_calls(what) as calls:
             body()
+        if not any(c.key[0] == "begin_pass" for c in calls):
+            raise ContractError(
+                f"megatron_overlap: {what}: the pass never called begin_pass(), so the "
+                f"transport cannot tell it from the previous pass (its workspaces may be "
+                f"reused while peers still read them). A pass opens the transport's pass "
+                f"first: tp.begin_pass(name) (layers.functions.begin does).")
         mine = [c.key for c in calls]
         digest = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
         if len(set(all_gather_object(digest, self.group, "workspace calls (hash)"))) == 1:
