@@ -26,6 +26,11 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="intra-node transport to model (default symm); inter-node goes over IB")
     p.add_argument("--calibration", metavar="FILE",
                    help="GEMM times measured by benchmarks/compute_side.py --out (default: roofline)")
+    p.add_argument("--host-time", metavar="FILE",
+                   help="host time per layer pass call measured by benchmarks/host_time.py "
+                        "(replayed rows in graph mode, eager rows in eager mode): each pass then "
+                        "costs max(host, GPU) and host-bound passes are named (default: graph "
+                        "mode counts no host time, eager mode models it per schedule step)")
     p.add_argument("--hw", action="append", default=[], metavar="KEY=VALUE",
                    help="override a Hardware field, e.g. --hw ib_gbs=25 (repeatable)")
     p.add_argument("--rs-dgrad", action="store_true",
@@ -46,6 +51,15 @@ def _machine(args: argparse.Namespace):
         raise FlagError(f"--calibration {args.calibration!r}: cannot read it: {e.strerror}") from None
     except ValueError as e:
         raise FlagError(f"--calibration: {e}") from None
+    if args.host_time:
+        from .simulate.host import HostTime
+
+        try:
+            cal.host = HostTime.load(args.host_time)
+        except OSError as e:
+            raise FlagError(f"--host-time {args.host_time!r}: cannot read it: {e.strerror}") from None
+        except ValueError as e:
+            raise FlagError(f"--host-time: {e}") from None
     return hw, layout, cal
 
 

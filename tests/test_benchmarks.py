@@ -161,3 +161,39 @@ def test_host_time_cpu(tmp_path):
     for arm in ("chain_eager", "chain_replay", "chain_megatron"):
         assert row[arm]["concurrent"]["fwd_us"] > 0 and row[arm]["concurrent"]["bwd_us"] > 0
     assert row["chain_megatron"]["staggered"]["bwd_us"] > 0  # no communication: turns work
+
+
+def test_tune_check_times_the_tuners_picks_cpu(tmp_path):
+    """benchmarks/tune_check.py rebuilds exactly the passes a tuner JSON chose (settings
+    included) and times them through the layer's pass functions; on CPU: functional only."""
+    import importlib.util
+
+    from megatron_overlap.cli import main
+
+    search = tmp_path / "tune.json"
+    assert main(["tune", "--hidden-size", "64", "--ffn-hidden-size", "128",
+                 "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",
+                 "--tp", "2", "--measure", "model", "--yaml", str(tmp_path / "tune.yaml"),
+                 "--json", str(search), "--no-cache", "--wandb", "off", "--no-progress"]) == 0
+    doc = json.loads(search.read_text())
+    spec = importlib.util.spec_from_file_location("tune_check", os.path.join(ROOT, "benchmarks",
+                                                                             "tune_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for row, trial in mod.chosen_trials(doc):  # the picked settings, exactly
+        assert trial.candidate.to_dict() == row["settings"] and trial.name == row["pass"]
+        assert trial.comm_moved == row["comm_moved"]
+
+    out = tmp_path / "check.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "tune_check.py"),
+                           "--device", "cpu", "--reps", "1", "--tune", str(search), "--out", str(out)],
+                          capture_output=True, text=True, timeout=180, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "FUNCTIONAL ONLY" in proc.stdout and "predicted" in proc.stdout
+    got = json.loads(out.read_text())
+    assert got["meta"]["functional_only"] and got["tune"][0]["mode"] == "model"
+    assert [(r["shape"], r["pass"]) for r in got["rows"]] == [(r["shape"], r["pass"])
+                                                              for r in doc["chosen"]]
+    for r, c in zip(got["rows"], doc["chosen"]):
+        assert r["settings"] == c["settings"] and r["predicted_ms"] == c["compute_only_ms"]
+        assert r["measured_ms"] > 0 and r["ratio"] == pytest.approx(r["predicted_ms"] / r["measured_ms"])

@@ -455,3 +455,92 @@ def test_cli_round_trip(tmp_path, capsys):
     assert OverlapConfig.load(str(yml)) == OverlapConfig.load(model["picked_ub_cfgs"])
     assert md.read_text().startswith(f"Command: `{data['command']}`")
     assert main(["simulate", "--shapes", "bogus", "--tp", "8"]) == 2
+
+
+# -- measured host time (benchmarks/host_time.py's file) -----------------------------------------
+
+def _host_file(tmp_path, fwd_us, bwd_us=None, tps=(2, 8)):
+    """A synthetic host_time.py JSON: every layer at the same host time, eager and replayed."""
+    per = {"fwd_us": 1.0, "bwd_us": 1.0, "fwd_b2b_us": fwd_us,
+           "bwd_b2b_us": fwd_us if bwd_us is None else bwd_us}
+    layers = {b: dict(per) for b in ("qkv", "proj", "fc1", "fc2")}
+    rows = [{"tp": tp, "eager": layers, "replay": {b: {**v, "fwd_b2b_us": v["fwd_b2b_us"] * tp / 8}
+                                                   for b, v in layers.items()}} for tp in tps]
+    path = tmp_path / "host_time.json"
+    path.write_text(json.dumps({"meta": {"backend": "symm"}, "rows": rows}))
+    return str(path)
+
+
+def test_host_time_file_is_read_per_pass_mode_and_tp(tmp_path):
+    from megatron_overlap.simulate.host import HostTime
+
+    host = HostTime.load(_host_file(tmp_path, 800.0, 400.0))
+    assert host.pass_us("qkv", "fprop", 8, "eager") == 800.0
+    assert host.pass_us("qkv", "dgrad", 8, "eager") == 200.0  # half the backward call
+    assert host.pass_us("qkv", "fprop", 8, "graph") == 800.0  # the replayed rows
+    assert host.pass_us("qkv", "fprop", 2, "graph") == 200.0
+    assert host.pass_us("qkv", "fprop", 4, "graph") == pytest.approx(400.0)  # between 2 and 8
+    assert host.pass_us("qkv", "fprop", 16, "graph") == 800.0  # the nearest beyond
+    assert host.pass_us("attn", "fprop", 8, "graph") is None
+    assert host.pass_us("proj", "dgrad", 8, "eager", column=False) == 400.0  # all on the dgrad
+    assert host.pass_us("proj", "wgrad", 8, "eager", column=False) is None  # the GEMM alone
+    assert "TP 2/8" in host.describe("graph") and "replay" in host.describe("graph")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"rows": [{"tp": 2, "eager": {"qkv": {"fwd_b2b_us": -1}}}]}))
+    with pytest.raises(ValueError, match="fwd_b2b_us"):
+        HostTime.load(bad)
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_a_host_bound_pass_is_predicted_so_and_left_non_overlapped(tmp_path, mode):
+    """Host time above the pass's GPU time: the pass is host-bound, costs its host time, and
+    the tuner says "do not overlap"; a small host time changes nothing of the choice."""
+    from megatron_overlap.simulate.host import HostTime
+    from megatron_overlap.tune import ModelMeasure, tune
+
+    shape, layout = REFERENCE["70B_tp8_fc1"], Layout(tp=8, mode=mode)
+    spec = _spec(shape, "fprop")
+    s = _ring("fc1_fprop")
+    picks = {}
+    for name, us in (("small", 5.0), ("large", 50_000.0)):
+        cal = Calibration(host=HostTime.load(_host_file(tmp_path, us)))
+        r = simulate_pass(spec, s, HW, layout, GemmModel(HW, cal))
+        assert r.host_us == pytest.approx(us) and r.host_bound == (name == "large")
+        assert r.overlapped_us == pytest.approx(max(us, r.overlapped_us))
+        assert (r.overlapped_us > r.baseline_us) == (name == "large")
+        result = tune([shape], layout, ModelMeasure(HW, layout, cal), progress=False)
+        picks[name] = {row["pass"]: row for row in result.choice_rows}
+        report = simulate([shape], HW, layout, cal)
+        assert "measured through the public layers" in report_text(report)
+    for row in picks["small"].values():
+        assert row["overlap"] and not row["host_bound"]
+    large = picks["large"]["fc1_fprop"]
+    assert not large["overlap"] and large["host_bound"] and large["host_ms"] == pytest.approx(50.0)
+
+
+def report_text(report):
+    from megatron_overlap.simulate import report as rep
+
+    return rep.console(report)
+
+
+def test_cli_host_time_flag(tmp_path, capsys):
+    from megatron_overlap.cli import main
+
+    out = tmp_path / "out.json"
+    argv = ["simulate", "--shapes", "70B_tp8_qkv", "--tp", "8", "--json", str(out),
+            "--host-time", _host_file(tmp_path, 50_000.0)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "Host-bound" in printed and "Do not overlap" in printed and "[host-bound]" in printed
+    data = json.loads(out.read_text())
+    assert data["meta"]["host_time_file"].endswith("host_time.json")
+    assert all(p["host_bound"] and not p["overlap_pays"] for p in data["passes"])
+    yml = tmp_path / "t.yaml"
+    assert main(["tune", "--model", "8b", "--tp", "2", "--measure", "model",
+                 "--yaml", str(yml), "--wandb", "off", "--no-progress", "--no-cache",
+                 "--host-time", _host_file(tmp_path, 50_000.0)]) == 0
+    printed = capsys.readouterr().out
+    assert "do not overlap" in printed and "measured through the public layers" in printed
+    assert main(["simulate", "--shapes", "70B_tp8_qkv", "--tp", "8", "--host-time",
+                 str(tmp_path / "missing.json")]) == 2

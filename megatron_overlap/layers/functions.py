@@ -23,7 +23,7 @@ from ..config import LayerSettings
 from ..config.effects import CAPS
 from ..overlap import all_gather_matmul, hide, matmul, matmul_reduce_scatter
 from ..overlap.replay import PassGraphs
-from ..overlap.streams import ChunkStreams
+from ..overlap.streams import ChunkStreams, plain
 from .plan import LayerPlan
 from .wgrad import accumulates, autograd_grad, weight_grad
 
@@ -105,8 +105,9 @@ def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, 
         return full, None
     if plan.sequence_parallel:
         full = _gathered(x2, tp)
-        dgrad = hide(lambda: tp.all_gather(full, x2, op=op), lambda: matmul(g, weight, op=op),
-                     overlap=plan.dgrad is not None)
+        with streams or plain():  # bulk: the GEMM held num_sm SMs short where set_sm_margin acts
+            dgrad = hide(lambda: tp.all_gather(full, x2, op=op), lambda: matmul(g, weight, op=op),
+                         overlap=plan.dgrad is not None)
         return full, dgrad
     matmul(g, weight, grad_in, op=op)
     return x2, (grad_in if allreduce_dgrad else None)
@@ -122,8 +123,10 @@ def column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan: LayerPlan, tp: 
     if pending is not None:
         start = ((lambda: tp.reduce_scatter(grad_in, pending, op=op)) if plan.sequence_parallel
                  else (lambda: tp.all_reduce(grad_in, op=op)))
-    hide(start, lambda: weight_grad(weight, g, inp, fuse, functools.partial(matmul, op=op), grad_w),
-         overlap=plan.wgrad is not None)
+    streams = pass_streams(tp, plan.wgrad)[1] if plan.wgrad is not None else plain()
+    with streams:  # bulk: the GEMM held num_sm SMs short where set_sm_margin acts
+        hide(start, lambda: weight_grad(weight, g, inp, fuse, functools.partial(matmul, op=op),
+                                        grad_w), overlap=plan.wgrad is not None)
 
 
 def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transport, nodes,

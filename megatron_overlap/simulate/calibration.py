@@ -5,7 +5,8 @@ Monolithic GEMM times are device times of CUDA-graph replays. A chunked
 schedule (run on the null transport: its chunk GEMMs, order and waits) is kept
 as its ratio to the monolithic GEMM timed beside it in the same row, graphed
 and eager (eager includes the host's launch gaps). Eager host cost per step,
-for schedules not measured, comes from the rows' host time per call / steps.
+for schedules not measured, comes from the rows' host time per call / steps;
+a measured host time per layer call (`host`, `--host-time`) overrides it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import math
 import os
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .host import HostTime
 
 # compute_side.py's (op, schedule label) -> the cost model's schedule kind
 _KINDS = {("ag", "ring"): "ag_ring", ("rs", "ring"): "rs_ring", ("rs", "pipeline4"): "rs_pipeline"}
@@ -92,6 +96,7 @@ class Calibration:
     host_step_us: list[float] = field(default_factory=list)
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    host: "HostTime | None" = None  # measured host time per layer pass call (host.py)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Calibration":
@@ -149,6 +154,17 @@ class Calibration:
     def eager_step_us(self) -> float | None:
         """Median host time per schedule step (Python, launches), or None without rows."""
         return statistics.median(self.host_step_us) if self.host_step_us else None
+
+    def host_source(self, mode: str, default_step_us: float) -> str:
+        """Where the model's host time per pass comes from, in launch `mode`."""
+        if self.host is not None:
+            return self.host.describe(mode)
+        if mode == "graph":
+            return "host time not counted (graph mode, no --host-time)"
+        step = self.eager_step_us()
+        return (f"eager host time modelled per schedule step: {step:.0f} us (null-transport rows "
+                f"of {self.source})" if step is not None else
+                f"eager host time modelled per schedule step: {default_step_us:g} us (default)")
 
     def describe(self) -> str:
         dev = self.meta.get("device", "?")

@@ -18,6 +18,7 @@ The non-overlapped path runs the GEMM and the NCCL collective one after the othe
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -87,6 +88,8 @@ class PassResult:
     compute_only_us: float  # the overlapped schedule with communication skipped
     overlapped_us: float
     gemm_source: str = "roofline"
+    host_us: float | None = None  # measured host time per call of the overlapped pass (host.py)
+    host_bound: bool = False  # that host time exceeds the pass's GPU time
 
     @property
     def exposed_us(self) -> float:
@@ -101,6 +104,8 @@ class PassResult:
         out = asdict(self)
         for k in ("gemm_us", "comm_us", "baseline_us", "compute_only_us", "overlapped_us"):
             out[k.replace("_us", "_ms")] = out.pop(k) / 1e3
+        host = out.pop("host_us")
+        out["host_ms"] = None if host is None else host / 1e3
         out["exposed_ms"] = self.exposed_us / 1e3
         out["hidden_fraction"] = self.hidden
         out["gemm"] = list(self.gemm)
@@ -206,24 +211,45 @@ def baseline_us(spec: PassSpec, hw: Hardware, layout: Layout, gemm: GemmModel) -
     return coll, gemm.mono_us(m, k, n) + coll
 
 
+def measured_host_us(spec: PassSpec, layout: Layout, gemm: GemmModel) -> float | None:
+    """The calibration's measured host time per call of this pass (None: not measured)."""
+    host = gemm.calibration.host if gemm.calibration is not None else None
+    return None if host is None else host.pass_us(spec.shape.buffer, spec.pass_name, layout.tp,
+                                                  layout.mode, spec.shape.column)
+
+
 def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout: Layout,
                   gemm: GemmModel, comm_moved: bool = False) -> PassResult:
     """Predicted times of one pass with settings `s` (None: not overlapped, Megatron's
-    order). comm_moved: a column wgrad whose reduce-scatter moved into an rs_dgrad dgrad."""
+    order). comm_moved: a column wgrad whose reduce-scatter moved into an rs_dgrad dgrad.
+
+    With a measured host time per call (calibration.host), a pass queued back to back
+    costs max(host, GPU): the schedule is timed on the device alone (no per-launch host
+    gaps), then host-bound where the host takes longer. Megatron's path then pays one
+    step and one collective launch of host time (hw.eager_step_us + eager_comm_us)."""
     if s is not None and s.name != spec.name:
         raise ValueError(f"settings of {s.name} given for pass {spec.name}")
+    host = measured_host_us(spec, layout, gemm)
     comm_us, base_us = baseline_us(spec, hw, layout, gemm)
+    if host is not None:
+        layout = dataclasses.replace(layout, mode="graph")  # device time; the host apart
+        base_us = max(base_us, hw.eager_step_us + (hw.eager_comm_us if comm_us else 0.0))
     m, k, n = spec.gemm
+    bound = False
     if s is None:
         over = floor = base_us
+        host = None
     else:
         engine = engine_for(s, schedule_of(s, layout), layout.backend, hw)
         over = _schedule_end(spec, s, hw, layout, gemm, engine, comm_moved)
         floor = _schedule_end(spec, s, hw, layout, gemm, Engine(free=True), comm_moved)
+        bound = host is not None and host > over
+        over = max(over, host or 0.0)
     return PassResult(
         name=spec.name, shape=spec.shape.name, model=spec.shape.model, tp=layout.tp,
         gemm=spec.gemm, comm=spec.comm,
         settings=s.to_dict() if s is not None else {"method": "none"},
         ring_order=ring_order_of(s, layout),
         gemm_us=gemm.mono_us(m, k, n), comm_us=comm_us, baseline_us=base_us,
-        compute_only_us=floor, overlapped_us=over, gemm_source=gemm.source(m, k, n))
+        compute_only_us=floor, overlapped_us=over, gemm_source=gemm.source(m, k, n),
+        host_us=host, host_bound=bound)

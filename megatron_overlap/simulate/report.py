@@ -16,9 +16,11 @@ COLUMNS = ("shape", "pass", "settings", "GEMM ms", "non-overlapped ms", "overlap
 
 FOOTNOTE = ("Step estimate: the TP linears only (4 per layer x fprop/dgrad/wgrad). hidden = "
             "(non-overlapped - overlapped) / (non-overlapped - compute-only), '-' where chunking "
-            "alone costs more than the communication. Eager: host launch time counted per pass "
-            "as if the GPU waited for it (as benchmarks/compute_side.py measures); a training "
-            "step whose host runs ahead hides some of it.")
+            "alone costs more than the communication. Eager without --host-time: host launch time "
+            "counted per pass as if the GPU waited for it (as benchmarks/compute_side.py "
+            "measures). With --host-time: each pass costs max(measured host time per call, GPU "
+            "time), as calls queued back to back run (replayed rows in graph mode, eager rows "
+            "in eager mode).")
 
 
 def _pct(x: float | None) -> str:
@@ -39,7 +41,8 @@ def rows(report: Report) -> list[list[str]]:
             out.append([sr.shape.name, given.name.split("_")[1], settings,
                         f"{given.gemm_us / 1e3:.3f}", f"{given.baseline_us / 1e3:.3f}",
                         f"{given.overlapped_us / 1e3:.3f}", f"{given.exposed_us / 1e3:.3f}",
-                        _pct(given.hidden), label, f"{best.overlapped_us / 1e3:.3f}"])
+                        _pct(given.hidden), label + (" [host-bound]" if best.host_bound else ""),
+                        f"{best.overlapped_us / 1e3:.3f}"])
     return out
 
 
@@ -57,7 +60,8 @@ def headline(report: Report) -> str:
                  f"{report.hw.gemm_efficiency:.2f} of peak)")
     hw = report.hw
     return (f"{hw.name}, {report.layout.describe()}; NVLink {hw.nvlink_gbs:g} GB/s "
-            f"{hw.nvlink_latency_us:g} us, IB {hw.ib_gbs:g} GB/s {hw.ib_latency_us:g} us; {gemm}")
+            f"{hw.nvlink_latency_us:g} us, IB {hw.ib_gbs:g} GB/s {hw.ib_latency_us:g} us; {gemm}; "
+            f"{cal.host_source(report.layout.mode, hw.eager_step_us)}")
 
 
 def not_paying(report: Report) -> list[str]:
@@ -66,13 +70,22 @@ def not_paying(report: Report) -> list[str]:
             for b in sr.best if b.overlapped_us > b.baseline_us + 1e-9]
 
 
+def host_bound(report: Report) -> list[str]:
+    """Passes whose measured host time per call exceeds their GPU time at the best settings."""
+    return [f"{sr.shape.name} {b.name.split('_')[1]}" for sr in report.shapes
+            for b in sr.best if b.host_bound]
+
+
 def summary_lines(report: Report) -> list[str]:
     out = []
-    slower = not_paying(report)
+    slower, bound = not_paying(report), host_bound(report)
     if slower:
-        out.append("Non-overlapped predicted faster than any overlap for: " + ", ".join(slower)
-                   + " (turn that overlap off with Megatron's tp_comm_overlap_ag / _rs / "
-                     "tp_comm_bulk_dgrad / _wgrad flags)")
+        out.append("Do not overlap: non-overlapped predicted faster than any overlap for: "
+                   + ", ".join(slower) + " (turn that overlap off with Megatron's "
+                   "tp_comm_overlap_ag / _rs / tp_comm_bulk_dgrad / _wgrad flags)")
+    if bound:
+        out.append("Host-bound (measured host time per call above the pass's GPU time): "
+                   + ", ".join(bound))
     for s in report.models:
         d = s.to_dict()
         per, step = d["per_layer_ms"], d["step_ms"]
@@ -114,6 +127,7 @@ def to_json(report: Report, command: str) -> dict[str, Any]:
                            "best": {**best.to_dict(), "label": trial.candidate.label_for(
                                report.layout.backend), "comm_moved": trial.comm_moved},
                            "overlap_pays": best.overlapped_us <= best.baseline_us,
+                           "host_bound": best.host_bound,
                            "candidates_tried": sr.tried})
     cal = report.calibration
     return {"command": command,
@@ -121,6 +135,8 @@ def to_json(report: Report, command: str) -> dict[str, Any]:
                      "layout": {**dataclasses.asdict(report.layout), "nodes": report.layout.nodes,
                                 "local": report.layout.local},
                      "calibration": cal.source or None, "calibration_meta": cal.meta,
+                     "host_time": cal.host_source(report.layout.mode, report.hw.eager_step_us),
+                     "host_time_file": cal.host.source if cal.host is not None else None,
                      "gemm_times": "measured where calibrated, fitted roofline otherwise"
                      if cal.mono else "roofline (no calibration)",
                      "fitted_gemm_efficiency": _fitted(report), "rs_dgrad": report.rs_dgrad},

@@ -127,10 +127,15 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
     elif kind == "compute":
         from .hooks import ComputeSideMeasure
 
-        measure = ComputeSideMeasure(hw, layout, reps=args.reps)
+        measure = ComputeSideMeasure(hw, layout, reps=args.reps, host=cal.host)
     else:
+        if cal.host is not None:
+            raise ValueError("--host-time applies to --measure model and compute; --measure real "
+                             "times every pass for real, its host time included")
         measure, rank, agree = _distributed(args, layout)
     print(f"megatron-overlap tune: {NOTES[kind]}", flush=True)
+    if kind != "real":
+        print(f"megatron-overlap tune: {cal.host_source(layout.mode, hw.eager_step_us)}", flush=True)
     writer = rank == 0
     cache_path = None if args.no_cache or not writer else (args.cache or args.yaml + ".cache.jsonl")
     run = _wandb_run(args, {"command": command, "model": name, **vars(dims)}) if writer else None
@@ -165,18 +170,22 @@ def summary(result) -> str:
     slower, totals = [], {"time_ms": 0.0, "baseline_ms": 0.0, "te_default_ms": 0.0}
     for r in result.choice_rows:
         base = r.get("baseline_ms")
-        worse = base is not None and r["time_ms"] > base
+        worse = not r.get("overlap", True)
         slower += [r["pass"]] if worse else []
         for k in totals:
             totals[k] = None if totals[k] is None or r.get(k) is None else totals[k] + r[k]
-        lines.append(f"{r['shape']:16s} {r['pass']:11s} {r['label'][:40]:40s} "
+        label = ("do not overlap: " if worse else "") + r["label"] \
+            + (" [host-bound]" if r.get("host_bound") else "")
+        lines.append(f"{r['shape']:16s} {r['pass']:11s} {label[:40]:40s} "
                      f"{r['time_ms']:9.3f} {fmt(base)} {fmt(r.get('te_default_ms'))}"
                      + (" *" if worse else ""))
     lines.append(f"{'all passes':16s} {'':11s} {'(sum)':40s} {totals['time_ms']:9.3f} "
                  f"{fmt(totals['baseline_ms'])} {fmt(totals['te_default_ms'])}")
     if slower:
-        lines.append("* the non-overlapped path is faster here: consider turning that overlap off "
-                     "(Megatron's tp_comm_overlap_ag / _rs / tp_comm_bulk_dgrad / _wgrad)")
+        lines.append("* do not overlap this pass: the non-overlapped path is faster (turn that "
+                     "overlap off with Megatron's tp_comm_overlap_ag / _rs / tp_comm_bulk_dgrad / "
+                     "_wgrad, or tp_comm_overlap_disable_qkv / _fc1); [host-bound]: the measured "
+                     "host time per call exceeds the pass's GPU time")
     return "\n".join(lines)
 
 

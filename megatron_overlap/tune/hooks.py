@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any, Callable
 
 from ..simulate import Calibration, GemmModel, Hardware, Layout, Trial, simulate_pass
+from ..simulate.host import HostTime
 from ..simulate.passes import PassResult
 
 
@@ -33,11 +34,14 @@ def job_of(trial: Trial) -> dict[str, Any]:
 def _result(r: PassResult, source: str) -> dict[str, Any]:
     return {"time_ms": r.overlapped_us / 1e3, "baseline_ms": r.baseline_us / 1e3,
             "compute_only_ms": r.compute_only_us / 1e3, "exposed_ms": r.exposed_us / 1e3,
-            "hidden_fraction": r.hidden, "source": source}
+            "hidden_fraction": r.hidden, "source": source,
+            "host_ms": None if r.host_us is None else r.host_us / 1e3, "host_bound": r.host_bound}
 
 
-def _machine(hw: Hardware, layout: Layout) -> dict[str, Any]:
-    return {"hw": dataclasses.asdict(hw), "layout": dataclasses.asdict(layout)}
+def _machine(hw: Hardware, layout: Layout, host: HostTime | None = None) -> dict[str, Any]:
+    """What the results depend on besides the trial (the cache key's machine part)."""
+    out = {"hw": dataclasses.asdict(hw), "layout": dataclasses.asdict(layout)}
+    return {**out, "host_time": host.source} if host is not None else out
 
 
 class ModelMeasure:
@@ -48,7 +52,7 @@ class ModelMeasure:
     def __init__(self, hw: Hardware, layout: Layout, calibration: Calibration | None = None) -> None:
         self.hw, self.layout = hw, layout
         self.gemm = GemmModel(hw, calibration)
-        self.hardware = {"kind": "cost-model", **_machine(hw, layout),
+        self.hardware = {"kind": "cost-model", **_machine(hw, layout, self.gemm.calibration.host),
                          "calibration": self.gemm.calibration.source or None}
 
     def __call__(self, trial: Trial) -> dict[str, Any]:
@@ -74,16 +78,17 @@ class ComputeSideMeasure:
 
     mode = "compute"
 
-    def __init__(self, hw: Hardware, layout: Layout, *, reps: int = 20, dtype: Any = None) -> None:
+    def __init__(self, hw: Hardware, layout: Layout, *, reps: int = 20, dtype: Any = None,
+                 host: HostTime | None = None) -> None:
         import torch
 
         from .measure import device_name
 
         self.hw, self.layout, self.reps = hw, layout, reps
         self.dtype = dtype or torch.bfloat16
-        self.calibration = Calibration(source=f"measured on this GPU ({device_name()})")
+        self.calibration = Calibration(source=f"measured on this GPU ({device_name()})", host=host)
         self.hardware = {"kind": "compute-side", "device": device_name(),
-                         "torch": torch.__version__, **_machine(hw, layout)}
+                         "torch": torch.__version__, **_machine(hw, layout, host)}
 
     def __call__(self, trial: Trial) -> dict[str, Any]:
         from ..comm import NullTransport

@@ -15,11 +15,11 @@ SEARCH_COLUMNS = ("index", "shape", "pass", "label", "method", "num_splits", "nu
                   "compute_only_ms", "cached", "source")
 CHOICE_COLUMNS = ("shape", "pass", "label", "method", "num_splits", "num_sm", "use_ce",
                   "aggregate", "ring_order", "comm_moved", "time_ms", "baseline_ms",
-                  "hidden_fraction")
+                  "hidden_fraction", "overlap", "host_bound")
 _NUM = ("time_ms", "baseline_ms", "compute_only_ms", "hidden_fraction")
 # wandb.Table wants one type per column
 _CAST = {"index": int, "num_splits": int, "num_sm": int, "use_ce": bool, "aggregate": bool,
-         "comm_moved": bool, "cached": bool}
+         "comm_moved": bool, "cached": bool, "overlap": bool, "host_bound": bool}
 
 
 def _num(v: Any) -> float | None:

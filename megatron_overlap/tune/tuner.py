@@ -70,6 +70,13 @@ class TuneResult:
             json.dump(self.to_json(), f, indent=1, default=str)
 
 
+def overlap_pays(result: dict[str, Any]) -> bool:
+    """Whether the pass should be overlapped at all: its best overlap is not slower than
+    the non-overlapped path (False: "do not overlap this pass"; unknown baseline: True)."""
+    base = result.get("baseline_ms")
+    return base is None or not math.isfinite(base) or result["time_ms"] <= base
+
+
 def _te_default_times(results: dict[Trial, dict[str, Any]]) -> dict[tuple[str, str], float]:
     """(shape, pass) -> the time of the candidate with TE's default settings for that
     pass (get_default_config()), to say what the tuned YAML gains over them."""
@@ -161,6 +168,7 @@ def tune(shapes: Sequence[Shape], layout: Layout, measure: Measure, *,
             if p in chosen[s.name]:
                 t = chosen[s.name][p]
                 choice_rows.append({"shape": s.name, "model": s.model, "pass": t.name,
+                                    "overlap": overlap_pays(results[t]),
                                     "label": t.candidate.label_for(layout.backend),
                                     "settings": t.candidate.to_dict(), "comm_moved": t.comm_moved,
                                     "te_default_ms": _finite(te_ms.get((s.name, t.name))),

@@ -1,0 +1,129 @@
+"""The tuner's pick is what the layer runs: for every pass the tuner chose (its
+`--json`), the tuner's predicted compute side (`compute_only_ms`: the pass's GEMM
+side as the one-GPU tuner measured and modelled it) beside the same pass, with
+exactly the picked settings (method, num_splits, aggregate, gemm_streams, ...),
+timed here on the null transport through the layer's own pass function
+(`tune.passes.trial_pass`, the code the tuner and the layers run) and the same
+timers as benchmarks/compute_side.py (`tune.measure`): CUDA-graph replay (what
+the layers' pass replay runs) and eager back to back. ratio = predicted / measured
+in the tuner's launch mode (graph: the graphed time; eager: back to back).
+
+On one H200 (< 3 minutes; tune files and the check land in $OUT):
+
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; OUT=${OUT:-/tmp/tune_check}; mkdir -p $OUT && for m in "70b 8" "8b 2"; do set -- $m; python -m megatron_overlap.cli tune --model $1 --tp $2 --measure compute --reps 5 --yaml $OUT/tune_$1_tp$2.yaml --json $OUT/tune_$1_tp$2.json --no-cache --wandb off --no-progress || exit 1; done && python benchmarks/tune_check.py --tune $OUT/tune_70b_tp8.json $OUT/tune_8b_tp2.json --reps 20 --out $OUT/tune_check_h200.json
+
+`--device cpu` runs the same passes on CPU (fp32, perf_counter): FUNCTIONAL ONLY.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from megatron_overlap.comm import NullTransport
+from megatron_overlap.config import LayerSettings
+from megatron_overlap.simulate import Candidate, Layout, PassSpec, Shape, Trial
+from megatron_overlap.tune.passes import trial_pass
+
+
+def chosen_trials(doc: dict[str, Any]) -> list[tuple[dict[str, Any], Trial]]:
+    """(choice row, the Trial it names) for every pass the tuner chose in `doc`."""
+    layout = Layout(**doc["layout"])
+    shapes = {s.name: s for s in (Shape(**d) for d in doc["shapes"])}
+    out = []
+    for row in doc["chosen"]:
+        keys = {k: v for k, v in row["settings"].items() if k != "runs"}
+        s = dataclasses.replace(LayerSettings.default(row["pass"], keys["method"]), **keys)
+        spec = PassSpec(shapes[row["shape"]], row["pass"].split("_")[1])
+        out.append((row, Trial(spec, Candidate(s, layout), bool(row.get("comm_moved")))))
+    return out
+
+
+def _cpu_ms(fn: Callable[[], Any], reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure(trial: Trial, device: str, reps: int) -> dict[str, float]:
+    """The trial's pass on the null transport: graphed and back-to-back eager ms per call."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    run = trial_pass(trial, NullTransport(trial.spec.shape.tp), device, dtype).run
+    if device != "cuda":
+        ms = _cpu_ms(run, reps)
+        return {"graph_ms": ms, "b2b_ms": ms}
+    from megatron_overlap.tune.measure import graphed, time_b2b, time_ms
+
+    g = graphed(run)
+    out = {"graph_ms": time_ms(g, reps), "b2b_ms": time_b2b(run, reps)[0]}
+    del g
+    return out
+
+
+def check(doc: dict[str, Any], device: str, reps: int) -> list[dict[str, Any]]:
+    mode = doc["layout"].get("mode", "graph")
+    rows = []
+    for row, trial in chosen_trials(doc):
+        got = measure(trial, device, reps)
+        measured = got["graph_ms"] if mode == "graph" else got["b2b_ms"]
+        rows.append({"shape": row["shape"], "pass": row["pass"], "label": row["label"],
+                     "settings": row["settings"], "tune_mode": doc["mode"], "launch": mode,
+                     "predicted_ms": row["compute_only_ms"], **{f"measured_{k}": v
+                                                                for k, v in got.items()},
+                     "measured_ms": measured, "ratio": row["compute_only_ms"] / measured})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tune", nargs="+", required=True, help="JSON of `megatron-overlap tune`")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--out", default="benchmarks/results/tune_check.json")
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("tune_check.py: no CUDA GPU here (--device cpu: functional only)")
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    rows, sources = [], []
+    for path in args.tune:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        sources.append({"file": path, "mode": doc["mode"], "command": doc.get("command"),
+                        "hardware": doc.get("hardware")})
+        rows += check(doc, args.device, args.reps)
+    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    meta = {"device": dev, "torch": torch.__version__, "reps": args.reps,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "functional_only": args.device == "cpu"}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump({"meta": meta, "tune": sources, "rows": rows}, f, indent=1)
+    if args.device == "cpu":
+        print("FUNCTIONAL ONLY: CPU times say nothing about the GPU")
+    print(f"{dev}  torch {torch.__version__}  {args.reps} reps")
+    print(f"{'shape':16s} {'pass':11s} {'picked':34s} {'predicted':>9s} {'measured':>9s} "
+          f"{'ratio':>6s} {'graph':>8s} {'b2b':>8s}")
+    for r in rows:
+        print(f"{r['shape']:16s} {r['pass']:11s} {r['label'][:34]:34s} {r['predicted_ms']:9.3f} "
+              f"{r['measured_ms']:9.3f} {r['ratio']:6.3f} {r['measured_graph_ms']:8.3f} "
+              f"{r['measured_b2b_ms']:8.3f}")
+    off = sorted(abs(r["ratio"] - 1) for r in rows)
+    print(f"ratio = tuner's predicted compute side / measured (ms per call, the tuner's launch "
+          f"mode); |ratio - 1| median {statistics.median(off):.3f}, max {off[-1]:.3f}; "
+          f"within 5%: {sum(o <= 0.05 for o in off)} of {len(off)}; full results: {args.out}")
+
+
+if __name__ == "__main__":
+    main()
