@@ -105,7 +105,7 @@ def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, 
         return full, None
     if plan.sequence_parallel:
         full = _gathered(x2, tp)
-        with streams or plain():  # bulk: the GEMM held num_sm SMs short where set_sm_margin acts
+        with (streams or plain()).margin_only():  # bulk: num_sm SMs short where set_sm_margin acts
             dgrad = hide(lambda: tp.all_gather(full, x2, op=op), lambda: matmul(g, weight, op=op),
                          overlap=plan.dgrad is not None)
         return full, dgrad
@@ -123,7 +123,7 @@ def column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan: LayerPlan, tp: 
     if pending is not None:
         start = ((lambda: tp.reduce_scatter(grad_in, pending, op=op)) if plan.sequence_parallel
                  else (lambda: tp.all_reduce(grad_in, op=op)))
-    streams = pass_streams(tp, plan.wgrad)[1] if plan.wgrad is not None else plain()
+    streams = pass_streams(tp, plan.wgrad)[1].margin_only() if plan.wgrad is not None else plain()
     with streams:  # bulk: the GEMM held num_sm SMs short where set_sm_margin acts
         hide(start, lambda: weight_grad(weight, g, inp, fuse, functools.partial(matmul, op=op),
                                         grad_w), overlap=plan.wgrad is not None)

@@ -70,6 +70,11 @@ class ChunkStreams:
             torch._C._set_sm_carveout_experimental(self._previous)
             self._carved = False
 
+    def margin_only(self) -> "ChunkStreams":
+        """Its SM margin alone, for a pass whose one GEMM runs on the caller's stream (the
+        backward's bulk overlaps): no side streams to fork and join."""
+        return ChunkStreams(n=1, sm_margin=self.sm_margin)
+
     def chunk(self, i: int) -> contextlib.AbstractContextManager:
         """Run what follows (waits included) on chunk i's stream."""
         if not self._streams:
