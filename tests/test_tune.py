@@ -231,3 +231,122 @@ def _same_as_layer_rank(rank, world):
     from helpers.tune_ranks import tuner_pass_matches_layer
 
     return tuner_pass_matches_layer(rank, world)
+
+
+def _cpu_compute_side(layout, monkeypatch):
+    """The one-GPU measurement on CPU: its timers injected (each runs the timed pass once and
+    makes up times), every timed pass's settings as the layer's functions received them
+    recorded: the streams `pass_streams` resolved and the `aggregate` the ring was asked for."""
+    from megatron_overlap.layers import functions as F
+    from megatron_overlap.tune import ComputeSideMeasure
+
+    ran: list = []
+    real_streams, real_ag = F.pass_streams, F.all_gather_matmul
+
+    timing: list = []  # the timed pass's record while one runs
+
+    def pass_streams(tp, s):
+        out = real_streams(tp, s)
+        if timing:
+            timing[0].update(gemm_streams=out[1].n, settings=s)
+        return out
+
+    def all_gather_matmul(*args, aggregate=False, **kw):
+        if timing:
+            timing[0]["aggregate"] = aggregate
+        return real_ag(*args, aggregate=aggregate, **kw)
+
+    monkeypatch.setattr(F, "pass_streams", pass_streams)
+    monkeypatch.setattr(F, "all_gather_matmul", all_gather_matmul)
+
+    def time_pass(fn, m, k, n):
+        ran.append({})
+        timing.append(ran[-1])
+        try:
+            fn()  # the pass as the tuner would time it
+        finally:
+            timing.clear()
+        s = ran[-1]["settings"]
+        ms = 1.0 - 0.1 * (ran[-1]["gemm_streams"] > 1) - 0.05 * ran[-1].get("aggregate", False)
+        return {"mono_graph_ms": 0.5, "sched_graph_ms": ms + s.splits(4) / 1000, "sched_ms": ms,
+                "host_us_sched": 10.0, "mono_ms": 0.5}
+
+    measure = ComputeSideMeasure(Hardware(), layout, reps=1, device="cpu", dtype=torch.float32,
+                                 time_gemm=lambda m, k, n: {"mono_graph_ms": 0.5, "mono_ms": 0.5},
+                                 time_pass=time_pass)
+    return measure, ran
+
+
+def _variant(trials_, name, **settings):
+    """The one trial of pass `name` whose settings differ from TE's default only in `settings`."""
+    from megatron_overlap.config import LayerSettings
+
+    found = [t for t in trials_ if t.name == name and not t.comm_moved
+             and t.candidate.settings == dataclasses.replace(LayerSettings.default(name),
+                                                              **settings)]
+    assert len(found) == 1, (name, settings, len(found))
+    return found[0]
+
+
+@pytest.mark.parametrize("key,value", [("aggregate", True), ("gemm_streams", 2)])
+def test_compute_side_times_every_candidate_with_its_own_settings(tmp_path, monkeypatch, key,
+                                                                  value):
+    """One GPU (on CPU, timers injected): two candidates differing only in aggregate, or only in
+    gemm_streams, are timed apart, each pass run with its own setting, the model fed each one's
+    own timing; and their cache keys differ (the on-disk cache too, versioned)."""
+    from megatron_overlap.tune import cache_key, job_of
+    from megatron_overlap.tune.cache import KEY_VERSION
+    from megatron_overlap.tune.passes import timed_key
+    from megatron_overlap.comm import NullTransport
+
+    layout = Layout(tp=4)
+    measure, ran = _cpu_compute_side(layout, monkeypatch)
+    shape = Shape("S", "qkv", 64, 32, 16, 4)  # qkv_fprop: a ring all-gather
+    all_trials = trials(shape, layout)
+    plain = _variant(all_trials, "qkv_fprop")
+    other = _variant(all_trials, "qkv_fprop", **{key: value})
+    assert timed_key(plain, NullTransport(4)) != timed_key(other, NullTransport(4))
+    a, b = measure(plain), measure(other)
+    assert len(ran) == 2  # timed apart, not one timing for both
+    assert ran[0]["gemm_streams"] == 1 and ran[0]["aggregate"] is False
+    if key == "aggregate":
+        assert ran[1]["aggregate"] is True and ran[1]["gemm_streams"] == 1
+    else:
+        assert ran[1]["gemm_streams"] == 2 and ran[1]["aggregate"] is False
+    assert ran[1]["settings"] == dataclasses.replace(ran[0]["settings"], **{key: value})
+    assert b["compute_only_ms"] < a["compute_only_ms"]  # each predicted from its own timing
+    assert measure(plain) == {k: v for k, v in a.items() if not k.startswith("measured")}
+    assert len(ran) == 2  # timed once each: the second call reuses the in-memory timing
+    hw = measure.hardware
+    assert cache_key(job_of(plain), hw) != cache_key(job_of(other), hw)
+    # the on-disk cache: entries of another key version are never served
+    path = tmp_path / "cache.jsonl"
+    cache = Cache(path)
+    cache.put(cache_key(job_of(other), hw), job_of(other), hw, b)
+    with open(path, "a") as f:  # an entry of the old format (no version) for `plain`
+        f.write(json.dumps({"key": cache_key(job_of(plain), hw), "job": job_of(plain),
+                            "hardware": hw, "result": a}) + "\n")
+    again = Cache(path)
+    assert cache_key(job_of(other), hw) in again and cache_key(job_of(plain), hw) not in again
+    assert json.loads(path.read_text().splitlines()[0])["version"] == KEY_VERSION
+
+
+def test_compute_side_shares_timings_only_where_the_pass_runs_the_same(monkeypatch):
+    """num_sm holds nothing back on the null transport (the model applies the margin), so
+    candidates differing only there share one timing; a whole search times each distinct
+    (aggregate, gemm_streams, num_splits) pass once, and a hierarchical ring (two nodes) runs
+    with its nodes."""
+    layout = Layout(tp=4)
+    measure, ran = _cpu_compute_side(layout, monkeypatch)
+    shape = Shape("S", "proj", 64, 32, 16, 4)  # proj_fprop: pipeline x num_sm; dgrad: ring
+    result = tune([shape], layout, measure, progress=False)
+    distinct = {(r["pass"], r["settings"].get("aggregate"), r["settings"].get("gemm_streams", 0),
+                 r["settings"]["method"], r["settings"].get("num_splits"))
+                for r in result.rows if r["pass"] != "proj_wgrad"}
+    sms = {r["settings"]["num_sm"] for r in result.rows if r["pass"] == "proj_fprop"}
+    assert len(sms) > 1 and len(ran) == len(distinct) == len(measure.timed)
+    # two nodes of two: the hierarchical order runs on the null transport too
+    layout = Layout(tp=4, gpus_per_node=2)
+    measure, ran = _cpu_compute_side(layout, monkeypatch)
+    hier = [t for t in trials(shape, layout) if t.candidate.ring_order == "hierarchical"]
+    assert hier and all(math.isfinite(measure(t)["time_ms"]) for t in hier)

@@ -1,5 +1,5 @@
 """The tuner's measurement cache: one JSON line per measurement, keyed by
-(shape, settings, hardware), appended and flushed as each one finishes, so a
+(shape, settings, hardware, KEY_VERSION), appended and flushed as each one finishes, so a
 search that is interrupted resumes without measuring anything twice."""
 
 from __future__ import annotations
@@ -10,9 +10,19 @@ import os
 from typing import Any
 
 
+# Bumped whenever what a cached result means changes, so an older file's entries are never
+# served: part of every key (and written beside it; entries of another version are skipped on
+# load). 2: one-GPU (compute) results time each candidate's own pass, aggregate and
+# gemm_streams applied (version 1's were predicted from the one-stream timing of whichever
+# candidate of that shape and chunk count came first); measured hardware names the default
+# gemm_streams.
+KEY_VERSION = 2
+
+
 def cache_key(job: dict[str, Any], hardware: dict[str, Any]) -> str:
-    """Stable hash of what was measured and where."""
-    blob = json.dumps({"job": job, "hardware": hardware}, sort_keys=True, default=str)
+    """Stable hash of what was measured and where, and of KEY_VERSION."""
+    blob = json.dumps({"version": KEY_VERSION, "job": job, "hardware": hardware}, sort_keys=True,
+                      default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
@@ -32,7 +42,8 @@ class Cache:
                 for line in f:
                     try:
                         entry = json.loads(line)
-                        self._data[entry["key"]] = entry["result"]
+                        if entry.get("version") == KEY_VERSION:
+                            self._data[entry["key"]] = entry["result"]
                     except (json.JSONDecodeError, KeyError, TypeError):
                         continue
 
@@ -54,6 +65,7 @@ class Cache:
                 if self._torn:
                     f.write("\n")
                     self._torn = False
-                f.write(json.dumps({"key": key, "job": job, "hardware": hardware,
+                f.write(json.dumps({"key": key, "version": KEY_VERSION, "job": job,
+                                    "hardware": hardware,
                                     "result": result}, default=str) + "\n")
                 f.flush()

@@ -11,15 +11,16 @@ if TYPE_CHECKING:
     from .tuner import TuneResult
 
 SEARCH_COLUMNS = ("index", "shape", "pass", "label", "method", "num_splits", "num_sm", "use_ce",
-                  "aggregate", "ring_order", "comm_moved", "time_ms", "baseline_ms",
+                  "aggregate", "gemm_streams", "ring_order", "comm_moved", "time_ms", "baseline_ms",
                   "compute_only_ms", "cached", "source")
 CHOICE_COLUMNS = ("shape", "pass", "label", "method", "num_splits", "num_sm", "use_ce",
-                  "aggregate", "ring_order", "comm_moved", "time_ms", "baseline_ms",
+                  "aggregate", "gemm_streams", "ring_order", "comm_moved", "time_ms", "baseline_ms",
                   "hidden_fraction", "overlap", "host_bound")
 _NUM = ("time_ms", "baseline_ms", "compute_only_ms", "hidden_fraction")
 # wandb.Table wants one type per column
 _CAST = {"index": int, "num_splits": int, "num_sm": int, "use_ce": bool, "aggregate": bool,
-         "comm_moved": bool, "cached": bool, "overlap": bool, "host_bound": bool}
+         "gemm_streams": int, "comm_moved": bool, "cached": bool, "overlap": bool,
+         "host_bound": bool}
 
 
 def _num(v: Any) -> float | None:
@@ -29,7 +30,8 @@ def _num(v: Any) -> float | None:
 def _flat(row: dict[str, Any]) -> dict[str, Any]:
     settings = row.get("settings", {})
     return {**row, **{k: settings.get(k) for k in ("method", "num_splits", "num_sm", "use_ce",
-                                                    "aggregate", "ring_order")}}
+                                                    "aggregate", "ring_order")},
+            "gemm_streams": settings.get("gemm_streams", 0)}  # to_dict leaves out its default 0
 
 
 def _cell(row: dict[str, Any], col: str) -> Any:

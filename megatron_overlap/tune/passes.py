@@ -19,15 +19,19 @@ Which function a trial is (SP, as tp_comm_overlap needs):
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..comm.transport import Transport
+from ..config import LayerSettings
+from ..config.effects import ACTIVE
 from ..layers import functions as F
 from ..layers.plan import LayerPlan
 from ..simulate import Trial
+from ..simulate.passes import ring_order_of
 
 
 @dataclass
@@ -111,7 +115,47 @@ def trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype, *,
     return TrialPass(body, t, op)
 
 
-def one_stream(trial: Trial) -> Trial:
-    """The trial with one GEMM stream: what the cost model's calibration rows hold."""
-    s = dataclasses.replace(trial.candidate.settings, gemm_streams=1)
+def as_timed(trial: Trial, tp: Transport) -> Trial:
+    """The trial as its pass can run on `tp`: the candidate's settings with every key that
+    cannot change what the pass runs there put back to TE's default for its method, namely
+    keys config.effects says take no effect with this method on the layout's backend (the
+    rule the search space varies keys by), and the SM-margin keys where `tp` holds no margin
+    (`pass_streams` resolves none: the null transport, whose timings the cost model applies
+    the margin to itself). Every other key (aggregate, gemm_streams, num_splits, the stream
+    priorities, ring_order, ...) is kept, so it is applied when this trial is timed and is
+    part of `timed_key`: time this trial, file the timing under `timed_key(it, tp)`."""
+    s, layout = trial.candidate.settings, trial.candidate.layout
+    default = LayerSettings.default(s.name, s.method)
+    effects = s.effects(layout.backend)
+    keep = {f.name: getattr(s, f.name) if effects.get(f.name, ACTIVE) == ACTIVE
+            else getattr(default, f.name) for f in dataclasses.fields(s)}
+    s = LayerSettings(**keep)
+    if not F.pass_streams(tp, s)[1].sm_margin:  # num_sm holds nothing back on tp
+        s = dataclasses.replace(s, num_sm=default.num_sm, set_sm_margin=default.set_sm_margin)
     return dataclasses.replace(trial, candidate=dataclasses.replace(trial.candidate, settings=s))
+
+
+def layout_nodes(trial: Trial) -> list[list[int]] | None:
+    """The ranks per node of the trial's hierarchical ring order on its layout (None: flat),
+    as the layer hands them to its pass (node-major ranks, `Layout.local` per node)."""
+    layout = trial.candidate.layout
+    if ring_order_of(trial.candidate.settings, layout) != "hierarchical":
+        return None
+    return [list(range(i, i + layout.local)) for i in range(0, layout.tp, layout.local)]
+
+
+def timed_key(trial: Trial, tp: Transport) -> str:
+    """What a timing of `trial`'s pass on `tp` depends on, as one string: the pass (its
+    dimensions, which pass of which kind of layer, whether its communication moved), every
+    field of the settings `as_timed` runs it with (taken from the settings object, not a
+    list of names: a key added to LayerSettings joins the key by itself), what
+    `pass_streams` resolves them to on `tp` (gemm_streams 0: the global default; the
+    priorities; the SM margin) and the ring order's nodes."""
+    t = as_timed(trial, tp)
+    shape, s = t.spec.shape, t.candidate.settings
+    comm_p, streams = F.pass_streams(tp, s)
+    return json.dumps({
+        "pass": [shape.m, shape.k, shape.n, shape.column, t.spec.pass_name, t.comm_moved],
+        "world": tp.world_size, "transport": list(tp.backends), "settings": dataclasses.asdict(s),
+        "streams": [streams.n, streams.priority, streams.sm_margin, comm_p],
+        "nodes": layout_nodes(t)}, sort_keys=True)
