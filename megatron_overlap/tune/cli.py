@@ -15,7 +15,8 @@ from .tuner import NOTES
 MEASURES = ("auto", "model", "compute", "real")
 def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> None:
     p = sub.add_parser("tune", help="search per-layer overlap settings and write ub_cfgs YAML",
-                       description="Search method x num_splits x num_sm x use_ce x aggregate x gemm_streams "
+                       description="Search method x num_splits x num_sm x use_ce x aggregate x "
+                                   "gemm_streams "
                                    "(x ring order) per layer pass, measure on the hardware at hand "
                                    "and write a TE ub_cfgs YAML.")
     p.add_argument("--model", choices=sorted(PRESETS), help="a preset (Llama 3 dimensions)")
