@@ -106,3 +106,14 @@ def test_bulk_says_what_it_hides_under():
     none = OverlapConfig.load({"qkv_dgrad": {"method": "pipeline"}, "fc1_dgrad": {"method": "pipeline"}},
                               rs_dgrad=True)
     assert not any(x.startswith("bulk (") for x in none.table("symm").splitlines())
+
+
+def test_a_pass_the_plan_leaves_plain_is_named_for_its_layer():
+    """On symm every pass opens the transport's pass with a barrier, also a pass that
+    overlaps nothing (a column forward without SP): a peer missing there is reported under
+    the layer's pass name, not a bare 'fprop'."""
+    column = plan(flags(), "qkv", "column", sp=False)
+    assert column.fprop is None and column.op_name("fprop") == "qkv_fprop"
+    assert column.op_name("wgrad") == column.wgrad.name == "qkv_wgrad"
+    row = plan(flags(), "proj", "row", sp=False)
+    assert row.dgrad is None and row.op_name("dgrad") == "proj_dgrad"

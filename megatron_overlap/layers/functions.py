@@ -30,10 +30,6 @@ from .wgrad import accumulates, autograd_grad, weight_grad
 Graphs = Optional[dict[str, PassGraphs]]
 
 
-def _name(s: LayerSettings | None, fallback: str) -> str:
-    return s.name if s is not None else fallback
-
-
 def pass_streams(tp: Transport, s: LayerSettings) -> tuple[int, ChunkStreams]:
     """(communication stream priority, GEMM streams) of a pass with settings `s` on `tp`:
     priorities, stream count, and the SM margin only where some link's kernels need SMs.
@@ -46,10 +42,10 @@ def pass_streams(tp: Transport, s: LayerSettings) -> tuple[int, ChunkStreams]:
     return comm_p, ChunkStreams(n=s.gemm_streams or None, priority=gemm_p, sm_margin=margin)
 
 
-def begin(tp: Transport, s: LayerSettings | None, fallback: str) -> tuple[str, ChunkStreams | None]:
-    """Open the transport's pass for this layer pass; its name (the settings' or `fallback`)
-    and the GEMM streams its settings ask for."""
-    name = _name(s, fallback)
+def begin(tp: Transport, plan: LayerPlan, pass_name: str) -> tuple[str, ChunkStreams | None]:
+    """Open the transport's pass for this layer pass; its name (`LayerPlan.op_name`) and
+    the GEMM streams its settings ask for (None for a pass the plan leaves plain)."""
+    name, s = plan.op_name(pass_name), getattr(plan, pass_name)
     if s is None:
         tp.begin_pass(name)
         return name, None
@@ -77,7 +73,7 @@ def _gathered(x2: torch.Tensor, tp: Transport) -> torch.Tensor:
 # -- the passes: every tensor they touch is an argument --------------------------------------
 def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes) -> None:
     """out = gather_sp(x2) @ weight^T (+ bias)."""
-    op, streams = begin(tp, plan.fprop, "fprop")
+    op, streams = begin(tp, plan, "fprop")
     if plan.sequence_parallel and plan.fprop is not None:
         all_gather_matmul(x2, weight, tp, plan.fprop.method, op=op, aggregate=plan.fprop.aggregate,
                           streams=streams, nodes=nodes, out=out)
@@ -118,7 +114,7 @@ def column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan: LayerPlan, tp: 
     """The column wgrad pass: grad_w = g^T @ inp (or into main_grad), the dgrad's reduction
     hidden under it: `pending` reduce-scattered into grad_in (SP), grad_in all-reduced
     (without SP, `pending` is grad_in), or nothing (None)."""
-    op = _name(plan.wgrad, "wgrad")
+    op = plan.op_name("wgrad")
     start = None
     if pending is not None:
         start = ((lambda: tp.reduce_scatter(grad_in, pending, op=op)) if plan.sequence_parallel
@@ -133,7 +129,7 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
                fuse: bool, allreduce_dgrad: bool) -> None:
     """grad_in (reduce-scattered under SP, all-reduced when asked), grad_w (or main_grad),
     grad_b: the dgrad pass, then the wgrad pass, in one transport pass."""
-    dname, streams = begin(tp, plan.dgrad, "dgrad")
+    dname, streams = begin(tp, plan, "dgrad")
     inp, pending = column_dgrad(g, x2, weight, grad_in, plan, tp, nodes, streams, dname,
                                 allreduce_dgrad)
     column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan, tp, fuse)
@@ -143,7 +139,7 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
 
 def row_fprop(x2, weight, out, plan: LayerPlan, tp: Transport, nodes) -> None:
     """out = reduce_sp(x2 @ weight^T): reduce-scattered under SP, all-reduced otherwise."""
-    op, streams = begin(tp, plan.fprop, "fprop")
+    op, streams = begin(tp, plan, "fprop")
     s, sp = plan.fprop, plan.sequence_parallel
     if s is not None:
         matmul_reduce_scatter(x2, weight, tp, s.method, s.splits(tp.world_size), op=op,
@@ -173,14 +169,14 @@ def row_dgrad(g, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams
 def row_wgrad(g_full, x2, weight, grad_w, plan: LayerPlan, fuse: bool) -> None:
     """The row wgrad pass: grad_w = g_full^T @ x2 on the dgrad's gathered gradient; no
     communication of its own ("external")."""
-    weight_grad(weight, g_full, x2, fuse, functools.partial(matmul, op=_name(plan.wgrad, "wgrad")),
+    weight_grad(weight, g_full, x2, fuse, functools.partial(matmul, op=plan.op_name("wgrad")),
                 grad_w)
 
 
 def row_bwd(g, x2, weight, grad_in, grad_w, plan: LayerPlan, tp: Transport, nodes,
             fuse: bool) -> None:
     """grad_in and grad_w: the dgrad pass, then the wgrad pass, in one transport pass."""
-    dname, streams = begin(tp, plan.dgrad, "dgrad")
+    dname, streams = begin(tp, plan, "dgrad")
     g_full = row_dgrad(g, weight, grad_in, plan, tp, nodes, streams, dname)
     row_wgrad(g_full, x2, weight, grad_w, plan, fuse)
 

@@ -28,6 +28,16 @@ class LayerPlan:
     wgrad: LayerSettings | None = None
     rs_dgrad: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+    buffer: str | None = None  # the TP-comm buffer name ('qkv', ...): names passes it leaves plain
+
+    def op_name(self, pass_name: str) -> str:
+        """What a pass is called in traces, stats and errors: its settings' name
+        ('qkv_fprop'), also for a pass the plan leaves plain (which on symm still opens a
+        transport pass with a barrier that can be the one left waiting)."""
+        s = getattr(self, pass_name)
+        if s is not None:
+            return s.name
+        return f"{self.buffer}_{pass_name}" if self.buffer else pass_name
 
     @property
     def enabled(self) -> bool:
@@ -136,7 +146,7 @@ def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_para
         if not sp:
             notes.append("no sequence parallelism: fprop has no communication; "
                          "wgrad hides the dgrad all-reduce")
-        return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, rs_dgrad, tuple(notes))
+        return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, rs_dgrad, tuple(notes), buffer_name)
     fprop = get(settings, "fprop") if flag("tp_comm_overlap_rs", True) else None
     dgrad = get(settings, "dgrad") if sp and flag("tp_comm_overlap_ag", True) else None
     if not sp:
@@ -150,4 +160,4 @@ def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_para
                 _warned.add(swap)
                 log.warning("megatron_overlap: %s", swap)
     wgrad = get(settings, "wgrad") if dgrad is not None else None  # reuses dgrad's gathered grad
-    return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, False, tuple(notes))
+    return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, False, tuple(notes), buffer_name)

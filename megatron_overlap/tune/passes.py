@@ -48,14 +48,14 @@ class TrialPass:
 def trial_plan(trial: Trial, overlap: bool = True) -> LayerPlan:
     """The plan of a layer whose settings for this pass are the trial's (None: Megatron's
     plain order). A column wgrad whose reduce-scatter moved runs under an rs_dgrad plan,
-    as it does in the layer (its GEMM then goes under the plain "wgrad" name)."""
+    as it does in the layer (its GEMM then goes under the layer's plain wgrad name)."""
     spec, s = trial.spec, trial.candidate.settings
-    column, p = spec.shape.column, spec.pass_name
+    column, p, buffer = spec.shape.column, spec.pass_name, spec.shape.buffer
     if trial.comm_moved and overlap:
-        return LayerPlan(trial.name, "column", True, rs_dgrad=True)
+        return LayerPlan(trial.name, "column", True, rs_dgrad=True, buffer=buffer)
     rs_dgrad = overlap and column and p == "dgrad" and s.is_reduce_scatter
     return LayerPlan(trial.name, "column" if column else "row", True, rs_dgrad=rs_dgrad,
-                     **{p: s if overlap else None})
+                     buffer=buffer, **{p: s if overlap else None})
 
 
 def trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype, *,
@@ -75,8 +75,7 @@ def trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype, *,
         return torch.empty(*size, device=device, dtype=dtype)
 
     plan = trial_plan(trial, overlap)
-    s = getattr(plan, p)
-    op = s.name if s is not None else p  # the layer's name for it (plain: "fprop", ...)
+    op = plan.op_name(p)  # the layer's name for it
     t: dict[str, torch.Tensor] = {"weight": rand(n, k)}
     if shape.column and p == "fprop":
         t.update(x=rand(m // w, k), out=empty(m, n))
@@ -85,7 +84,7 @@ def trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype, *,
         t.update(g=rand(m, n), x=rand(m // w, k), grad_in=empty(m // w, k))
 
         def body():
-            _, streams = F.begin(tp, plan.dgrad, "dgrad")
+            _, streams = F.begin(tp, plan, "dgrad")
             return F.column_dgrad(t["g"], t["x"], t["weight"], t["grad_in"], plan, tp, nodes,
                                   streams, op, False)
     elif shape.column:  # wgrad: hides the dgrad's reduce-scatter, unless that moved
@@ -94,7 +93,7 @@ def trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype, *,
             t["pending"] = rand(m, k)
 
         def body():
-            F.begin(tp, plan.wgrad, "wgrad")
+            F.begin(tp, plan, "wgrad")
             F.column_wgrad(t["g"], t["inp"], t["weight"], t["grad_w"], t["grad_in"],
                            t.get("pending"), plan, tp, False)
     elif p == "fprop":
@@ -104,13 +103,13 @@ def trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype, *,
         t.update(g=rand(m // w, n), grad_in=empty(m, k))
 
         def body():
-            _, streams = F.begin(tp, plan.dgrad, "dgrad")
+            _, streams = F.begin(tp, plan, "dgrad")
             return F.row_dgrad(t["g"], t["weight"], t["grad_in"], plan, tp, nodes, streams, op)
     else:  # wgrad: the GEMM on the dgrad's gathered gradient
         t.update(g_full=rand(m, n), x=rand(m, k), grad_w=empty(n, k))
 
         def body():
-            F.begin(tp, plan.wgrad, "wgrad")
+            F.begin(tp, plan, "wgrad")
             F.row_wgrad(t["g_full"], t["x"], t["weight"], t["grad_w"], plan, False)
     return TrialPass(body, t, op)
 

@@ -25,7 +25,7 @@ NOTES = {  # what the numbers are, by measurement mode: said in every output
                "side is the cost model's.",
     "real": "Several GPUs: every candidate ran for real, overlapped, on the TP group.",
 }
-PASSES = ("fprop", "dgrad", "wgrad")
+from ..config.names import PASSES  # noqa: E402
 
 
 def _finite(v: Any) -> Any:

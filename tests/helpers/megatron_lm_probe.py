@@ -208,7 +208,7 @@ def probe_model() -> dict:
     loss = model(tokens, position_ids, mask, labels=labels).float().mean()
     loss.backward()
     grad = sum(float(p.grad.float().norm()) for p in model.parameters() if p.grad is not None)
-    from megatron_overlap.megatron import state
+    from megatron_overlap.config import state
 
     now = state.current()
     return {"version": hooks.megatron_core_version(), "install": rec.calls, "linears": linears,
