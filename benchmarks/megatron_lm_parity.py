@@ -36,10 +36,11 @@ def read(path: Path) -> dict:
             "version": version.group(1) if version else "?"}
 
 
-def compare(on: dict, off: dict, iters: int, off_overlapped: bool = False
-            ) -> tuple[list[list[str]], list[str]]:
+def compare(on: dict, off: dict, iters: int, off_overlapped: bool = False,
+            losses_only: bool = False) -> tuple[list[list[str]], list[str]]:
     """Rows and errors; `off_overlapped`: the second log is an overlapped run too (the
-    eager one that a CUDA-graphed run is compared with)."""
+    eager one that a CUDA-graphed run is compared with); `losses_only`: two runs of any
+    kind, their losses alone (Megatron's linears graphed against eager)."""
     rows, errors = [], []
     for i in range(1, iters + 1):
         a, b = on["iters"].get(i, {}), off["iters"].get(i, {})
@@ -52,6 +53,8 @@ def compare(on: dict, off: dict, iters: int, off_overlapped: bool = False
                      a.get("grad norm", "-"), b.get("grad norm", "-"),
                      a.get("elapsed time per iteration (ms)", "-"),
                      b.get("elapsed time per iteration (ms)", "-")])
+    if losses_only:
+        return rows, errors
     if not any(why == "--tp-comm-overlap" for _, why in on["installed"]):
         errors.append("on: megatron_overlap.install was not called for --tp-comm-overlap")
     n_on = sum(v for r in on["built"] for k, v in r.items() if k != "rank")
@@ -79,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--second-overlapped", action="store_true",
                     help="the second log is an overlapped run too (CUDA graphs vs eager)")
+    ap.add_argument("--losses-only", action="store_true",
+                    help="compare the losses alone (two runs of Megatron's linears)")
     a = ap.parse_args(argv)
     on, off = read(a.on), read(a.off)
-    rows, errors = compare(on, off, a.iters, a.second_overlapped)
+    rows, errors = compare(on, off, a.iters, a.second_overlapped, a.losses_only)
     head = ["iter", "loss on", "loss off", "", "grad norm on", "grad norm off", "ms on", "ms off"]
     widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
     print(f"== {a.label} (megatron-core {on['version']}): overlap on vs every overlap off; "

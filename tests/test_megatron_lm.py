@@ -462,3 +462,7 @@ def test_parity_check_of_two_logs(tmp_path, capsys):
     assert "iteration 2: lm loss 8.912346E+00 (on) != 8.912345E+00 (off)" in capsys.readouterr().out
     assert parity.main([str(off), str(off), "--iters", "3"]) == 1  # "on" built no layer of ours
     assert parity.main([str(on), str(on), "--iters", "4"]) == 1  # iteration 4 missing
+    # two runs of Megatron's linears (graphed against eager): their losses alone
+    assert parity.main([str(off), str(off), "--iters", "3", "--losses-only"]) == 0
+    _log(on, "off", losses[:2] + ["8.800002E+00"])
+    assert parity.main([str(on), str(off), "--iters", "3", "--losses-only"]) == 1

@@ -62,3 +62,19 @@ def test_the_contract_check_runs_once_per_shape_and_pass():
             assert new_shape["exchanges"] == first["exchanges"], (kind, calls)
             assert all(c["patched"] == [] and c["err"] <= 1e-5 for c in calls), (kind, calls)
 
+
+
+def test_a_pass_that_never_opens_its_transport_pass_is_named():
+    """A pass that neither calls begin_pass() nor takes a workspace (so no workspace call
+    trips first) is a ContractError at its first run, naming the pass, before any exchange."""
+    import pytest
+
+    from megatron_overlap.comm import NullTransport
+    from megatron_overlap.comm.transport import ContractError
+    from megatron_overlap.layers.agree import PassAudit
+
+    audit = PassAudit("qkv (column)", group=None)  # the group is never reached
+    with pytest.raises(ContractError, match=r"layer 'qkv \(column\)' fprop: the pass never "
+                                            r"called begin_pass\(\)"):
+        audit.run("fprop", NullTransport(2), lambda: None)
+    assert audit.todo == {"fprop", "bwd"}  # nothing was checked off

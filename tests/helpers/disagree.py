@@ -31,7 +31,7 @@ def _inject(what: str, rank: int):
         return lambda: setattr(functions, "matmul_reduce_scatter", real)
     if what == "no_begin_pass":  # every rank: the pass never opens the transport's pass
         real = functions.begin
-        functions.begin = lambda tp, s, fallback: (s.name if s else fallback, None)
+        functions.begin = lambda tp, plan, pass_name: (plan.op_name(pass_name), None)
         return lambda: setattr(functions, "begin", real)
     return lambda: None
 
