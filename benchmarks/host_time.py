@@ -144,8 +144,11 @@ def _turns(calls, device: torch.device):
     the other ranks sleep in a gloo barrier, so no other rank's host competes for the
     CPUs. Every rank makes the same calls in the same order; the GPU side pairs them up
     once every rank has had its turn (replayed passes and the symm transport's waits
-    are on the GPU: a host never blocks on a peer inside a call). Returns what
-    `calls()` returned on this rank."""
+    are on the GPU: a host never blocks on a peer inside a call). Replayed calls only: a
+    turn of eager calls queues hundreds of launches behind GPU waits for ranks yet to come,
+    and once the device's launch queue is full the host blocks inside a launch while those
+    ranks sleep: a deadlock (seen on the H200 at TP=2 with 4 eager calls a turn). Returns
+    what `calls()` returned on this rank."""
     mine = None
     for r in range(dist.get_world_size()):
         dist.barrier()
@@ -179,9 +182,6 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
 
     replay.set_enabled(replayed)
     res: dict = {}
-    # staggered turns queue a rank's calls behind GPU waits for ranks yet to come: keep the
-    # eager turn short (tens of launches a call), well inside the device's launch queue
-    turn = inner if replayed else min(inner, 4)
     for name, kind, mult in LAYERS:
         layer = layers[name]
         k_in = hidden if kind == "column" else mult * hidden // tp
@@ -206,8 +206,8 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
         f_b2b, b_b2b = _b2b(lambda: layer(x)[0], lambda y: y.backward(g), inner)
         _sync(device)
         f_st, b_st = [], []
-        if _waits_on_device(layer):
-            f_st, b_st = _turns(lambda: _b2b(lambda: layer(x)[0], lambda y: y.backward(g), turn),
+        if replayed and _waits_on_device(layer):  # see _turns: replays only
+            f_st, b_st = _turns(lambda: _b2b(lambda: layer(x)[0], lambda y: y.backward(g), inner),
                                 device)
         med = _median
         row = dict(fwd_us=med(fwd), bwd_us=med(bwd), fwd_b2b_us=med(f_b2b), bwd_b2b_us=med(b_b2b),
@@ -281,6 +281,8 @@ def time_chain(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, i
                staggered: bool) -> dict:
     """Host µs per layer call inside `chain` (its forward and its backward, divided by 4),
     back to back; `staggered`: the ranks in turns (see _turns)."""
+    from megatron_overlap.overlap import replay
+
     fwd, bwd = chain(layers, tokens, tp, hidden, dtype, device)
     for _ in range(3):
         bwd(fwd())
@@ -290,7 +292,8 @@ def time_chain(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, i
     if not staggered:
         f, b = _b2b(fwd, bwd, inner)
         _sync(device)
-    elif all(_waits_on_device(layer) or not hasattr(layer, "overlap_plan") for layer in layers.values()):
+    elif all(not hasattr(layer, "overlap_plan") or (_waits_on_device(layer) and replay.enabled())
+             for layer in layers.values()):  # Megatron's own linears (no comm), or our replays
         f, b = _turns(lambda: _b2b(fwd, bwd, inner), device)
     per = lambda v: _median(v) and _median(v) / len(LAYERS)  # noqa: E731
     return dict(fwd_us=per(f), bwd_us=per(b))

@@ -19,7 +19,7 @@
 # Env: OUT (logs, default /tmp/out), ITERS (20), GRAPHS (1: two more runs under Megatron's own
 # CUDA graphs, overlap on and off, whose losses must be equal; each also compared with its eager
 # run, reported), ARMS (the runs to make, default "on off" plus those two), RUN_TIMEOUT (s per
-# run, 240), MODEL_ARGS
+# run, 240), EXTRA_ARGS (appended to every run's flags: the last of a flag wins), MODEL_ARGS
 # (replaces the model size flags). Exit code: the number of trees that failed.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; ITERS=${ITERS:-20}; mkdir -p "$OUT"
@@ -50,7 +50,7 @@ for tree in "$@"; do
       graphs_off) flag="$graph_flag";; esac
     PYTHONPATH="$tree:$PWD:/tmp/site_mlm:${PYTHONPATH:-}" timeout "${RUN_TIMEOUT:-240}" \
       python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
-      benchmarks/megatron_lm_shared_gpu.py "$tree/pretrain_gpt.py" $ARGS $flag \
+      benchmarks/megatron_lm_shared_gpu.py "$tree/pretrain_gpt.py" $ARGS $flag ${EXTRA_ARGS:-} \
       > "$OUT/mlm_${tag}_$arm.log" 2>&1
     rc=$?; echo "== $tag $arm: rc=$rc ($(grep -c ' iteration ' "$OUT/mlm_${tag}_$arm.log") iteration lines)"
     [ $rc = 0 ] || grep -E "Error|error:|Traceback" "$OUT/mlm_${tag}_$arm.log" | grep -v Warning | tail -6
