@@ -437,18 +437,20 @@ def main() -> None:
     if args.device == "cpu":
         print("FUNCTIONAL ONLY: CPU run, host times of no GPU launches")
     rows = []
-    for tp in args.tp:
-        launch(_rank, tp, args, device=args.device)
-        with open(args.out + f".tp{tp}") as f:
-            rows.append(json.load(f))
-        os.remove(args.out + f".tp{tp}")
     meta = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                 torch=torch.__version__, backend=args.backend,
                 hidden=args.hidden, tokens=args.tokens, dtype=args.dtype, reps=args.reps,
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    for tp in args.tp:  # each TP's rows written as soon as they are in: a run cut short keeps them
+        t0 = time.perf_counter()
+        launch(_rank, tp, args, device=args.device)
+        with open(args.out + f".tp{tp}") as f:
+            rows.append(json.load(f))
+        os.remove(args.out + f".tp{tp}")
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        print(f"TP={tp} done in {time.perf_counter() - t0:.0f} s -> {args.out}", flush=True)
     print(f"{meta['device']}  torch {meta['torch']}  backend {args.backend}  hidden {args.hidden}  "
           f"{args.tokens} tokens  {args.dtype}; host µs per call, median")
     print(f"{'TP':>3s} {'layer':6s} {'mode':7s} {'fwd':>7s} {'bwd':>7s} {'fwd b2b':>8s} "

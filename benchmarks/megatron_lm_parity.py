@@ -19,7 +19,7 @@ from pathlib import Path
 
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
 FIELD = re.compile(r"\s*([a-z][a-z /()-]*?):\s*([-+0-9.eE]+|nan|inf)\s*\|", re.I)
-LAYERS = re.compile(r"MLM-PARITY-LAYERS (\{.*\})")
+LAYERS = re.compile(r"MLM-PARITY-LAYERS (\{[^{}]*\})")  # ranks may print on one line
 
 
 def read(path: Path) -> dict:

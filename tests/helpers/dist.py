@@ -13,10 +13,30 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 
+_next_port = [0]
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a test's rendezvous store. Not one the OS hands out on its own (port 0):
+    those come from the ephemeral range, which every gloo connection's client socket draws
+    from too, so under pytest-xdist another test's socket could take it before the store
+    binds (seen: EADDRINUSE). Each xdist worker probes its own slice of 20000-31999, below
+    Linux's ephemeral range, and never the same port twice in a row."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    base, span = 20000 + (index % 12) * 1000, 1000
+    if not _next_port[0]:
+        _next_port[0] = os.getpid() % span
+    for _ in range(span):
+        _next_port[0] = (_next_port[0] + 1) % span
+        port = base + _next_port[0]
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {base}-{base + span - 1}")
 
 
 def _entry(rank: int, world: int, port: int, env: dict, fn: Callable, args: tuple, queue,
