@@ -103,22 +103,32 @@ def build(tp: int, hidden: int, dtype: torch.dtype, device: torch.device, backen
     import megatron_overlap
     from megatron.core.transformer import TransformerConfig
 
-    megatron_overlap.install(None, backend=backend)
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # patched
+    megatron_overlap.install(None, backend=backend)  # Megatron's constructors now build ours
 
     config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=32,
                                tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
                                tp_comm_overlap=tp > 1, params_dtype=dtype, bf16=dtype == torch.bfloat16,
                                use_cpu_initialization=device.type == "cpu",
                                gradient_accumulation_fusion=False, perform_initialization=True)
-    init = torch.nn.init.xavier_normal_
+    return _four_linears(config, hidden, 1, device)
+
+
+def _four_linears(config, hidden: int, split: int, device: torch.device, **kw) -> dict:
+    """LAYERS built with Megatron's constructors (ours where install()'s swap applies):
+    widths divided by `split` (1: the layer splits itself over its TP group)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
     out = {}
     for name, kind, mult in LAYERS:
-        cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
-        size = (hidden, mult * hidden) if kind == "column" else (mult * hidden, hidden)
-        kw = dict(gather_output=False) if kind == "column" else dict(input_is_parallel=True)
-        layer = cls(*size, config=config, init_method=init, bias=False, skip_bias_add=True,
-                    tp_comm_buffer_name=name, **kw)
+        wide = mult * hidden // split
+        if kind == "column":
+            layer = ColumnParallelLinear(hidden, wide, gather_output=False, config=config,
+                                         init_method=torch.nn.init.xavier_normal_, bias=False,
+                                         skip_bias_add=True, tp_comm_buffer_name=name, **kw)
+        else:
+            layer = RowParallelLinear(wide, hidden, input_is_parallel=True, config=config,
+                                      init_method=torch.nn.init.xavier_normal_, bias=False,
+                                      skip_bias_add=True, tp_comm_buffer_name=name, **kw)
         out[name] = layer.to(device)
     return out
 
@@ -256,7 +266,6 @@ def megatron_layers(tp: int, hidden: int, dtype, device) -> dict:
     this rank's GEMM shapes on a one-rank group: no communication at all, so their host
     time is what any autograd TP linear pays on this host (the floor to compare with)."""
     from megatron.core.transformer import TransformerConfig
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     mine = None
     for r in range(dist.get_world_size()):  # new_group is collective
@@ -266,15 +275,7 @@ def megatron_layers(tp: int, hidden: int, dtype, device) -> dict:
                                params_dtype=dtype, bf16=dtype == torch.bfloat16,
                                use_cpu_initialization=device.type == "cpu",
                                gradient_accumulation_fusion=False, perform_initialization=True)
-    init = torch.nn.init.xavier_normal_
-    out = {}
-    for name, kind, mult in LAYERS:
-        cls = ColumnParallelLinear if kind == "column" else RowParallelLinear
-        size = (hidden, mult * hidden // tp) if kind == "column" else (mult * hidden // tp, hidden)
-        kw = dict(gather_output=False) if kind == "column" else dict(input_is_parallel=True)
-        out[name] = cls(*size, config=config, init_method=init, bias=False, skip_bias_add=True,
-                        tp_comm_buffer_name=name, tp_group=mine, **kw).to(device)
-    return out
+    return _four_linears(config, hidden, tp, device, tp_group=mine)
 
 
 def time_chain(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, inner: int,

@@ -52,6 +52,10 @@ class CommError(RuntimeError):
     """A transfer failed or timed out; the message names rank, op, chunk and peers."""
 
 
+OPEN_PASS_FIRST = ("A pass opens the transport's pass first: tp.begin_pass(name) "
+                   "(layers.functions.begin does).")  # the fix, in every ContractError about it
+
+
 class ContractError(CommError):
     """A schedule broke the transport contract (a workspace() before its pass's
     begin_pass(), or workspace calls that differ between ranks); names the pass."""
@@ -183,8 +187,7 @@ class Transport(abc.ABC):
                 raise ContractError(
                     f"megatron_overlap[{self.name}]: {what}: {call.describe()} came before the "
                     f"pass called begin_pass(), so its workspace may overlap the previous "
-                    f"pass's, which peers can still be writing. A pass opens the transport's "
-                    f"pass first: tp.begin_pass(name) (layers.functions.begin does).")
+                    f"pass's, which peers can still be writing. {OPEN_PASS_FIRST}")
             calls.append(call)
             return workspace(shape, dtype, device)
 

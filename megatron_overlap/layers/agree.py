@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from ..comm.exchange import all_gather_object
-from ..comm.transport import CommError, ContractError, Transport
+from ..comm.transport import OPEN_PASS_FIRST, CommError, ContractError, Transport
 
 
 class DisagreementError(CommError):
@@ -80,8 +80,7 @@ class PassAudit:
             raise ContractError(
                 f"megatron_overlap: {what}: the pass never called begin_pass(), so the "
                 f"transport cannot tell it from the previous pass (its workspaces may be "
-                f"reused while peers still read them). A pass opens the transport's pass "
-                f"first: tp.begin_pass(name) (layers.functions.begin does).")
+                f"reused while peers still read them). {OPEN_PASS_FIRST}")
         mine = [c.key for c in calls]
         digest = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
         if len(set(all_gather_object(digest, self.group, "workspace calls (hash)"))) == 1:
