@@ -3,6 +3,7 @@ Transformer Engine's meaning) applied to the per-layer settings."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -39,8 +40,8 @@ class LayerPlan:
             return s.name
         return f"{self.buffer}_{pass_name}" if self.buffer else pass_name
 
-    @property
-    def enabled(self) -> bool:
+    @functools.cached_property
+    def enabled(self) -> bool:  # asked at every layer call: worked out once (the plan is frozen)
         # "external" (row wgrad) moves nothing itself; it only reuses the dgrad gather.
         return any(s is not None and s.method != "external" for s in (self.fprop, self.dgrad, self.wgrad))
 
