@@ -6,7 +6,10 @@ timed here on the null transport through the layer's own pass function
 (`tune.passes.trial_pass`, the code the tuner and the layers run) and the same
 timers as benchmarks/compute_side.py (`tune.measure`): CUDA-graph replay (what
 the layers' pass replay runs) and eager back to back. ratio = predicted / measured
-in the tuner's launch mode (graph: the graphed time; eager: back to back).
+in the tuner's launch mode (graph: the graphed time; eager: back to back). A pick
+the tuner's layout runs in the hierarchical ring order (a TP group spanning nodes
+of `gpus_per_node`) is timed in that order: the ranks per node the layer and the
+tuner hand its pass (`tune.passes.layout_nodes`), not the flat ring.
 
 On one H200 (< 3 minutes; tune files and the check land in $OUT):
 
@@ -30,7 +33,7 @@ import torch
 from megatron_overlap.comm import NullTransport
 from megatron_overlap.config import LayerSettings
 from megatron_overlap.simulate import Candidate, Layout, PassSpec, Shape, Trial
-from megatron_overlap.tune.passes import trial_pass
+from megatron_overlap.tune.passes import layout_nodes, trial_pass
 
 
 def chosen_trials(doc: dict[str, Any]) -> list[tuple[dict[str, Any], Trial]]:
@@ -57,9 +60,11 @@ def _cpu_ms(fn: Callable[[], Any], reps: int) -> float:
 
 
 def measure(trial: Trial, device: str, reps: int) -> dict[str, float]:
-    """The trial's pass on the null transport: graphed and back-to-back eager ms per call."""
+    """The trial's pass on the null transport, in the ring order its layout implies (as the
+    tuner timed it): graphed and back-to-back eager ms per call."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    run = trial_pass(trial, NullTransport(trial.spec.shape.tp), device, dtype).run
+    run = trial_pass(trial, NullTransport(trial.spec.shape.tp), device, dtype,
+                     nodes=layout_nodes(trial)).run
     if device != "cuda":
         ms = _cpu_ms(run, reps)
         return {"graph_ms": ms, "b2b_ms": ms}
@@ -78,7 +83,8 @@ def check(doc: dict[str, Any], device: str, reps: int) -> list[dict[str, Any]]:
         got = measure(trial, device, reps)
         measured = got["graph_ms"] if mode == "graph" else got["b2b_ms"]
         rows.append({"shape": row["shape"], "pass": row["pass"], "label": row["label"],
-                     "settings": row["settings"], "tune_mode": doc["mode"], "launch": mode,
+                     "settings": row["settings"], "nodes": layout_nodes(trial),
+                     "tune_mode": doc["mode"], "launch": mode,
                      "predicted_ms": row["compute_only_ms"], **{f"measured_{k}": v
                                                                 for k, v in got.items()},
                      "measured_ms": measured, "ratio": row["compute_only_ms"] / measured})

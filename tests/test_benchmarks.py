@@ -197,3 +197,42 @@ def test_tune_check_times_the_tuners_picks_cpu(tmp_path):
     for r, c in zip(got["rows"], doc["chosen"]):
         assert r["settings"] == c["settings"] and r["predicted_ms"] == c["compute_only_ms"]
         assert r["measured_ms"] > 0 and r["ratio"] == pytest.approx(r["predicted_ms"] / r["measured_ms"])
+
+
+def test_tune_check_times_hierarchical_picks_in_their_ring_order(tmp_path, monkeypatch):
+    """A model-only tune whose TP group spans nodes (TP 4 on nodes of 2 GPUs: --gpus-per-node,
+    LOCAL_WORLD_SIZE's role in a real run) picks hierarchical rings; tune_check hands their
+    passes the ranks per node the tuner and the layer use, and the flat ones none."""
+    import importlib.util
+
+    from megatron_overlap.cli import main
+    from megatron_overlap.simulate.passes import ring_order_of
+
+    search = tmp_path / "tune.json"
+    assert main(["tune", "--hidden-size", "64", "--ffn-hidden-size", "128",
+                 "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",
+                 "--tp", "4", "--gpus-per-node", "2", "--measure", "model",
+                 "--yaml", str(tmp_path / "tune.yaml"), "--json", str(search), "--no-cache",
+                 "--wandb", "off", "--no-progress"]) == 0
+    doc = json.loads(search.read_text())
+    spec = importlib.util.spec_from_file_location("tune_check", os.path.join(ROOT, "benchmarks",
+                                                                             "tune_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    seen = []
+    real = mod.trial_pass
+
+    def spy(trial, tp, device, dtype, **kw):
+        seen.append((trial.name, kw.get("nodes")))
+        return real(trial, tp, device, dtype, **kw)
+
+    monkeypatch.setattr(mod, "trial_pass", spy)
+    rows = mod.check(doc, "cpu", 1)
+    orders = {trial.name: ring_order_of(trial.candidate.settings, trial.candidate.layout)
+              for _, trial in mod.chosen_trials(doc)}
+    assert "hierarchical" in orders.values()  # the case this test is for
+    assert [n for n, _ in seen] == [r["pass"] for r in doc["chosen"]]
+    for (name, nodes), row in zip(seen, rows):
+        want = [[0, 1], [2, 3]] if orders[name] == "hierarchical" else None
+        assert nodes == want and row["nodes"] == want, (name, orders[name])
+        assert row["measured_ms"] > 0

@@ -491,6 +491,167 @@ def test_host_time_file_is_read_per_pass_mode_and_tp(tmp_path):
         HostTime.load(bad)
 
 
+def test_an_old_host_time_file_takes_its_back_to_back_figures(tmp_path):
+    """A file from before the turns and the chain (no *_staggered_us, no chain_*): the per-layer
+    back-to-back figures, and Megatron's path stays modelled, saying so."""
+    from megatron_overlap.simulate.host import HostTime
+
+    host = HostTime.load(_host_file(tmp_path, 800.0, 400.0))
+    assert host.sources("graph") == {"ours": {2: "layer_b2b", 8: "layer_b2b"}, "megatron": {}}
+    assert host.megatron_pass_us("fprop", 8, "graph") is None
+    text = host.describe("eager", 60.0)
+    assert "each linear alone, all ranks at once" in text
+    assert "Megatron's path: modelled 60 us" in text and "no chain_megatron" in text
+
+
+# per layer: fwd figure (bwd twice it), back to back and staggered; the chain's per-linear figures
+LAYER_B2B = {"qkv": 100.0, "proj": 200.0, "fc1": 300.0, "fc2": 400.0}  # sum 1000
+LAYER_STG = {"qkv": 10.0, "proj": 20.0, "fc1": 30.0, "fc2": 40.0}  # sum 100
+
+
+def _host_file_v2(tmp_path, chain=True, staggered=True, megatron=(30.0, 40.0, 15.0, 20.0),
+                  tps=(2, 8), name="host_time_v2.json"):
+    """A host_time.py JSON of this session's format: per-layer b2b figures in both modes,
+    staggered ones on the replayed rows only (as on the GPU), the chains (ours replayed:
+    staggered and concurrent; eager: concurrent only) and chain_megatron (fwd, bwd
+    concurrent; fwd, bwd staggered; None: absent)."""
+    def layers(stg):
+        return {b: {"fwd_us": 1.0, "bwd_us": 1.0, "fwd_b2b_us": v, "bwd_b2b_us": 2 * v,
+                    "fwd_staggered_us": LAYER_STG[b] if stg else None,
+                    "bwd_staggered_us": 2 * LAYER_STG[b] if stg else None}
+                for b, v in LAYER_B2B.items()}
+
+    def ways(conc, stg):
+        return {"concurrent": {"fwd_us": conc[0], "bwd_us": conc[1]},
+                "staggered": {"fwd_us": stg[0], "bwd_us": stg[1]}}
+
+    rows = []
+    for tp in tps:
+        row = {"tp": tp, "eager": layers(False), "replay": layers(staggered)}
+        if chain:
+            row["chain_eager"] = ways((500.0, 1000.0), (None, None))
+            row["chain_replay"] = ways((80.0, 160.0), (50.0, 100.0) if staggered else (None, None))
+        if megatron is not None:
+            row["chain_megatron"] = ways(megatron[:2], megatron[2:])
+        rows.append(row)
+    path = tmp_path / name
+    path.write_text(json.dumps({"meta": {"backend": "symm"}, "rows": rows}))
+    return str(path)
+
+
+def test_host_time_takes_the_chain_staggered_and_megatrons_measured_path(tmp_path):
+    """This session's file: replayed rows from the chain one rank at a time, its total split by
+    the per-layer staggered figures; eager rows from the chain with every rank at once (no
+    turns of eager calls), split by the back-to-back figures; Megatron's path from
+    chain_megatron, taken the same way as ours (staggered / concurrent), the same split."""
+    from megatron_overlap.simulate.host import HostTime
+
+    host = HostTime.load(_host_file_v2(tmp_path))
+    # graph: chain staggered, fwd 50 per linear -> 200 per layer, split 10:20:30:40
+    for b, w in LAYER_STG.items():
+        assert host.pass_us(b, "fprop", 8, "graph") == pytest.approx(200 * w / 100)
+    assert host.pass_us("qkv", "dgrad", 8, "graph") == pytest.approx(400 * 20 / 200 / 2)
+    assert host.pass_us("qkv", "wgrad", 8, "graph") == pytest.approx(400 * 20 / 200 / 2)
+    assert host.pass_us("proj", "dgrad", 2, "graph", column=False) == pytest.approx(400 * 40 / 200)
+    assert host.pass_us("proj", "wgrad", 2, "graph", column=False) is None
+    # eager: chain concurrent, fwd 500 per linear -> 2000 per layer, split 100:200:300:400
+    for b, w in LAYER_B2B.items():
+        assert host.pass_us(b, "fprop", 4, "eager") == pytest.approx(2000 * w / 1000)
+    assert host.pass_us("fc2", "dgrad", 8, "eager", column=False) == pytest.approx(4000 * 0.4)
+    assert host.sources("graph") == {"ours": {2: "chain_staggered", 8: "chain_staggered"},
+                                     "megatron": {2: "chain_staggered", 8: "chain_staggered"}}
+    assert host.sources("eager") == {"ours": {2: "chain_concurrent", 8: "chain_concurrent"},
+                                     "megatron": {2: "chain_concurrent", 8: "chain_concurrent"}}
+    # Megatron's: staggered beside our staggered figures, concurrent beside concurrent ones
+    assert host.megatron_pass_us("fprop", 8, "graph") == 15.0
+    assert host.megatron_pass_us("dgrad", 8, "graph") == 10.0  # column: half the backward
+    assert host.megatron_pass_us("dgrad", 8, "graph", column=False) == 20.0
+    assert host.megatron_pass_us("wgrad", 8, "graph", column=False) is None
+    assert host.megatron_pass_us("fprop", 2, "eager") == 30.0
+    assert host.megatron_pass_us("wgrad", 2, "eager") == 20.0
+    text = host.describe("graph", 60.0)
+    assert "one layer's four linears chained, one rank at a time" in text
+    assert "chain_megatron" in text and "modelled" not in text
+    assert "all ranks at once" in host.describe("eager")
+
+
+def test_host_time_falls_back_figure_by_figure(tmp_path):
+    """No chain: the per-layer staggered figures (replayed rows), else back to back; a chain
+    with no staggered figures: its concurrent ones; Megatron's figure the other way where the
+    one matching ours is not measured; bad new fields are named."""
+    from megatron_overlap.simulate.calibration import CalibrationError
+    from megatron_overlap.simulate.host import HostTime
+
+    host = HostTime.load(_host_file_v2(tmp_path, chain=False, megatron=None))
+    assert host.pass_us("fc1", "fprop", 8, "graph") == 30.0  # per-layer staggered
+    assert host.pass_us("fc1", "fprop", 8, "eager") == 300.0  # per-layer back to back
+    assert host.sources("graph")["ours"] == {2: "layer_staggered", 8: "layer_staggered"}
+    assert host.megatron_pass_us("fprop", 8, "graph") is None
+
+    host = HostTime.load(_host_file_v2(tmp_path, staggered=False, megatron=(30.0, 40.0, None, None)))
+    assert host.pass_us("qkv", "fprop", 8, "graph") == pytest.approx(320 * 100 / 1000)
+    assert host.sources("graph")["ours"][8] == "chain_concurrent"
+    assert host.megatron_pass_us("fprop", 8, "graph") == 30.0
+
+    host = HostTime.load(_host_file_v2(tmp_path, megatron=(None, None, 15.0, 20.0)))
+    assert host.megatron_pass_us("fprop", 8, "eager") == 15.0  # the only one measured
+    assert host.sources("eager")["megatron"] == {2: "chain_staggered", 8: "chain_staggered"}
+
+    path = _host_file_v2(tmp_path)
+    doc = json.loads(open(path).read())
+    doc["rows"][0]["replay"]["qkv"]["fwd_staggered_us"] = -3
+    bad = tmp_path / "bad_stg.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match="fwd_staggered_us"):
+        HostTime.load(bad)
+    doc = json.loads(open(path).read())
+    doc["rows"][1]["chain_megatron"]["concurrent"]["bwd_us"] = "fast"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match="chain_megatron.concurrent.bwd_us"):
+        HostTime.load(bad)
+
+
+@pytest.mark.parametrize("mode", ["graph", "eager"])
+def test_megatrons_path_pays_its_measured_host_time(tmp_path, mode):
+    """With chain_megatron, the non-overlapped path costs max(GPU, Megatron's measured host
+    time) per pass, in place of the modelled eager_step_us + eager_comm_us; without it, the
+    modelled figure as before."""
+    from megatron_overlap.simulate.host import HostTime
+
+    spec, layout = _spec(REFERENCE["70B_tp8_fc1"], "fprop"), Layout(tp=8, mode=mode)
+    plain = simulate_pass(spec, None, HW, layout, GemmModel(HW, Calibration()))
+    big = 50_000.0  # above the pass's GPU time: the host decides
+    for megatron, want in (((big, big, big, big), big),
+                           (None, max(plain.baseline_us, HW.eager_step_us + HW.eager_comm_us)),
+                           ((1.0, 1.0, 1.0, 1.0), plain.baseline_us)):
+        cal = Calibration(host=HostTime.load(_host_file_v2(tmp_path, megatron=megatron)))
+        r = simulate_pass(spec, None, HW, layout, GemmModel(HW, cal))
+        assert r.baseline_us == pytest.approx(want) and r.overlapped_us == r.baseline_us
+        over = simulate_pass(spec, _ring("fc1_fprop"), HW, layout, GemmModel(HW, cal))
+        assert over.baseline_us == pytest.approx(want)
+        assert over.host_us == pytest.approx(cal.host.pass_us("fc1", "fprop", 8, mode))
+
+
+def test_cli_reports_which_host_figures_it_took(tmp_path, capsys):
+    from megatron_overlap.cli import main
+
+    out = tmp_path / "out.json"
+    for path, ours, mcore in ((_host_file_v2(tmp_path), "chain_staggered", "chain_staggered"),
+                              (_host_file(tmp_path, 500.0), "layer_b2b", None)):
+        assert main(["simulate", "--shapes", "70B_tp8_qkv", "--tp", "8", "--json", str(out),
+                     "--host-time", path]) == 0
+        printed = capsys.readouterr().out
+        meta = json.loads(out.read_text())["meta"]
+        assert meta["host_time_figures"]["ours"] == {"2": ours, "8": ours}
+        if mcore:
+            assert meta["host_time_figures"]["megatron"] == {"2": mcore, "8": mcore}
+            assert "chain_megatron" in meta["host_time"] and "chain_megatron" in printed
+        else:
+            want = HW.eager_step_us + HW.eager_comm_us
+            assert meta["host_time_figures"]["megatron"] == {"modelled_us_per_pass": want}
+            assert f"modelled {want:g} us" in meta["host_time"]
+
+
 @pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_a_host_bound_pass_is_predicted_so_and_left_non_overlapped(tmp_path, mode):
     """Host time above the pass's GPU time: the pass is host-bound, costs its host time, and

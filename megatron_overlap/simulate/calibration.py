@@ -155,10 +155,13 @@ class Calibration:
         """Median host time per schedule step (Python, launches), or None without rows."""
         return statistics.median(self.host_step_us) if self.host_step_us else None
 
-    def host_source(self, mode: str, default_step_us: float) -> str:
-        """Where the model's host time per pass comes from, in launch `mode`."""
+    def host_source(self, mode: str, default_step_us: float,
+                    megatron_modelled_us: float | None = None) -> str:
+        """Where the model's host time per pass comes from, in launch `mode` (with a host-time
+        file: which of its figures, ours and Megatron's path's; `megatron_modelled_us`: what
+        Megatron's path is modelled at where the file does not measure it)."""
         if self.host is not None:
-            return self.host.describe(mode)
+            return self.host.describe(mode, megatron_modelled_us)
         if mode == "graph":
             return "host time not counted (graph mode, no --host-time)"
         step = self.eager_step_us()

@@ -211,6 +211,12 @@ def baseline_us(spec: PassSpec, hw: Hardware, layout: Layout, gemm: GemmModel) -
     return coll, gemm.mono_us(m, k, n) + coll
 
 
+def megatron_modelled_host_us(hw: Hardware, comm: float | bool = True) -> float:
+    """Megatron's path's host time per pass where no measurement of it is at hand: one
+    schedule step, and one collective launch where the pass communicates."""
+    return hw.eager_step_us + (hw.eager_comm_us if comm else 0.0)
+
+
 def measured_host_us(spec: PassSpec, layout: Layout, gemm: GemmModel) -> float | None:
     """The calibration's measured host time per call of this pass (None: not measured)."""
     host = gemm.calibration.host if gemm.calibration is not None else None
@@ -225,15 +231,19 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
 
     With a measured host time per call (calibration.host), a pass queued back to back
     costs max(host, GPU): the schedule is timed on the device alone (no per-launch host
-    gaps), then host-bound where the host takes longer. Megatron's path then pays one
-    step and one collective launch of host time (hw.eager_step_us + eager_comm_us)."""
+    gaps), then host-bound where the host takes longer. Megatron's path then pays its own
+    linears' measured host time per call where the file has it (`chain_megatron`), else
+    one step and one collective launch of modelled host time (hw.eager_step_us +
+    eager_comm_us)."""
     if s is not None and s.name != spec.name:
         raise ValueError(f"settings of {s.name} given for pass {spec.name}")
     host = measured_host_us(spec, layout, gemm)
     comm_us, base_us = baseline_us(spec, hw, layout, gemm)
     if host is not None:
+        mcore = gemm.calibration.host.megatron_pass_us(  # type: ignore[union-attr]
+            spec.pass_name, layout.tp, layout.mode, spec.shape.column)
+        base_us = max(base_us, megatron_modelled_host_us(hw, comm_us) if mcore is None else mcore)
         layout = dataclasses.replace(layout, mode="graph")  # device time; the host apart
-        base_us = max(base_us, hw.eager_step_us + (hw.eager_comm_us if comm_us else 0.0))
     m, k, n = spec.gemm
     bound = False
     if s is None:

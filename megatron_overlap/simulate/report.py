@@ -9,6 +9,7 @@ from typing import Any
 
 from ..config.console import WIDTH, Column, lines, table
 from .api import Report
+from .passes import megatron_modelled_host_us
 
 COLUMNS = ("shape", "pass", "settings", "GEMM ms", "non-overlapped ms", "overlapped ms",
            "exposed ms", "hidden", "best settings", "best ms")
@@ -61,7 +62,7 @@ def headline(report: Report) -> str:
     hw = report.hw
     return (f"{hw.name}, {report.layout.describe()}; NVLink {hw.nvlink_gbs:g} GB/s "
             f"{hw.nvlink_latency_us:g} us, IB {hw.ib_gbs:g} GB/s {hw.ib_latency_us:g} us; {gemm}; "
-            f"{cal.host_source(report.layout.mode, hw.eager_step_us)}")
+            f"{cal.host_source(report.layout.mode, hw.eager_step_us, megatron_modelled_host_us(hw))}")
 
 
 def not_paying(report: Report) -> list[str]:
@@ -135,12 +136,26 @@ def to_json(report: Report, command: str) -> dict[str, Any]:
                      "layout": {**dataclasses.asdict(report.layout), "nodes": report.layout.nodes,
                                 "local": report.layout.local},
                      "calibration": cal.source or None, "calibration_meta": cal.meta,
-                     "host_time": cal.host_source(report.layout.mode, report.hw.eager_step_us),
+                     "host_time": cal.host_source(report.layout.mode, report.hw.eager_step_us,
+                                                  megatron_modelled_host_us(report.hw)),
                      "host_time_file": cal.host.source if cal.host is not None else None,
+                     "host_time_figures": _host_figures(report),
                      "gemm_times": "measured where calibrated, fitted roofline otherwise"
                      if cal.mono else "roofline (no calibration)",
                      "fitted_gemm_efficiency": _fitted(report), "rs_dgrad": report.rs_dgrad},
             "passes": passes, "models": [s.to_dict() for s in report.models]}
+
+
+def _host_figures(report: Report) -> dict[str, Any] | None:
+    """Which figures of the host-time file the model took, per TP size: ours (simulate.host's
+    SOURCES keys) and Megatron's path (`chain_*`, or "modelled" with its µs per pass)."""
+    host = report.calibration.host
+    if host is None:
+        return None
+    src = host.sources(report.layout.mode)
+    return {"ours": {str(tp): n for tp, n in src["ours"].items()},
+            "megatron": {str(tp): n for tp, n in src["megatron"].items()} or
+            {"modelled_us_per_pass": megatron_modelled_host_us(report.hw)}}
 
 
 def write_json(report: Report, path: str, command: str) -> None:

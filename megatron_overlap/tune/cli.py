@@ -136,7 +136,11 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
         measure, rank, agree = _distributed(args, layout)
     print(f"megatron-overlap tune: {NOTES[kind]}", flush=True)
     if kind != "real":
-        print(f"megatron-overlap tune: {cal.host_source(layout.mode, hw.eager_step_us)}", flush=True)
+        from ..simulate.passes import megatron_modelled_host_us
+
+        print(f"megatron-overlap tune: "
+              f"{cal.host_source(layout.mode, hw.eager_step_us, megatron_modelled_host_us(hw))}",
+              flush=True)
     writer = rank == 0
     cache_path = None if args.no_cache or not writer else (args.cache or args.yaml + ".cache.jsonl")
     run = _wandb_run(args, {"command": command, "model": name, **vars(dims)}) if writer else None

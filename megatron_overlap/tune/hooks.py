@@ -41,7 +41,8 @@ def _result(r: PassResult, source: str) -> dict[str, Any]:
 def _machine(hw: Hardware, layout: Layout, host: HostTime | None = None) -> dict[str, Any]:
     """What the results depend on besides the trial (the cache key's machine part)."""
     out = {"hw": dataclasses.asdict(hw), "layout": dataclasses.asdict(layout)}
-    return {**out, "host_time": host.source} if host is not None else out
+    return {**out, "host_time": host.source, "host_figures": host.fingerprint()} \
+        if host is not None else out
 
 
 class ModelMeasure:
