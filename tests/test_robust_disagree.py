@@ -1,5 +1,5 @@
 """Ranks that disagree are diagnosed, not crashed (TP=2, gloo): different token
-counts or settings for one layer raise DisagreementError on every rank, naming the
+counts, settings or a frozen weight for one layer raise DisagreementError on every rank, naming the
 ranks and what differs, before any transfer, and the next agreeing call works; a
 rank that runs Megatron's own layer (no install()) leaves the others a bounded
 diagnosis that names that possible cause. The same cases run on CUDA tensors in

@@ -36,11 +36,12 @@ class DisagreementError(CommError):
     """The TP ranks called one layer with different shapes or settings."""
 
 
-def fingerprint(layer: Any, x: torch.Tensor) -> dict[str, Any]:
+def fingerprint(layer: Any, x: torch.Tensor, modes: dict[str, Any] | None = None) -> dict[str, Any]:
     plan = layer.overlap_plan
     fp: dict[str, Any] = {"layer": plan.layer, "input shape": tuple(x.shape),
                           "input dtype": str(x.dtype), "sequence_parallel": plan.sequence_parallel,
-                          "backend": layer.overlap_backend, "rs_dgrad": plan.rs_dgrad}
+                          "backend": layer.overlap_backend, "rs_dgrad": plan.rs_dgrad,
+                          **(modes or {})}
     tp = layer.tp_group.size()
     for s in (plan.fprop, plan.dgrad, plan.wgrad):
         if s is not None:
@@ -102,20 +103,21 @@ class PassAudit:
 _NEW = object()
 
 
-def check(layer: Any, x: torch.Tensor) -> PassAudit | None:
-    """Every TP rank calls this layer alike (collective the first time per shape).
-    Returns the shape's PassAudit while one of its passes is still to be checked
-    (the passes then run through it), None from then on."""
+def check(layer: Any, x: torch.Tensor, modes: dict[str, Any] | None = None) -> PassAudit | None:
+    """Every TP rank calls this layer alike (collective the first time per shape and
+    `modes`: per-call choices that change which transfers run, such as a frozen weight's
+    backward without wgrad, or gather_output). Returns the shape's PassAudit while one of
+    its passes is still to be checked (the passes then run through it), None from then on."""
     if layer.tp_group.size() == 1:
         return None
-    key = (tuple(x.shape), x.dtype)
+    key = (tuple(x.shape), x.dtype, *sorted((modes or {}).items()))
     agreed = layer.__dict__.setdefault("_agreed_shapes", {})
     audit = agreed.get(key, _NEW)
     if audit is not _NEW:
         if audit is not None and not audit.todo:
             agreed[key] = audit = None
         return audit
-    mine = fingerprint(layer, x)
+    mine = fingerprint(layer, x, modes)
     everyone = all_gather_object(mine, layer.tp_group, "layer agreement (shape and settings)")
     keys = list(dict.fromkeys(k for fp in everyone for k in fp))
     diffs = [_describe(k, [fp.get(k) for fp in everyone]) for k in keys
@@ -124,6 +126,7 @@ def check(layer: Any, x: torch.Tensor) -> PassAudit | None:
         raise DisagreementError(
             f"megatron_overlap: layer {layer.overlap_plan.layer!r}: the TP ranks disagree, "
             f"so no transfer was started: " + " | ".join(diffs) + ". Give every rank of the TP "
-            f"group the same micro-batch shapes and the same install() settings.")
+            f"group the same micro-batch shapes, the same install() settings and the same "
+            f"frozen weights and gather_output.")
     agreed[key] = audit = PassAudit(layer.overlap_plan.layer, layer.tp_group)
     return audit

@@ -103,10 +103,12 @@ class EmptyLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad_out.reshape(-1, weight.shape[0])
         x2 = x.reshape(-1, x.shape[-1])
-        grad_w = None if accumulates(weight, ctx.fuse) else g.new_empty(weight.shape)
-        weight_grad(weight, g, x2, ctx.fuse, functools.partial(matmul, op="wgrad"), grad_w)
-        if grad_w is None:
-            grad_w = autograd_grad(weight, x)
+        grad_w = None
+        if ctx.needs_input_grad[1]:  # a frozen weight: no grad, main_grad left alone
+            grad_w = None if accumulates(weight, ctx.fuse) else g.new_empty(weight.shape)
+            weight_grad(weight, g, x2, ctx.fuse, functools.partial(matmul, op="wgrad"), grad_w)
+            if grad_w is None:
+                grad_w = autograd_grad(weight, x)
         grad_b = g.sum(0) if ctx.use_bias else None
         return x.new_zeros(x.shape), grad_w, grad_b, None, None
 

@@ -88,32 +88,42 @@ def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes) -
 
 
 def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams,
-                 op: str, allreduce_dgrad: bool):
+                 op: str, allreduce_dgrad: bool, wgrad: bool = True):
     """The column dgrad pass: g @ weight, with the input's all-gather (under SP, for the
     wgrad) hidden under it, or run beside its reduce-scatter into grad_in (rs_dgrad).
-    Returns (the wgrad's input, what column_wgrad still reduces into grad_in or None)."""
+    Returns (the wgrad's input, what column_wgrad still reduces into grad_in or None).
+    `wgrad=False` (frozen weight): the gather, which only feeds the wgrad, is skipped."""
+    gather = plan.sequence_parallel and wgrad
+    full = _gathered(x2, tp) if gather else x2
+    start = (lambda: tp.all_gather(full, x2, op=op)) if gather else None
     if plan.sequence_parallel and plan.rs_dgrad:
-        full = _gathered(x2, tp)
-        handle = tp.all_gather(full, x2, op=op)
+        handle = start and start()
         matmul_reduce_scatter(g, weight.t(), tp, plan.dgrad.method, plan.dgrad.splits(tp.world_size),
                               op=op, streams=streams, nodes=nodes, out=grad_in)
-        handle.wait()
+        if handle is not None:
+            handle.wait()
         return full, None
     if plan.sequence_parallel:
-        full = _gathered(x2, tp)
         with (streams or plain()).margin_only():  # bulk: num_sm SMs short where set_sm_margin acts
-            dgrad = hide(lambda: tp.all_gather(full, x2, op=op), lambda: matmul(g, weight, op=op),
-                         overlap=plan.dgrad is not None)
+            dgrad = hide(start, lambda: matmul(g, weight, op=op), overlap=plan.dgrad is not None)
         return full, dgrad
     matmul(g, weight, grad_in, op=op)
     return x2, (grad_in if allreduce_dgrad else None)
 
 
 def column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan: LayerPlan, tp: Transport,
-                 fuse: bool) -> None:
+                 fuse: bool, wgrad: bool = True) -> None:
     """The column wgrad pass: grad_w = g^T @ inp (or into main_grad), the dgrad's reduction
     hidden under it: `pending` reduce-scattered into grad_in (SP), grad_in all-reduced
-    (without SP, `pending` is grad_in), or nothing (None)."""
+    (without SP, `pending` is grad_in), or nothing (None). `wgrad=False` (frozen weight):
+    no GEMM to hide it under, so the reduction simply runs, named for the dgrad it
+    finishes (a diagnosis then names the pass that actually ran)."""
+    if not wgrad:
+        if pending is not None:
+            op = plan.op_name("dgrad")
+            (tp.reduce_scatter(grad_in, pending, op=op) if plan.sequence_parallel
+             else tp.all_reduce(grad_in, op=op)).wait()
+        return
     op = plan.op_name("wgrad")
     start = None
     if pending is not None:
@@ -126,13 +136,14 @@ def column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan: LayerPlan, tp: 
 
 
 def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transport, nodes,
-               fuse: bool, allreduce_dgrad: bool) -> None:
-    """grad_in (reduce-scattered under SP, all-reduced when asked), grad_w (or main_grad),
-    grad_b: the dgrad pass, then the wgrad pass, in one transport pass."""
+               fuse: bool, allreduce_dgrad: bool, wgrad: bool = True) -> None:
+    """grad_in (reduce-scattered under SP, all-reduced when asked), grad_w (or main_grad;
+    neither when `wgrad` is False: a frozen weight), grad_b: the dgrad pass, then the
+    wgrad pass, in one transport pass."""
     dname, streams = begin(tp, plan, "dgrad")
     inp, pending = column_dgrad(g, x2, weight, grad_in, plan, tp, nodes, streams, dname,
-                                allreduce_dgrad)
-    column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan, tp, fuse)
+                                allreduce_dgrad, wgrad)
+    column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan, tp, fuse, wgrad)
     if grad_b is not None:
         torch.sum(g, 0, out=grad_b)
 
@@ -174,20 +185,41 @@ def row_wgrad(g_full, x2, weight, grad_w, plan: LayerPlan, fuse: bool) -> None:
 
 
 def row_bwd(g, x2, weight, grad_in, grad_w, plan: LayerPlan, tp: Transport, nodes,
-            fuse: bool) -> None:
-    """grad_in and grad_w: the dgrad pass, then the wgrad pass, in one transport pass."""
+            fuse: bool, wgrad: bool = True) -> None:
+    """grad_in and grad_w: the dgrad pass, then the wgrad pass (none for a frozen
+    weight, `wgrad=False`), in one transport pass."""
     dname, streams = begin(tp, plan, "dgrad")
     g_full = row_dgrad(g, weight, grad_in, plan, tp, nodes, streams, dname)
-    row_wgrad(g_full, x2, weight, grad_w, plan, fuse)
+    if wgrad:
+        row_wgrad(g_full, x2, weight, grad_w, plan, fuse)
 
 
 # -- autograd ------------------------------------------------------------------------------
-def _grad_w(weight: torch.Tensor, like: torch.Tensor, fuse: bool) -> Optional[torch.Tensor]:
-    return None if accumulates(weight, fuse) else like.new_empty(weight.shape)
+def _grad_w(weight: torch.Tensor, like: torch.Tensor, fuse: bool, wgrad: bool) -> Optional[torch.Tensor]:
+    return None if not wgrad or accumulates(weight, fuse) else like.new_empty(weight.shape)
 
 
-def _main_grad(weight: torch.Tensor, fuse: bool) -> Optional[torch.Tensor]:
-    return weight.main_grad if accumulates(weight, fuse) else None
+def _main_grad(weight: torch.Tensor, fuse: bool, wgrad: bool) -> Optional[torch.Tensor]:
+    return weight.main_grad if wgrad and accumulates(weight, fuse) else None
+
+
+def _autograd_w(grad_w, weight: torch.Tensor, like: torch.Tensor, wgrad: bool):
+    """What autograd gets for the weight: the grad, Megatron's main_grad placeholder, or
+    None for a frozen weight (whose main_grad is left alone, as Megatron's frozen path does)."""
+    if not wgrad or grad_w is not None:
+        return grad_w
+    return autograd_grad(weight, like)
+
+
+def _save(ctx, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Save what the backward reads. The input feeds only the wgrad, so a frozen weight's
+    layer keeps no activation (as Megatron's frozen path), only the input's shape."""
+    ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+    ctx.save_for_backward(x if weight.requires_grad else None, weight)
+
+
+def _grad_in(ctx, weight: torch.Tensor) -> torch.Tensor:
+    return weight.new_empty(ctx.x_shape, dtype=ctx.x_dtype)
 
 
 def token_rows(t: torch.Tensor) -> int:
@@ -195,8 +227,8 @@ def token_rows(t: torch.Tensor) -> int:
     return t.numel() // t.shape[-1] if t.shape[-1] else 0
 
 
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
+def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return None if t is None else t.reshape(-1, t.shape[-1])  # (None: a frozen layer's input)
 
 
 class ColumnParallelMatmul(torch.autograd.Function):
@@ -210,7 +242,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.allreduce_dgrad = plan, tp, fuse_wgrad, allreduce_dgrad
         ctx.layouts = layouts = layouts or {}
         ctx.graphs, ctx.use_bias, ctx.audit = graphs, bias is not None, audit
-        ctx.save_for_backward(x, weight)
+        _save(ctx, x, weight)
         # the output in its final shape (no host-side view after a replay): SP gathers the sequence
         seq = x.shape[0] * (tp.world_size if plan.sequence_parallel else 1)
         out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
@@ -223,15 +255,19 @@ class ColumnParallelMatmul(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         plan, tp, fuse = ctx.plan, ctx.tp, ctx.fuse_wgrad
-        grad_in, grad_w = x.new_empty(x.shape), _grad_w(weight, grad_out, fuse)
+        need_in, wgrad, need_b = ctx.needs_input_grad[:3]
+        if not (need_in or wgrad):  # frozen weight, input without grad: only a bias trains
+            grad_b = _flat(grad_out).sum(0) if need_b else None
+            return None, None, grad_b, None, None, None, None, None, None, None
+        grad_in, grad_w = _grad_in(ctx, weight), _grad_w(weight, grad_out, fuse, wgrad)
         grad_b = grad_out.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
+        # whether the wgrad runs changes what the pass issues: part of its replay key
         _run(ctx.graphs, "bwd", tp,
              lambda: column_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, grad_b,
-                                plan, tp, ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad),
-             grad_out, x, weight, grad_in, grad_w, grad_b, _main_grad(weight, fuse),
-             static=(ctx.allreduce_dgrad,), audit=ctx.audit)
-        if grad_w is None:
-            grad_w = autograd_grad(weight, x)
+                                plan, tp, ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad, wgrad),
+             grad_out, x, weight, grad_in, grad_w, grad_b, _main_grad(weight, fuse, wgrad),
+             static=(ctx.allreduce_dgrad, wgrad), audit=ctx.audit)
+        grad_w = _autograd_w(grad_w, weight, grad_in, wgrad)
         return grad_in, grad_w, grad_b, None, None, None, None, None, None, None
 
 
@@ -243,7 +279,7 @@ class RowParallelMatmul(torch.autograd.Function):
                 layouts: dict | None = None, graphs: Graphs = None, audit=None):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs, ctx.audit = plan, tp, fuse_wgrad, graphs, audit
         ctx.layouts = layouts = layouts or {}
-        ctx.save_for_backward(x, weight)
+        _save(ctx, x, weight)
         # SP reduce-scatters the sequence (the layer's door checked that TP divides it)
         seq = x.shape[0] // (tp.world_size if plan.sequence_parallel else 1)
         out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
@@ -256,11 +292,59 @@ class RowParallelMatmul(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         plan, tp, fuse = ctx.plan, ctx.tp, ctx.fuse_wgrad
-        grad_in, grad_w = x.new_empty(x.shape), _grad_w(weight, grad_out, fuse)
+        wgrad = ctx.needs_input_grad[1]  # (the input needs its grad, or there is no backward)
+        grad_in, grad_w = _grad_in(ctx, weight), _grad_w(weight, grad_out, fuse, wgrad)
         _run(ctx.graphs, "bwd", tp,
              lambda: row_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, plan, tp,
-                             ctx.layouts.get("dgrad"), fuse),
-             grad_out, x, weight, grad_in, grad_w, _main_grad(weight, fuse), audit=ctx.audit)
-        if grad_w is None:
-            grad_w = autograd_grad(weight, x)
+                             ctx.layouts.get("dgrad"), fuse, wgrad),
+             grad_out, x, weight, grad_in, grad_w, _main_grad(weight, fuse, wgrad),
+             static=(wgrad,), audit=ctx.audit)
+        grad_w = _autograd_w(grad_w, weight, grad_in, wgrad)
         return grad_in, grad_w, None, None, None, None, None, None
+
+
+# -- the last-dim gather / split around a layer (gather_output, a row's unsplit input) ----
+def gather_last(t: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
+    """`t` concatenated over the TP ranks along its last dim (Megatron's
+    `_gather_along_last_dim`), through the transport's bounded all_gather, in a transport
+    pass of its own (`op`): it runs after the layer's pass, replayed or not, so it must
+    not take workspace that pass may still be using."""
+    tp.begin_pass(op)
+    rows = _flat(t).contiguous()
+    full = _gathered(rows, tp)
+    tp.all_gather(full, rows, op=op).wait()
+    return full.view(tp.world_size, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], -1)
+
+
+def split_last(t: torch.Tensor, tp: Transport) -> torch.Tensor:
+    """This rank's block of `t`'s last dim (Megatron's `_split_along_last_dim`)."""
+    return t.chunk(tp.world_size, dim=-1)[tp.rank].contiguous()
+
+
+class GatherLastDim(torch.autograd.Function):
+    """gather_output: forward gathers the column output's last dim, backward keeps this
+    rank's slice (Megatron's _GatherFromModelParallelRegion, with a bounded gather)."""
+
+    @staticmethod
+    def forward(ctx, t, tp: Transport, op: str):
+        ctx.tp = tp
+        return gather_last(t, tp, op)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return split_last(grad, ctx.tp), None, None
+
+
+class ScatterLastDim(torch.autograd.Function):
+    """A row layer's unsplit input (input_is_parallel=False): forward keeps this rank's
+    slice, backward gathers the grad (Megatron's _ScatterToModelParallelRegion, with a
+    bounded gather)."""
+
+    @staticmethod
+    def forward(ctx, t, tp: Transport, op: str):
+        ctx.tp, ctx.op = tp, op
+        return split_last(t, tp)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_last(grad, ctx.tp, ctx.op), None, None

@@ -3,9 +3,11 @@
 They *are* Megatron's classes (subclasses): same constructor, parameters,
 attributes, state-dict and sharded-state-dict keys, so checkpoints move freely
 between the two. Only the forward changes: the passes the layer's plan overlaps
-run through `megatron_overlap.overlap`; a layer whose plan overlaps nothing (or a
-case we leave to Megatron: frozen weights, MoE expert comm, deferred embedding
-wgrad) runs Megatron's own forward.
+run through `megatron_overlap.overlap`, frozen weights included (the backward then
+skips the wgrad), and so does `gather_output`'s gather (and, in the backward, the
+gather of a row layer's unsplit input): every wait bounded. A layer whose plan
+overlaps nothing (or a case we leave to Megatron: MoE expert comm, deferred
+embedding wgrad) runs Megatron's own forward.
 """
 
 from __future__ import annotations
@@ -16,10 +18,6 @@ from typing import Any, Optional
 
 import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (
-    gather_from_tensor_model_parallel_region,
-    scatter_to_tensor_model_parallel_region,
-)
 
 from .. import comm
 from ..config import state
@@ -27,7 +25,8 @@ from ..overlap.hierarchical import RingOrder
 from ..overlap.replay import PassGraphs
 from . import agree, checks
 from .graphs import megatron_graphs
-from .functions import ColumnParallelMatmul, RowParallelMatmul, token_rows
+from .functions import (ColumnParallelMatmul, GatherLastDim, RowParallelMatmul, ScatterLastDim,
+                        token_rows)
 from .plan import LayerPlan, build_plan, ring_order
 from .wgrad import HAVE_APEX_WGRAD
 
@@ -119,7 +118,9 @@ class _OverlapMixin:
         return layouts
 
     def _use_megatron(self, weight: torch.Tensor) -> bool:
-        fallback = (not weight.requires_grad or getattr(self, "explicit_expert_comm", False)
+        # frozen weights run our path too (the backward skips the wgrad): Megatron's frozen
+        # path would wait on its own, unbounded collectives
+        fallback = (getattr(self, "explicit_expert_comm", False)
                     or getattr(self.config, "defer_embedding_wgrad_compute", False))
         missing_apex = self.gradient_accumulation_fusion and not HAVE_APEX_WGRAD
         return (fallback or not self.overlap_plan.enabled) and not missing_apex
@@ -163,7 +164,10 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
                                f"{tuple(weight.shape)}, not "
                                f"{(self.output_size_per_partition, self.input_size)} as expected")
         checks.check_column(self, input_, w)  # before any transfer: a refusal leaves no trace
-        audit = agree.check(self, input_)  # ranks that disagree: diagnosed on all, nothing started
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        # ranks that disagree: diagnosed on all, nothing started
+        audit = agree.check(self, input_, {"weight trainable": w.requires_grad,
+                                           "gather_output": bool(gather)})
         bias = None if self.skip_bias_add else self.bias
         if checks.is_empty(input_):
             out = checks.empty_column(self, input_, w, bias)
@@ -174,9 +178,8 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
             out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
                                              self.gradient_accumulation_fusion, allreduce_dgrad,
                                              self._layouts(), self.pass_graphs, audit)
-        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
-        if gather:
-            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
+        if gather and self.transport.world_size > 1:  # bounded, unlike Megatron's gather
+            out = GatherLastDim.apply(out, self.transport, self.overlap_plan.op_name("gather_output"))
         return out, (self.bias if self.skip_bias_add else None)
 
 
@@ -195,9 +198,11 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
         if self._use_megatron(self.weight):
             return super().forward(input_)
         checks.check_row(self, input_)  # before any transfer: a refusal leaves no trace
-        audit = agree.check(self, input_)  # ranks that disagree: diagnosed on all, nothing started
-        x = input_ if self.input_is_parallel else scatter_to_tensor_model_parallel_region(
-            input_, group=self.tp_group)
+        # ranks that disagree: diagnosed on all, nothing started
+        audit = agree.check(self, input_, {"weight trainable": self.weight.requires_grad})
+        x = input_
+        if not self.input_is_parallel and self.transport.world_size > 1:  # its grad's gather bounded
+            x = ScatterLastDim.apply(input_, self.transport, self.overlap_plan.op_name("scatter_input"))
         if checks.is_empty(x):
             out = checks.empty_row(self, x)
         else:

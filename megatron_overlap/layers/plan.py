@@ -34,8 +34,9 @@ class LayerPlan:
     def op_name(self, pass_name: str) -> str:
         """What a pass is called in traces, stats and errors: its settings' name
         ('qkv_fprop'), also for a pass the plan leaves plain (which on symm still opens a
-        transport pass with a barrier that can be the one left waiting)."""
-        s = getattr(self, pass_name)
+        transport pass with a barrier that can be the one left waiting), and for the
+        layer's own extra passes ('gather_output', 'scatter_input'), which have no settings."""
+        s = getattr(self, pass_name, None)
         if s is not None:
             return s.name
         return f"{self.buffer}_{pass_name}" if self.buffer else pass_name

@@ -12,7 +12,7 @@ from helpers.faults import leave_together
 from helpers.layers import Case, build_pair
 from helpers.robust import compare, global_input, init, on
 
-WHAT = ("tokens", "settings", "no_install")
+WHAT = ("tokens", "settings", "no_install", "frozen")
 
 
 def _inject(what: str, rank: int):
@@ -53,6 +53,8 @@ def disagree_case(rank: int, world: int, what: str, device: str = "cpu") -> dict
             if rank == 1:
                 ours = ref
         ref, ours = on(device, ref, ours)
+        if what == "frozen" and rank == 1:  # its backward would skip the wgrad's transfers
+            ours.weight.requires_grad_(False)
         x = global_input(ours, rank, world, seq, 2, seed=1).requires_grad_()
         undo = _inject(what, rank)
         dist.barrier()
@@ -98,9 +100,15 @@ def check(what: str, per_rank: list, t: float, slack: float = 4.0) -> None:
             assert got["result"] == (
                 "DisagreementError: megatron_overlap: layer 'proj (row)': the TP ranks disagree, "
                 "so no transfer was started: input shape: rank 0: (4, 2, 12); rank 1: (6, 2, 12). "
-                "Give every rank of the TP group the same micro-batch shapes and the same "
-                "install() settings."), got
+                "Give every rank of the TP group the same micro-batch shapes, the same "
+                "install() settings and the same frozen weights and gather_output."), got
             assert got["after"]["same_shapes"] and got["after"]["err"] <= 1e-5, got["after"]
+        elif what == "frozen":
+            assert got["result"] == (
+                "DisagreementError: megatron_overlap: layer 'proj (row)': the TP ranks disagree, "
+                "so no transfer was started: weight trainable: rank 0: True; rank 1: False. "
+                "Give every rank of the TP group the same micro-batch shapes, the same "
+                "install() settings and the same frozen weights and gather_output."), got
         else:
             assert got["result"].startswith("DisagreementError: megatron_overlap: layer 'proj "
                                             "(row)': the TP ranks disagree"), got

@@ -181,7 +181,9 @@ def one_case(rank: int, world: int, kind: str, sp: bool, variant: str, point: st
         if rank == victim and point == "forward":
             if n["forward"] == 0:
                 fail(mode, "at the start of the forward")
-            arm(ours.transport, log, min(1, n["forward"] - 1), mode, "inside the forward")
+            # "+gather": at the gather_output's gather, the forward's last transfer
+            after = n["forward"] - 1 if "+gather" in variant else min(1, n["forward"] - 1)
+            arm(ours.transport, log, after, mode, "inside the forward")
         y, _ = ours(xi)
         dy = torch.ones_like(y)
         if rank == victim and point == "between":
@@ -248,7 +250,17 @@ def raise_cases() -> list[tuple]:
 
     return [(kind, sp, variant, p) for kind, sp, variant in KINDS[:1]
             for p in ("first_forward", "topology")] + [
-        (kind, sp, variant, point) for kind, sp, variant in KINDS for point in POINTS]
+        (kind, sp, variant, point) for kind, sp, variant in KINDS for point in POINTS] + OWN_PATH
+
+
+# Cases that once left our path for Megatron's unbounded collectives: a frozen weight's
+# backward (its dgrad's reduction, no wgrad to hide it under), gather_output's gather.
+OWN_PATH = [("column", True, "rs_dgrad_pipeline2+frozen", "backward"),
+            ("column", True, "ring+frozen", "backward"),
+            ("column", False, "ring+frozen", "backward"),
+            ("row", True, "pipeline2+frozen", "backward"),
+            ("column", False, "ring+gather", "forward"),
+            ("column", True, "ring+gather", "forward")]
 
 
 EXIT_CASES = [  # (case, victim)
@@ -263,18 +275,19 @@ EXIT_CASES = [  # (case, victim)
 def case_id(case: tuple) -> str:
     from helpers.robust import kind_id
 
-    return f"{kind_id(case[0], case[1])}-{case[3]}"
+    mods = "".join(f"-{m}" for m in case[2].split("+")[1:])
+    return f"{kind_id(case[0], case[1])}{mods}-{case[3]}"
 
 
 # What the wait that timed out is called, per transport: a torch_p2p handle's wait
 # names its peers; a symm wait is a signal from one peer, a staging barrier or the
 # barrier every symm pass starts with (so on symm every pass waits for every peer).
 _WAITED = {
-    "torch_p2p": r"'(?P<layer>qkv|proj)_(?P<pass>fprop|dgrad|wgrad)' chunk \d+ "
+    "torch_p2p": r"'(?P<layer>qkv|proj)_(?P<pass>fprop|dgrad|wgrad|gather_output)' chunk \d+ "
                  r"\((all ranks|to \d+, from \d+)\) and it failed: .*",
     "symm": r"(?:'[^']+' chunk \d+ \([^)]*\) and it failed: megatron_overlap\[symm\]: "
             r"rank \d+/\d+ waited for )?"  # the same, seen through a handle's wait()
-            r"(the barrier starting )?'(?P<layer>qkv|proj)_(?P<pass>fprop|dgrad|wgrad)' "
+            r"(the barrier starting )?'(?P<layer>qkv|proj)_(?P<pass>fprop|dgrad|wgrad|gather_output)' "
             r"(chunk \d+ from rank \d+|chunk \d+ \(staging barrier with ranks? [\d, ]+\)"
             r"|\(before chunk 0, with ranks? [\d, ]+\)) \(still pending after {t}s\)\. .*",
 }
@@ -291,7 +304,7 @@ def _survivors(per_rank: list, victim: int) -> list[tuple[int, dict]]:
 
 
 def _check_pass_error(rank: int, world: int, got: dict, kind: str, point: str,
-                      transport: str, t: float, exited: bool = False) -> None:
+                      transport: str, t: float, exited: bool = False, variant: str = "") -> None:
     """The survivor's CommError names rank, layer pass, chunk and peer(s), and the pass
     is the one the victim left. `exited`: the victim's process ended; on a transport whose
     waits are on the GPU, its host may have left a pass while its GPU work for that pass
@@ -310,7 +323,12 @@ def _check_pass_error(rank: int, world: int, got: dict, kind: str, point: str,
     fails_in_forward = point == "forward" and (transfers["forward"] > 0 or PASS_BARRIER[transport])
     if exited and PASS_BARRIER[transport] and point == "between" and m.group("pass") == "fprop":
         return  # the victim's queued forward died with it (see the docstring)
-    assert (m.group("pass") == "fprop") == fails_in_forward, (point, transfers, got["result"])
+    in_forward = m.group("pass") in ("fprop", "gather_output")
+    assert in_forward == fails_in_forward, (point, transfers, got["result"])
+    if "+frozen" in variant:  # no wgrad ran: the dgrad's reduction is named for the dgrad
+        assert m.group("pass") == "dgrad", got["result"]
+    if "+gather" in variant:  # the victim failed before the gather
+        assert m.group("pass") == "gather_output", got["result"]
 
 
 def _first_forward_error(rank: int, world: int, victim: int, t: float, what: str) -> str:
@@ -322,7 +340,7 @@ def check_raised(per_rank: list, case: tuple, transport: str, t: float, slack: f
                  victim: int = 1) -> None:
     """The victim raised (and stayed alive, silent); every other rank got its diagnosis
     from its own timeout: within t plus slack, naming what it waited for."""
-    kind, _, _, point = case
+    kind, _, variant, point = case
     assert per_rank[victim][0] == "ok", per_rank[victim]
     assert per_rank[victim][1]["result"].startswith("Injected: injected failure"), per_rank[victim]
     world = len(per_rank)
@@ -335,7 +353,7 @@ def check_raised(per_rank: list, case: tuple, transport: str, t: float, slack: f
             assert got["result"].startswith(_first_forward_error(rank, world, victim, t, what)), got
             assert "a rank without install()" in got["result"]
         else:
-            _check_pass_error(rank, world, got, kind, point, transport, t)
+            _check_pass_error(rank, world, got, kind, point, transport, t, variant=variant)
 
 
 def check_exited(per_rank: list, case: tuple, victim: int, transport: str, t: float,

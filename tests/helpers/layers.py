@@ -161,3 +161,105 @@ def run_cases(rank: int, world: int, cases: list[Case]) -> dict[str, dict[str, f
 
     init(world)
     return {case.id: compare_case(case, rank, world) for case in cases}
+
+
+# -- frozen weights and the last-dim gathers (tests/test_frozen_gather.py) ------------------
+# mode -> how both layers and the input are set up. Each runs our overlapped path, never
+# Megatron's fallback, against Megatron's own layer on the same weights.
+MODES = {
+    "frozen": {"weight": False},  # LoRA-style: the base weight frozen, the bias trains
+    "frozen_bias": {"weight": False, "bias": False},  # nothing of the layer trains
+    "frozen_no_input_grad": {"weight": False, "input_grad": False},  # only the bias (if any)
+    "gather_output": {"gather": "attribute"},  # column: gather_output=True
+    "runtime_gather": {"gather": "runtime"},  # column: forward(runtime_gather_output=True)
+    "gather_frozen": {"gather": "attribute", "weight": False},
+    "unsplit_input": {"unsplit": True},  # row: input_is_parallel=False (its grad gathered)
+}
+# (kind, sp, variant) a mode runs on: a representative subset of VARIANTS
+FROZEN_VARIANTS = [("column", True, "ring"), ("column", True, "rs_dgrad_pipeline2"),
+                   ("column", True, "rs_dgrad_ring"), ("column", True, "no_bulk_bwd"),
+                   ("column", False, "ring_aggregate"), ("row", True, "pipeline2"),
+                   ("row", True, "ring_dgrad_aggregate"), ("row", False, "ring")]
+
+
+def mode_cases() -> list[tuple[str, Case]]:
+    cases = [(m, Case(k, sp, "float32", True, False, v)) for k, sp, v in FROZEN_VARIANTS
+             for m in ("frozen", "frozen_bias", "frozen_no_input_grad")]
+    cases.append(("frozen", Case("column", True, "float32", True, True, "rs_dgrad_pipeline2")))
+    cases.append(("frozen", Case("row", False, "float32", False, False, "pipeline2")))
+    for sp in (True, False):
+        cases += [(m, Case("column", sp, "float32", True, False, "ring"))
+                  for m in ("gather_output", "runtime_gather", "gather_frozen")]
+    cases.append(("unsplit_input", Case("row", False, "float32", True, False, "pipeline2")))
+    return cases
+
+
+def mode_id(mode: str, case: Case) -> str:
+    return f"{mode}-{case.kind}-{'sp' if case.sp else 'nosp'}-{case.variant}" + (
+        "-skip_bias_add" if case.skip_bias_add else "") + ("" if case.bias else "-no_bias")
+
+
+def _run_mode(layer, x: torch.Tensor, mode: dict, seed: int) -> dict:
+    xi = x.detach().clone().requires_grad_(mode.get("input_grad", True))
+    for p in layer.parameters():
+        p.grad = None
+    kw = {"runtime_gather_output": True} if mode.get("gather") == "runtime" else {}
+    y, b = layer(xi, **kw)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed)).to(y.dtype)
+    if y.requires_grad:
+        y.backward(dy)
+    return {"output": y.detach(), "input_grad": xi.grad, "weight_grad": layer.weight.grad,
+            "bias_grad": None if layer.bias is None else layer.bias.grad, "dy": dy,
+            "y_requires_grad": y.requires_grad}
+
+
+def compare_mode(mode_name: str, case: Case, rank: int, tp: int) -> dict:
+    """Ours against Megatron's layer in `mode`: relative errors, and which grads are None.
+    The reference bias grad is Megatron's trainable-weight layer's: Megatron's frozen path
+    (LinearWithFrozenWeight) returns no grad for a bias it adds inside (a column layer
+    without skip_bias_add), so there the bias grad would not train at all."""
+    mode = MODES[mode_name]
+    overrides, flags = VARIANTS[case.kind][case.variant]
+    ref, ours = build_pair(case, tp, overrides, flags)
+    assert ours.overlap_plan.enabled, case.id
+    trained_ref = None
+    if "weight" in mode and case.bias and mode.get("bias", True):
+        trained_ref = build(case, tp, overlap=False)
+        trained_ref.load_state_dict(ref.state_dict())
+    for layer in (ref, ours, trained_ref):
+        if layer is None:
+            continue
+        layer.weight.requires_grad_(mode.get("weight", True) or layer is trained_ref)
+        if layer.bias is not None:
+            layer.bias.requires_grad_(mode.get("bias", True))
+        if mode.get("gather") == "attribute":
+            layer.gather_output = True
+        if mode.get("unsplit"):
+            layer.input_is_parallel = False
+    if mode.get("unsplit"):  # the full input, the same on every rank
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(case.seq, case.batch, ref.input_size, generator=g)
+    else:
+        x = make_input(case, rank, tp, ref, seed=5).detach()
+    ours_uses_megatron = ours._use_megatron(ours.weight)
+    a, b = _run_mode(ref, x, mode, 2), _run_mode(ours, x, mode, 2)
+    out = {"ours_uses_megatron": ours_uses_megatron, "errors": {}, "none": {}}
+    for k in ("output", "input_grad", "weight_grad", "bias_grad"):
+        out["none"][k] = (a[k] is None, b[k] is None)
+    out["y_requires_grad"] = (a["y_requires_grad"], b["y_requires_grad"])
+    ref_bias = a["bias_grad"]
+    if trained_ref is not None and mode.get("bias", True):
+        ref_bias = _run_mode(trained_ref, x, {**mode, "weight": True}, 2)["bias_grad"]
+        out["none"]["bias_grad"] = (ref_bias is None, b["bias_grad"] is None)
+    for k, ra in (("output", a["output"]), ("input_grad", a["input_grad"]),
+                  ("bias_grad", ref_bias)):
+        out["errors"][k] = rel(b[k], ra) if not (ra is None and b[k] is None) else 0.0
+    out["output_shape"] = (tuple(a["output"].shape), tuple(b["output"].shape))
+    return out
+
+
+def run_modes(rank: int, world: int, cases: list[tuple[str, Case]]) -> dict:
+    from helpers.megatron_cpu import init
+
+    init(world)
+    return {mode_id(m, c): compare_mode(m, c, rank, world) for m, c in cases}

@@ -44,9 +44,18 @@ def on(device: str, *layers):
 
 
 def pair(kind: str, sp: bool, variant: str, tp: int, device: str = "cpu"):
+    """Megatron's layer and ours; `variant` may carry modifiers: "+frozen" (weights
+    frozen), "+gather" (a column layer with gather_output=True)."""
+    variant, *mods = variant.split("+")
     case = Case(kind, sp, "float32", True, False, variant)
     overrides, flags = VARIANTS[kind][variant]
-    return on(device, *build_pair(case, tp, overrides, flags))
+    layers = on(device, *build_pair(case, tp, overrides, flags))
+    for layer in layers:
+        if "frozen" in mods:
+            layer.weight.requires_grad_(False)
+        if "gather" in mods:
+            layer.gather_output = True
+    return layers
 
 
 def width(layer) -> int:
