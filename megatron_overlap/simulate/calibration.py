@@ -37,6 +37,15 @@ class CalibrationError(ValueError):
     """A calibration file that cannot be read; names the file, the row and the field."""
 
 
+def read_json(path: str | os.PathLike[str], what: str) -> Any:
+    """A results file's JSON; one that is not JSON is a CalibrationError naming it."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            return json.load(f)
+        except ValueError as e:
+            raise CalibrationError(f"{what} file {os.fspath(path)!r}: not valid JSON: {e}") from None
+
+
 _MISSING = object()
 
 
@@ -102,12 +111,7 @@ class Calibration:
     def load(cls, path: str | os.PathLike[str]) -> "Calibration":
         """Read a compute_side.py JSON ({"meta", "rows", ...}); single-stream rows only.
         A file that is not such a JSON is a CalibrationError naming the file, row and field."""
-        where = os.fspath(path)
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except ValueError as e:
-                raise CalibrationError(f"calibration file {where!r}: not valid JSON: {e}") from None
+        where, data = os.fspath(path), read_json(path, "calibration")
         rows = data.get("rows") if isinstance(data, dict) else data
         if not isinstance(rows, list):
             raise CalibrationError(f"calibration file {where!r}: expected a list of rows or an "

@@ -63,7 +63,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .calibration import CalibrationError
+from .calibration import CalibrationError, read_json
 
 MODES = {"eager": "eager", "graph": "replay"}  # the model's launch mode -> the file's rows
 DIRECTION = {"fprop": "fwd", "dgrad": "bwd", "wgrad": "bwd"}
@@ -120,12 +120,7 @@ class HostTime:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "HostTime":
         """Read a host_time.py JSON; a CalibrationError names the file and what is wrong."""
-        where = os.fspath(path)
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except ValueError as e:
-                raise CalibrationError(f"host-time file {where!r}: not valid JSON: {e}") from None
+        where, data = os.fspath(path), read_json(path, "host-time")
         rows = data.get("rows") if isinstance(data, dict) else None
         if not isinstance(rows, list) or not rows:
             raise CalibrationError(f"host-time file {where!r}: expected an object with 'rows' "
