@@ -94,7 +94,7 @@ def test_one_rank_refused_alone_leaves_no_trace(kind, sp):
 
 
 # -- reduction accuracy ----------------------------------------------------------------------
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_symm_bf16_reduce_scatter_is_within_the_fp32_accumulate_bound(world, capsys):
     """symm's reduce-scatter of bf16 partials against the fp64 sum: every element
     within the bound of an fp32 accumulation rounded once (which a bf16 sum in rank
