@@ -117,13 +117,19 @@ class _OverlapMixin:
             layouts = self.__dict__["_layouts_made"] = {p: o.nodes for p, o in self.ring_orders.items()}
         return layouts
 
-    def _use_megatron(self, weight: torch.Tensor) -> bool:
-        # frozen weights run our path too (the backward skips the wgrad): Megatron's frozen
-        # path would wait on its own, unbounded collectives
-        fallback = (getattr(self, "explicit_expert_comm", False)
-                    or getattr(self.config, "defer_embedding_wgrad_compute", False))
-        missing_apex = self.gradient_accumulation_fusion and not HAVE_APEX_WGRAD
-        return (fallback or not self.overlap_plan.enabled) and not missing_apex
+    def _use_megatron(self) -> bool:
+        """Whether this layer runs Megatron's own forward; fixed at construction, so worked
+        out at the first call (every call asks). Frozen weights run our path too (the
+        backward skips the wgrad): Megatron's frozen path would wait on its own, unbounded
+        collectives."""
+        use = self.__dict__.get("_megatron_forward")
+        if use is None:
+            fallback = (getattr(self, "explicit_expert_comm", False)
+                        or getattr(self.config, "defer_embedding_wgrad_compute", False))
+            missing_apex = self.gradient_accumulation_fusion and not HAVE_APEX_WGRAD
+            use = (fallback or not self.overlap_plan.enabled) and not missing_apex
+            self.__dict__["_megatron_forward"] = use
+        return use
 
     def _note_tokens(self, x: torch.Tensor, full: bool) -> None:
         tokens = token_rows(x) * (1 if full else self.transport.world_size)
@@ -157,7 +163,7 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None):
         w = self.weight if weight is None else weight
-        if w is None or self._use_megatron(w):
+        if w is None or self._use_megatron():
             return super().forward(input_, weight, runtime_gather_output)
         if weight is not None and weight.shape != (self.output_size_per_partition, self.input_size):
             raise RuntimeError(f"{self.overlap_plan.layer}: supplied weight's shape is "
@@ -173,8 +179,11 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
             out = checks.empty_column(self, input_, w, bias)
         else:
             self._note_tokens(input_, full=not self.sequence_parallel)
-            allreduce_dgrad = (self.transport.world_size > 1 and not self.sequence_parallel
-                               and not getattr(self, "disable_grad_reduce", False))
+            allreduce_dgrad = self.__dict__.get("_allreduce_dgrad")
+            if allreduce_dgrad is None:  # fixed at construction: worked out at the first call
+                allreduce_dgrad = self.__dict__["_allreduce_dgrad"] = (
+                    self.transport.world_size > 1 and not self.sequence_parallel
+                    and not getattr(self, "disable_grad_reduce", False))
             out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
                                              self.gradient_accumulation_fusion, allreduce_dgrad,
                                              self._layouts(), self.pass_graphs, audit)
@@ -195,11 +204,12 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
         self._setup_overlap("row", tp_comm_buffer_name, is_expert, name, fuse)
 
     def forward(self, input_: torch.Tensor):
-        if self._use_megatron(self.weight):
+        if self._use_megatron():
             return super().forward(input_)
+        w = self.weight
         checks.check_row(self, input_)  # before any transfer: a refusal leaves no trace
         # ranks that disagree: diagnosed on all, nothing started
-        audit = agree.check(self, input_, {"weight trainable": self.weight.requires_grad})
+        audit = agree.check(self, input_, {"weight trainable": w.requires_grad})
         x = input_
         if not self.input_is_parallel and self.transport.world_size > 1:  # its grad's gather bounded
             x = ScatterLastDim.apply(input_, self.transport, self.overlap_plan.op_name("scatter_input"))
@@ -207,7 +217,7 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
             out = checks.empty_row(self, x)
         else:
             self._note_tokens(input_, full=True)
-            out = RowParallelMatmul.apply(x, self.weight, self.overlap_plan, self.transport,
+            out = RowParallelMatmul.apply(x, w, self.overlap_plan, self.transport,
                                           self.gradient_accumulation_fusion, self._layouts(), self.pass_graphs,
                                           audit)
         if self.skip_bias_add:

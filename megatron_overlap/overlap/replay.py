@@ -125,7 +125,7 @@ class PassGraphs:
         if self.failed is not None or not self._usable(tp, tensors):
             body()
             return
-        key = _signature(tp, tensors) + static
+        key = self._key(tp, tensors, static)
         entry = self._graphs.get(key)
         if entry is None:
             seen = self._seen.pop(key, 0) + 1
@@ -158,6 +158,10 @@ class PassGraphs:
         if entry.events and trace.active():
             for ev in entry.events:
                 trace.record(ev.kind, ev.op, ev.chunk, ev.via)
+
+    def _key(self, tp: Transport, tensors, static: tuple) -> tuple:
+        """What a graph is valid for (the module docstring's list)."""
+        return _signature(tp, tensors) + static
 
     def _usable(self, tp: Transport, tensors) -> bool:
         return (tp.replayable and enabled() and self.off is None
