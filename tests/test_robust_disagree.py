@@ -78,3 +78,17 @@ def test_a_pass_that_never_opens_its_transport_pass_is_named():
                                             r"called begin_pass\(\)"):
         audit.run("fprop", NullTransport(2), lambda: None)
     assert audit.todo == {"fprop", "bwd"}  # nothing was checked off
+
+
+def test_a_new_mode_on_a_replayed_shape_is_audited_eagerly():
+    """Same shape, passes already replayed, then gather_output and a frozen weight: each new
+    mode's audit runs its passes eagerly (a replay would record no begin_pass: before the
+    fix, a ContractError on every rank). The forward's output is unchanged by freezing."""
+    from helpers import dist
+    from helpers.disagree import new_mode_after_replays
+
+    for calls in dist.run(new_mode_after_replays, 2, timeout=180):
+        assert all(c.startswith("ok ") for c in calls[:-1]), calls
+        plain, gathered, frozen = calls[2], calls[3], calls[4]
+        assert frozen == plain and gathered != plain, calls  # gathered: every rank's columns
+        assert calls[-1] != "replays 0", calls  # the passes were replayed before the new modes

@@ -16,9 +16,11 @@ same bounded exchange (the fingerprint goes before the pass, when the sequence
 is not known yet). Ranks whose sequences differ would lay their workspaces out
 differently (on symm / nvshmem a peer then writes into the wrong place): every
 rank raises `WorkspaceMismatchError` naming the pass, the ranks and the first
-call that differs. That first run is always eager (a new shape is a new replay
-signature, captured only at its second sighting), so every rank reaches the
-check; later calls, replayed or not, carry no recording and no exchange.
+call that differs. That first run is always eager (layers.functions runs an audited
+pass outside its graphs: a replay would make no host-side calls to record, and a shape
+seen before may come back in a new mode, a frozen weight or gather_output, with its
+graph already captured), so every rank reaches the check; later calls, replayed or
+not, carry no recording and no exchange.
 """
 
 from __future__ import annotations

@@ -59,7 +59,10 @@ def _run(graphs: Graphs, key: str, tp: Transport, body, *tensors, static: tuple 
     """Run pass `key` eagerly or as a replay; through `audit` (an `agree.PassAudit`,
     None in steady state) on its first run for a new shape."""
     if audit is not None and key in audit.todo:
-        audit.run(key, tp, lambda: _run(graphs, key, tp, body, *tensors, static=static))
+        # always eager under the audit: it must see the pass's begin_pass / workspace calls on
+        # every rank, and a replay makes none on the host (a shape seen before, with a new
+        # frozen-weight or gather_output mode, gets a new audit while its graph exists)
+        audit.run(key, tp, body)
     elif graphs is None or key not in graphs:
         body()
     else:

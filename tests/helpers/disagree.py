@@ -159,3 +159,47 @@ def _variant(kind: str, variant: str):
     from helpers.layers import VARIANTS
 
     return VARIANTS[kind][variant]
+
+
+def new_mode_after_replays(rank: int, world: int) -> list[str]:
+    """A column layer (SP, ring) whose passes are replayed (a stand-in graph: the tensors
+    keep their addresses, as in steady state), then called with the same shape in a new
+    mode (gather_output, then a frozen weight): the new mode's agreement audit must run
+    its passes eagerly, not as the replay of the graph already captured (which makes no
+    host-side calls to record). Per call: 'ok <output checksum>' or the error."""
+    import megatron_overlap
+    from helpers.layers import VARIANTS, build, make_input
+    from megatron_overlap.overlap import replay
+
+    init(world, "cpu")
+
+    class _NoGraph:
+        def replay(self) -> None:
+            pass
+
+    saved = {k: getattr(replay.PassGraphs, k) for k in ("_usable", "_key", "_capture")}
+    replay.PassGraphs._usable = lambda self, tp, tensors: True
+    replay.PassGraphs._key = lambda self, tp, tensors, static: static
+    replay.PassGraphs._capture = lambda self, tp, body: (body(), replay._Graph(_NoGraph(), (), (), ""))[1]
+    out = []
+    try:
+        case = Case("column", True, "float32", True, False, "ring")
+        ub, flags = VARIANTS["column"]["ring"]
+        megatron_overlap.install(ub_cfgs=ub)
+        layer = build(case, world, True, flags=flags)
+        x = make_input(case, rank, world, layer)
+        for mode in ("", "", "", "gather_output", "frozen"):
+            if mode == "frozen":
+                layer.weight.requires_grad_(False)
+            try:
+                y = layer(x, runtime_gather_output=True)[0] if mode == "gather_output" else layer(x)[0]
+                out.append(f"ok {float(y.detach().double().sum()):.6e}")
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out.append(f"{type(e).__name__}: {e}")
+        out.append(f"replays {sum(g.replays for g in layer.pass_graphs.values())}")
+        return out
+    finally:
+        for k, v in saved.items():
+            setattr(replay.PassGraphs, k, v)
+        megatron_overlap.uninstall()
+        leave_together(rank, world)
