@@ -62,7 +62,8 @@ def _run(graphs: Graphs, key: str, tp: Transport, body, *tensors, static: tuple 
         # always eager under the audit: it must see the pass's begin_pass / workspace calls on
         # every rank, and a replay makes none on the host (a shape seen before, with a new
         # frozen-weight or gather_output mode, gets a new audit while its graph exists)
-        audit.run(key, tp, body)
+        audit.run(key, tp, body if graphs is None or key not in graphs else
+                  lambda: graphs[key].run_eagerly(tp, body, tensors, static))
     elif graphs is None or key not in graphs:
         body()
     else:

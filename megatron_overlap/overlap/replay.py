@@ -128,11 +128,7 @@ class PassGraphs:
         key = self._key(tp, tensors, static)
         entry = self._graphs.get(key)
         if entry is None:
-            seen = self._seen.pop(key, 0) + 1
-            if seen < self.capture_after:
-                self._seen[key] = seen
-                while len(self._seen) > 4 * self.max_graphs:
-                    self._seen.popitem(last=False)
+            if self._sighted(key) < self.capture_after:
                 body()
                 return
             try:
@@ -158,6 +154,26 @@ class PassGraphs:
         if entry.events and trace.active():
             for ev in entry.events:
                 trace.record(ev.kind, ev.op, ev.chunk, ev.via)
+
+    def run_eagerly(self, tp: Transport, body: Callable[[], None],
+                    tensors: Sequence[Optional[torch.Tensor]], static: tuple = ()) -> None:
+        """Run `body` eagerly whatever is captured, counting it as a sighting of its
+        signature (a pass whose host-side calls must be seen: `layers.agree`'s audit)."""
+        if self.failed is None and self._usable(tp, tensors):
+            key = self._key(tp, tensors, static)
+            if key not in self._graphs:
+                self._sighted(key, keep=True)
+        body()
+
+    def _sighted(self, key: tuple, keep: bool = False) -> int:
+        """Count one more sighting of `key` and return the count; it is remembered (oldest
+        forgotten first) while under `capture_after`, or with `keep`."""
+        seen = self._seen.pop(key, 0) + 1
+        if keep or seen < self.capture_after:
+            self._seen[key] = seen
+            while len(self._seen) > 4 * self.max_graphs:
+                self._seen.popitem(last=False)
+        return seen
 
     def _key(self, tp: Transport, tensors, static: tuple) -> tuple:
         """What a graph is valid for (the module docstring's list)."""
