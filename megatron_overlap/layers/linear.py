@@ -13,6 +13,7 @@ embedding wgrad) runs Megatron's own forward.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import Any, Optional
 
@@ -109,27 +110,22 @@ class _OverlapMixin:
                      + f"; transport per peer: {comm.describe_peers(tp)}")
         return self._orders
 
+    @functools.cached_property
     def _layouts(self) -> dict[str, Any]:
         """Per pass: the hierarchical ring layout (ranks per node), or None (flat); made
-        once (the ring orders are fixed at the first forward), as every call asks."""
-        layouts = self.__dict__.get("_layouts_made")
-        if layouts is None:
-            layouts = self.__dict__["_layouts_made"] = {p: o.nodes for p, o in self.ring_orders.items()}
-        return layouts
+        at the first forward (when the ring orders are fixed), kept for every call after."""
+        return {p: o.nodes for p, o in self.ring_orders.items()}
 
+    @functools.cached_property
     def _use_megatron(self) -> bool:
         """Whether this layer runs Megatron's own forward; fixed at construction, so worked
-        out at the first call (every call asks). Frozen weights run our path too (the
-        backward skips the wgrad): Megatron's frozen path would wait on its own, unbounded
+        out at the first call and kept. Frozen weights run our path too (the backward
+        skips the wgrad): Megatron's frozen path would wait on its own, unbounded
         collectives."""
-        use = self.__dict__.get("_megatron_forward")
-        if use is None:
-            fallback = (getattr(self, "explicit_expert_comm", False)
-                        or getattr(self.config, "defer_embedding_wgrad_compute", False))
-            missing_apex = self.gradient_accumulation_fusion and not HAVE_APEX_WGRAD
-            use = (fallback or not self.overlap_plan.enabled) and not missing_apex
-            self.__dict__["_megatron_forward"] = use
-        return use
+        fallback = (getattr(self, "explicit_expert_comm", False)
+                    or getattr(self.config, "defer_embedding_wgrad_compute", False))
+        missing_apex = self.gradient_accumulation_fusion and not HAVE_APEX_WGRAD
+        return (fallback or not self.overlap_plan.enabled) and not missing_apex
 
     def _note_tokens(self, x: torch.Tensor, full: bool) -> None:
         tokens = token_rows(x) * (1 if full else self.transport.world_size)
@@ -160,10 +156,16 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
                              tp_comm_buffer_name=tp_comm_buffer_name, is_expert=is_expert, **kwargs)
         self._setup_overlap("column", tp_comm_buffer_name, is_expert, name, fuse)
 
+    @functools.cached_property
+    def _allreduce_dgrad(self) -> bool:
+        """Without SP the input grad is all-reduced (fixed at construction; asked per call)."""
+        return (self.transport.world_size > 1 and not self.sequence_parallel
+                and not getattr(self, "disable_grad_reduce", False))
+
     def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
                 runtime_gather_output: Optional[bool] = None):
         w = self.weight if weight is None else weight
-        if w is None or self._use_megatron():
+        if w is None or self._use_megatron:
             return super().forward(input_, weight, runtime_gather_output)
         if weight is not None and weight.shape != (self.output_size_per_partition, self.input_size):
             raise RuntimeError(f"{self.overlap_plan.layer}: supplied weight's shape is "
@@ -179,14 +181,9 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
             out = checks.empty_column(self, input_, w, bias)
         else:
             self._note_tokens(input_, full=not self.sequence_parallel)
-            allreduce_dgrad = self.__dict__.get("_allreduce_dgrad")
-            if allreduce_dgrad is None:  # fixed at construction: worked out at the first call
-                allreduce_dgrad = self.__dict__["_allreduce_dgrad"] = (
-                    self.transport.world_size > 1 and not self.sequence_parallel
-                    and not getattr(self, "disable_grad_reduce", False))
             out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
-                                             self.gradient_accumulation_fusion, allreduce_dgrad,
-                                             self._layouts(), self.pass_graphs, audit)
+                                             self.gradient_accumulation_fusion, self._allreduce_dgrad,
+                                             self._layouts, self.pass_graphs, audit)
         if gather and self.transport.world_size > 1:  # bounded, unlike Megatron's gather
             out = GatherLastDim.apply(out, self.transport, self.overlap_plan.op_name("gather_output"))
         return out, (self.bias if self.skip_bias_add else None)
@@ -204,7 +201,7 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
         self._setup_overlap("row", tp_comm_buffer_name, is_expert, name, fuse)
 
     def forward(self, input_: torch.Tensor):
-        if self._use_megatron():
+        if self._use_megatron:
             return super().forward(input_)
         w = self.weight
         checks.check_row(self, input_)  # before any transfer: a refusal leaves no trace
@@ -218,7 +215,7 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
         else:
             self._note_tokens(input_, full=True)
             out = RowParallelMatmul.apply(x, w, self.overlap_plan, self.transport,
-                                          self.gradient_accumulation_fusion, self._layouts(), self.pass_graphs,
+                                          self.gradient_accumulation_fusion, self._layouts, self.pass_graphs,
                                           audit)
         if self.skip_bias_add:
             return out, self.bias

@@ -241,7 +241,7 @@ def compare_mode(mode_name: str, case: Case, rank: int, tp: int) -> dict:
         x = torch.randn(case.seq, case.batch, ref.input_size, generator=g)
     else:
         x = make_input(case, rank, tp, ref, seed=5).detach()
-    ours_uses_megatron = ours._use_megatron()
+    ours_uses_megatron = ours._use_megatron
     a, b = _run_mode(ref, x, mode, 2), _run_mode(ours, x, mode, 2)
     out = {"ours_uses_megatron": ours_uses_megatron, "errors": {}, "none": {}}
     for k in ("output", "input_grad", "weight_grad", "bias_grad"):
