@@ -417,6 +417,50 @@ def _us(v: float | None, width: int) -> str:
     return f"{v:{width}.0f}" if v is not None else f"{'-':>{width}s}"
 
 
+def report(meta: dict, rows: list) -> None:
+    """Print the tables of one run (`meta`, `rows` as the --out file holds them)."""
+    backend = meta["backend"]
+    print(f"{meta['device']}  torch {meta['torch']}  backend {backend}  hidden {meta['hidden']}  "
+          f"{meta['tokens']} tokens  {meta['dtype']}; host µs per call, median")
+    print(f"{'TP':>3s} {'layer':6s} {'mode':7s} {'fwd':>7s} {'bwd':>7s} {'fwd b2b':>8s} "
+          f"{'bwd b2b':>8s} {'fwd stg':>8s} {'bwd stg':>8s}  (first call: device drained before "
+          "it; b2b: back to back, all ranks at once; stg: back to back, one rank at a time)")
+    for r in rows:
+        for mode in ("eager", "replay"):
+            for name, v in r[mode].items():
+                print(f"{r['tp']:3d} {name:6s} {mode:7s} {_us(v['fwd_us'], 7)} {_us(v['bwd_us'], 7)} "
+                      f"{_us(v['fwd_b2b_us'], 8)} {_us(v['bwd_b2b_us'], 8)} "
+                      f"{_us(v.get('fwd_staggered_us'), 8)} {_us(v.get('bwd_staggered_us'), 8)}  "
+                      f"replays {v.get('replays')}")
+        for name, v in r.get("null", {}).items():
+            print(f"{r['tp']:3d} null {name}: drained {v['drained_us']:.0f}, b2b {v['b2b_us']:.0f}")
+    print("\none transformer layer's four TP linears in their dataflow, one backward for all "
+          "four; host µs per linear call, back to back (concurrent: all ranks at once; "
+          "staggered: one rank at a time); megatron: Megatron's own linears, no communication")
+    print(f"{'TP':>3s} {'arm':9s} {'fwd conc':>9s} {'bwd conc':>9s} {'fwd stg':>8s} {'bwd stg':>8s}")
+    for r in rows:
+        for mode in ("eager", "replay", "megatron"):
+            c = r.get(f"chain_{mode}")
+            if c is None:  # runs before the chain existed
+                continue
+            print(f"{r['tp']:3d} {mode:9s} {_us(c['concurrent']['fwd_us'], 9)} "
+                  f"{_us(c['concurrent']['bwd_us'], 9)} {_us(c['staggered']['fwd_us'], 8)} "
+                  f"{_us(c['staggered']['bwd_us'], 8)}")
+    for r in rows:
+        for mode in ("eager", "replay"):
+            for name, v in r[mode].items():
+                for p in ("fwd", "bwd"):
+                    if f"{p}_parts_us" in v:
+                        parts = ", ".join(f"{k} {u:.0f}" for k, u in v[f"{p}_parts_us"].items()
+                                          if u >= 1)
+                        print(f"TP={r['tp']} {name} {mode} {p} (cProfile µs/call): {parts}")
+                        if name == "fc1":
+                            print("    top own time (µs, calls): " + "; ".join(
+                                f"{n} {u} x{c}" for n, u, c in v[f"{p}_top"][:10]))
+        if "primitives_us" in r:
+            print("primitives (µs): " + ", ".join(f"{k} {v:.1f}" for k, v in r["primitives_us"].items()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
@@ -431,7 +475,14 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a functional run only (no host time worth reporting: no GPU launches)")
     ap.add_argument("--out", default="benchmarks/results/host_time.json")
+    ap.add_argument("--report", metavar="JSON", help="print the tables of an earlier run's --out file "
+                    "(also one cut short: it holds every TP that finished) and exit")
     args = ap.parse_args()
+    if args.report:
+        with open(args.report) as f:
+            doc = json.load(f)
+        report(doc["meta"], doc["rows"])
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("host_time.py needs a CUDA GPU (host time of GPU launches); "
                          "--device cpu runs it for function only")
@@ -452,43 +503,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
         print(f"TP={tp} done in {time.perf_counter() - t0:.0f} s -> {args.out}", flush=True)
-    print(f"{meta['device']}  torch {meta['torch']}  backend {args.backend}  hidden {args.hidden}  "
-          f"{args.tokens} tokens  {args.dtype}; host µs per call, median")
-    print(f"{'TP':>3s} {'layer':6s} {'mode':7s} {'fwd':>7s} {'bwd':>7s} {'fwd b2b':>8s} "
-          f"{'bwd b2b':>8s} {'fwd stg':>8s} {'bwd stg':>8s}  (first call: device drained before "
-          "it; b2b: back to back, all ranks at once; stg: back to back, one rank at a time)")
-    for r in rows:
-        for mode in ("eager", "replay"):
-            for name, v in r[mode].items():
-                print(f"{r['tp']:3d} {name:6s} {mode:7s} {_us(v['fwd_us'], 7)} {_us(v['bwd_us'], 7)} "
-                      f"{_us(v['fwd_b2b_us'], 8)} {_us(v['bwd_b2b_us'], 8)} "
-                      f"{_us(v['fwd_staggered_us'], 8)} {_us(v['bwd_staggered_us'], 8)}  "
-                      f"replays {v.get('replays')}")
-        for name, v in r["null"].items():
-            print(f"{r['tp']:3d} null {name}: drained {v['drained_us']:.0f}, b2b {v['b2b_us']:.0f}")
-    print("\none transformer layer's four TP linears in their dataflow, one backward for all "
-          "four; host µs per linear call, back to back (concurrent: all ranks at once; "
-          "staggered: one rank at a time); megatron: Megatron's own linears, no communication")
-    print(f"{'TP':>3s} {'arm':9s} {'fwd conc':>9s} {'bwd conc':>9s} {'fwd stg':>8s} {'bwd stg':>8s}")
-    for r in rows:
-        for mode in ("eager", "replay", "megatron"):
-            c = r[f"chain_{mode}"]
-            print(f"{r['tp']:3d} {mode:9s} {_us(c['concurrent']['fwd_us'], 9)} "
-                  f"{_us(c['concurrent']['bwd_us'], 9)} {_us(c['staggered']['fwd_us'], 8)} "
-                  f"{_us(c['staggered']['bwd_us'], 8)}")
-    for r in rows:
-        for mode in ("eager", "replay"):
-            for name, v in r[mode].items():
-                for p in ("fwd", "bwd"):
-                    if f"{p}_parts_us" in v:
-                        parts = ", ".join(f"{k} {u:.0f}" for k, u in v[f"{p}_parts_us"].items()
-                                          if u >= 1)
-                        print(f"TP={r['tp']} {name} {mode} {p} (cProfile µs/call): {parts}")
-                        if name == "fc1":
-                            print("    top own time (µs, calls): " + "; ".join(
-                                f"{n} {u} x{c}" for n, u, c in v[f"{p}_top"][:10]))
-        if "primitives_us" in r:
-            print("primitives (µs): " + ", ".join(f"{k} {v:.1f}" for k, v in r["primitives_us"].items()))
+    report(meta, rows)
     print(f"full results: {args.out}")
 
 

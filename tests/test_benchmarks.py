@@ -161,6 +161,14 @@ def test_host_time_cpu(tmp_path):
     for arm in ("chain_eager", "chain_replay", "chain_megatron"):
         assert row[arm]["concurrent"]["fwd_us"] > 0 and row[arm]["concurrent"]["bwd_us"] > 0
     assert row["chain_megatron"]["staggered"]["bwd_us"] > 0  # no communication: turns work
+    # --report prints the tables of that file again (a run cut short keeps its finished TPs)
+    shown = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_time.py"),
+                            "--report", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    table = [ln.split() for ln in shown.stdout.splitlines()]
+    fc2 = next(ln for ln in table if ln[:3] == ["2", "fc2", "replay"])
+    assert float(fc2[3]) == round(row["replay"]["fc2"]["fwd_us"])
+    assert any(ln[:2] == ["2", "megatron"] for ln in table)
 
 
 def test_tune_check_times_the_tuners_picks_cpu(tmp_path):
