@@ -309,7 +309,9 @@ def _check_pass_error(rank: int, world: int, got: dict, kind: str, point: str,
     is the one the victim left. `exited`: the victim's process ended; on a transport whose
     waits are on the GPU, its host may have left a pass while its GPU work for that pass
     was still queued, which dies with the process: the survivor is then truly stuck in
-    that earlier pass (the forward, when the victim ended between the passes), and its
+    that earlier pass (the forward, when the victim ended between the passes or inside
+    its backward's host side: on the H200, column + SP, the victim's host had started 3
+    backward transfers while its forward's chunk 1 signal was still queued), and its
     diagnosis names that one."""
     transfers = got["transfers"]
     if point != "forward" and transfers["backward"] == 0 and not PASS_BARRIER[transport]:
@@ -321,7 +323,8 @@ def _check_pass_error(rank: int, world: int, got: dict, kind: str, point: str,
     assert m, got["result"]
     assert m.group("layer") == ("qkv" if kind == "column" else "proj")
     fails_in_forward = point == "forward" and (transfers["forward"] > 0 or PASS_BARRIER[transport])
-    if exited and PASS_BARRIER[transport] and point == "between" and m.group("pass") == "fprop":
+    if exited and PASS_BARRIER[transport] and point in ("between", "backward") \
+            and m.group("pass") == "fprop":
         return  # the victim's queued forward died with it (see the docstring)
     in_forward = m.group("pass") in ("fprop", "gather_output")
     assert in_forward == fails_in_forward, (point, transfers, got["result"])
