@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import faulthandler
 import json
 import os
 import pstats
@@ -133,6 +134,19 @@ def _four_linears(config, hidden: int, split: int, device: torch.device, **kw) -
     return out
 
 
+_stage_s = 0.0  # --stage-timeout, in each rank
+
+
+def _stage(what: str) -> None:
+    """A stage starts: rank 0 says which (a run cut short shows how far it got), and a
+    stage that outlasts --stage-timeout dumps every thread's stack on every rank and
+    ends the ranks (a hang then says where it is, and the next TP still runs)."""
+    if dist.is_initialized() and dist.get_rank() == 0:
+        print(f"  TP={dist.get_world_size()} {what}", flush=True)
+    if _stage_s > 0:
+        faulthandler.dump_traceback_later(_stage_s, exit=True)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -200,6 +214,7 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
         out_rows = tokens if kind == "column" else tokens // tp
         x = torch.randn(rows, 1, k_in, device=device, dtype=dtype, requires_grad=True)
         g = torch.randn(out_rows, 1, n_out, device=device, dtype=dtype)
+        _stage(f"{'replayed' if replayed else 'eager'} {name}: warm-up, first calls")
         for _ in range(3):  # warm-up: buffers sized, kernels chosen, graphs captured
             layer(x)[0].backward(g)
         fwd, bwd = [], []
@@ -213,10 +228,12 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
             y.backward(g)
             bwd.append((time.perf_counter() - t0) * 1e6)
         _drained(device)
+        _stage(f"{'replayed' if replayed else 'eager'} {name}: back to back")
         f_b2b, b_b2b = _b2b(lambda: layer(x)[0], lambda y: y.backward(g), inner)
         _sync(device)
         f_st, b_st = [], []
         if replayed and _waits_on_device(layer):  # see _turns: replays only
+            _stage(f"replayed {name}: staggered turns")
             f_st, b_st = _turns(lambda: _b2b(lambda: layer(x)[0], lambda y: y.backward(g), inner),
                                 device)
         med = _median
@@ -285,6 +302,8 @@ def time_chain(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, i
     from megatron_overlap.overlap import replay
 
     fwd, bwd = chain(layers, tokens, tp, hidden, dtype, device)
+    _stage(f"chain ({'megatron' if not hasattr(layers['qkv'], 'overlap_plan') else 'ours'}, "
+           f"replay {'on' if replay.enabled() else 'off'}, {'staggered' if staggered else 'concurrent'})")
     for _ in range(3):
         bwd(fwd())
     _drained(device)
@@ -376,6 +395,8 @@ def _rank(rank: int, world: int, args) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    global _stage_s
+    _stage_s = args.stage_timeout
     layout = plan_layout(world, args.device)
     device = init_dist(layout, rank)
     if device.type == "cpu":  # megatron-core on CPU: the test suite's shims (never in the library)
@@ -388,6 +409,7 @@ def _rank(rank: int, world: int, args) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
         model_parallel_cuda_manual_seed(0)
     dtype = getattr(torch, args.dtype)
+    _stage("build")
     layers = build(world, args.hidden, dtype, device, args.backend)
     row = dict(tp=world, layout=layout.note)
     for mode, replayed in (("eager", False), ("replay", True)):
@@ -395,6 +417,7 @@ def _rank(rank: int, world: int, args) -> None:
                                 args.inner, args.profile, replayed)
     from megatron_overlap.overlap import replay
 
+    _stage("Megatron's linears on one-rank groups")
     mcore = megatron_layers(world, args.hidden, dtype, device)
     for mode, replayed, chain_of in (("eager", False, layers), ("replay", True, layers),
                                      ("megatron", False, mcore)):
@@ -402,6 +425,7 @@ def _rank(rank: int, world: int, args) -> None:
         row[f"chain_{mode}"] = {how: time_chain(chain_of, args.tokens, world, args.hidden, dtype,
                                                 device, args.inner, how == "staggered")
                                 for how in ("concurrent", "staggered")}
+    _stage("null schedules, primitives (rank 0)")
     if rank == 0:
         row["null"] = (time_null(args.tokens, world, args.hidden, dtype, device, args.reps)
                        if device.type == "cuda" else {})
@@ -410,6 +434,7 @@ def _rank(rank: int, world: int, args) -> None:
         with open(args.out + f".tp{world}", "w") as f:
             json.dump(row, f)
     dist.barrier()
+    faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
 
 
@@ -475,6 +500,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
                     help="cpu: a functional run only (no host time worth reporting: no GPU launches)")
     ap.add_argument("--out", default="benchmarks/results/host_time.json")
+    ap.add_argument("--stage-timeout", type=float, default=180.0, metavar="S",
+                    help="a stage (one layer's calls of one kind, a chain, ...) that takes longer "
+                    "dumps every rank's stack and ends that TP's run; the next TP still runs "
+                    "(0: never)")
     ap.add_argument("--report", metavar="JSON", help="print the tables of an earlier run's --out file "
                     "(also one cut short: it holds every TP that finished) and exit")
     args = ap.parse_args()
@@ -496,7 +525,12 @@ def main() -> None:
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for tp in args.tp:  # each TP's rows written as soon as they are in: a run cut short keeps them
         t0 = time.perf_counter()
-        launch(_rank, tp, args, device=args.device)
+        try:
+            launch(_rank, tp, args, device=args.device)
+        except Exception as exc:  # a rank failed or hit --stage-timeout: its stacks are above
+            print(f"TP={tp} FAILED after {time.perf_counter() - t0:.0f} s: {type(exc).__name__}: "
+                  f"{exc}", flush=True)
+            continue
         with open(args.out + f".tp{tp}") as f:
             rows.append(json.load(f))
         os.remove(args.out + f".tp{tp}")

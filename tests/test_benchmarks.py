@@ -171,6 +171,23 @@ def test_host_time_cpu(tmp_path):
     assert any(ln[:2] == ["2", "megatron"] for ln in table)
 
 
+def test_host_time_a_stage_past_its_timeout_says_where_and_the_next_tp_runs(tmp_path):
+    """--stage-timeout: a stage that outlasts it dumps every rank's stack (where a hang is)
+    and ends that TP's run; the run goes on to the next TP (here every stage is too slow
+    for 10 ms: both TPs fail at their first stage, and the run itself still ends)."""
+    out = tmp_path / "host_time.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_time.py"),
+                           "--device", "cpu", "--backend", "torch_p2p", "--tp", "2", "2", "--hidden", "64",
+                           "--tokens", "64", "--reps", "1", "--inner", "1", "--dtype", "float32",
+                           "--stage-timeout", "0.01", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert proc.stdout.count("TP=2 FAILED after") == 2, proc.stdout
+    assert "  TP=2 build" in proc.stdout
+    assert "Thread 0x" in proc.stderr and "host_time.py" in proc.stderr  # the stacks
+    assert not out.exists()  # no TP finished
+
+
 def test_tune_check_times_the_tuners_picks_cpu(tmp_path):
     """benchmarks/tune_check.py rebuilds exactly the passes a tuner JSON chose (settings
     included) and times them through the layer's pass functions; on CPU: functional only."""
