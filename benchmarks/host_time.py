@@ -324,6 +324,7 @@ def time_null(tokens: int, tp: int, hidden: int, dtype, device, reps: int) -> di
     (qkv's shape), pipeline RS at 4 chunks (proj's), eager and replayed, device drained
     before each call and back to back."""
     from megatron_overlap.comm import NullTransport
+    from megatron_overlap.overlap import replay
     from megatron_overlap.overlap.pass_fn import pass_fn
     from megatron_overlap.overlap.streams import ChunkStreams
     from megatron_overlap.tune.measure import host_us
@@ -334,6 +335,7 @@ def time_null(tokens: int, tp: int, hidden: int, dtype, device, reps: int) -> di
     w_rs = torch.randn(hidden, hidden // tp, device=device, dtype=dtype)
     out = {}
     for replayed in (False, True):
+        replay.set_enabled(replayed)  # the global switch too: an earlier arm may have left it off
         null = NullTransport(tp)
         cases = {f"ring AG, {tp} chunks": pass_fn(x_ag, w_ag, null, "ag", "ring_exchange", tp,
                                                   name="qkv_fprop", streams=ChunkStreams(),
@@ -351,7 +353,8 @@ def time_null(tokens: int, tp: int, hidden: int, dtype, device, reps: int) -> di
                 b2b.append((time.perf_counter() - t0) * 1e6)
             torch.cuda.synchronize(device)
             out[f"{name} ({'replayed' if replayed else 'eager'})"] = dict(
-                drained_us=drained, b2b_us=statistics.median(b2b))
+                drained_us=drained, b2b_us=statistics.median(b2b),
+                replays=getattr(fn, "graphs", None) and fn.graphs.replays)
     return out
 
 
@@ -458,7 +461,8 @@ def report(meta: dict, rows: list) -> None:
                       f"{_us(v.get('fwd_staggered_us'), 8)} {_us(v.get('bwd_staggered_us'), 8)}  "
                       f"replays {v.get('replays')}")
         for name, v in r.get("null", {}).items():
-            print(f"{r['tp']:3d} null {name}: drained {v['drained_us']:.0f}, b2b {v['b2b_us']:.0f}")
+            print(f"{r['tp']:3d} null {name}: drained {v['drained_us']:.0f}, b2b {v['b2b_us']:.0f}"
+                  + (f", replays {v['replays']}" if v.get("replays") is not None else ""))
     print("\none transformer layer's four TP linears in their dataflow, one backward for all "
           "four; host µs per linear call, back to back (concurrent: all ranks at once; "
           "staggered: one rank at a time); megatron: Megatron's own linears, no communication")
