@@ -40,7 +40,7 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world: int, port: int, env: dict, fn: Callable, args: tuple, queue,
-           timeout: float) -> None:
+           timeout: float, received) -> None:
     # A rank still running shortly before the parent gives up prints every thread's
     # stack (even one holding the GIL): a hang comes with where it hangs.
     faulthandler.dump_traceback_later(max(timeout - 20, timeout * 0.6), exit=False)
@@ -52,6 +52,10 @@ def _entry(rank: int, world: int, port: int, env: dict, fn: Callable, args: tupl
         queue.put((rank, False, traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
+    # Tensors in a result travel as shared-memory handles (file descriptors, CUDA IPC)
+    # that the parent opens from this process when it unpickles them: stay until it has
+    # (seen: FileNotFoundError in the parent when a rank had already exited).
+    received.wait(timeout)
 
 
 def run(fn: Callable, world: int, *args: Any, env: dict | None = None, timeout: float = 240) -> list:
@@ -59,9 +63,10 @@ def run(fn: Callable, world: int, *args: Any, env: dict | None = None, timeout: 
     A rank that raises fails the call with its traceback; one that never reports
     fails it after `timeout` seconds with the ranks that did not answer."""
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
+    queue, received = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, env or {}, fn, args, queue, timeout), daemon=False)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, env or {}, fn, args, queue, timeout,
+                                              received), daemon=False)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -84,6 +89,7 @@ def run(fn: Callable, world: int, *args: Any, env: dict | None = None, timeout: 
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             results[rank] = value
     finally:
+        received.set()  # every result is unpickled (or the call failed): the ranks may go
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():

@@ -46,9 +46,10 @@ def run_ranks(fn: Callable, world: int, *args: Any, env: dict | None = None,
     """fn(rank, world, *args) on `world` processes. Per rank: ("ok", value),
     ("raised", traceback), ("exited", code) or ("killed", KILLED)."""
     ctx = _context()
-    q = ctx.Queue()
+    q, received = ctx.Queue(), ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, env or {}, fn, args, q, timeout))
+    procs = [ctx.Process(target=_entry, args=(r, world, port, env or {}, fn, args, q, timeout,
+                                              received))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -69,6 +70,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, env: dict | None = None,
                         if r not in out:
                             out[r] = ("exited", p.exitcode)
     finally:
+        received.set()  # what came is unpickled: a rank that reported may go (helpers.dist._entry)
         for r, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
