@@ -205,7 +205,7 @@ def test_good_calibration_file_still_reads(tmp_path):
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"rows": [_row(), _row(gemm_streams=2, m="ignored")]}))
     cal = Calibration.load(path)
-    assert math.isclose(cal.mono[(8192, 8192, 1280)], 300)
+    assert math.isclose(cal.mono[(8192, 8192, 1280, "NT")], 300)
 
 
 @pytest.mark.parametrize("yaml_text,says", [

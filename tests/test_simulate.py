@@ -45,7 +45,7 @@ def test_fast_links_hide_all_but_the_tail():
     lay, gemm = Layout(tp=8), GemmModel(hw)
     ag = simulate_pass(_spec(QKV8, "fprop"), _ring("qkv_fprop"), hw, lay, gemm)
     m, k, n = ag.gemm
-    assert ag.compute_only_us == pytest.approx(8 * gemm.chunk_us(m, k, n, 8, "ag_ring"))
+    assert ag.compute_only_us == pytest.approx(8 * gemm.chunk_us(m, k, n, "NT", 8, "ag_ring"))
     assert ag.overlapped_us == pytest.approx(ag.compute_only_us) and ag.exposed_us == pytest.approx(0)
 
     rs = simulate_pass(_spec(PROJ8, "fprop"), _ring("proj_fprop"), hw, lay, gemm)
@@ -56,8 +56,9 @@ def test_fast_links_hide_all_but_the_tail():
     got = simulate_pass(spec, pipe, hw, lay, gemm)
     bw = min(hw.nvlink_gbs, pipe.num_sm * hw.sm_copy_gbs) * 1e3
     last_rs = hw.nccl_latency_us + 7 * _block_bytes(spec) / 4 / bw
-    held = 4 * (gemm.chunk_us(*spec.gemm, 4, "rs_pipeline", sms=hw.sms - pipe.num_sm)
-                - gemm.chunk_us(*spec.gemm, 4, "rs_pipeline"))
+    ops = spec.gemm_layout
+    held = 4 * (gemm.chunk_us(*spec.gemm, ops, 4, "rs_pipeline", sms=hw.sms - pipe.num_sm)
+                - gemm.chunk_us(*spec.gemm, ops, 4, "rs_pipeline"))
     assert held > 0
     assert got.exposed_us == pytest.approx(last_rs + held)
 
@@ -70,7 +71,7 @@ def test_slow_links_are_comm_bound_with_the_gemm_hidden():
     spec = _spec(QKV8, "fprop")
     got = simulate_pass(spec, _ring("qkv_fprop"), hw, lay, gemm)
     step = hw.nvlink_latency_us + _block_bytes(spec) / (hw.nvlink_gbs * 1e3)
-    chunk = gemm.chunk_us(*spec.gemm, 8, "ag_ring")
+    chunk = gemm.chunk_us(*spec.gemm, spec.gemm_layout, 8, "ag_ring")
     assert got.overlapped_us == pytest.approx(7 * step + chunk)
     assert got.overlapped_us > 20 * got.compute_only_us
     # the non-overlapped path pays the GEMM, then the collective
@@ -194,13 +195,13 @@ def _calibration_file(tmp_path):
 def test_calibration_drives_gemm_times(tmp_path):
     cal = Calibration.load(_calibration_file(tmp_path))
     gemm = GemmModel(HW, cal)
-    assert gemm.mono_us(8192, 8192, 1280) == pytest.approx(300)
-    assert gemm.chunk_us(8192, 8192, 1280, 8, "ag_ring") == pytest.approx(50)  # 1-stream row
+    assert gemm.mono_us(8192, 8192, 1280, "NT") == pytest.approx(300)
+    assert gemm.chunk_us(8192, 8192, 1280, "NT", 8, "ag_ring") == pytest.approx(50)  # 1-stream row
     assert cal.eager_step_us() == pytest.approx(100)
     # the fitted roofline reproduces the one measured shape, and is used for the others
     from megatron_overlap.simulate.gemm import roofline_us
     assert roofline_us(gemm.fitted, 8192, 8192, 1280) == pytest.approx(300)
-    assert gemm.source(8192, 1280, 8192) == "roofline"
+    assert gemm.source(8192, 1280, 8192, "NT") == "roofline"
     got = simulate_pass(_spec(QKV8, "fprop"), _ring("qkv_fprop"), HW, Layout(tp=8), gemm)
     assert got.compute_only_us == pytest.approx(400)  # the measured graphed schedule
     assert got.gemm_us == pytest.approx(300) and got.gemm_source == "measured"
@@ -313,8 +314,8 @@ def test_a_schedule_change_in_overlap_is_seen_by_the_model(monkeypatch):
     finally:
         recorded.cache_clear()
     coll = Sim(HW, lay, Engine()).collective_us(_block_bytes(spec))
-    assert serial.overlapped_us == pytest.approx(coll + gemm.mono_us(*spec.gemm))
-    assert serial.compute_only_us == pytest.approx(gemm.mono_us(*spec.gemm))
+    assert serial.overlapped_us == pytest.approx(coll + gemm.mono_us(*spec.gemm, spec.gemm_layout))
+    assert serial.compute_only_us == pytest.approx(gemm.mono_us(*spec.gemm, spec.gemm_layout))
     assert ring.overlapped_us < serial.overlapped_us - 0.5 * coll
 
 

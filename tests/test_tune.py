@@ -207,7 +207,7 @@ def test_compute_side_measure_on_one_gpu():
     shape = Shape("S", "qkv", 2048, 1024, 512, 8)
     got = [measure(t) for t in trials(shape, layout)[:3]]
     assert all(r["time_ms"] > 0 and "measured" in r["source"] for r in got)
-    assert (2048, 1024, 512) in measure.calibration.mono_samples
+    assert (2048, 1024, 512, "NT") in measure.calibration.mono_samples
 
 
 def test_the_tuner_times_the_layers_own_passes():
@@ -259,7 +259,7 @@ def _cpu_compute_side(layout, monkeypatch):
     monkeypatch.setattr(F, "pass_streams", pass_streams)
     monkeypatch.setattr(F, "all_gather_matmul", all_gather_matmul)
 
-    def time_pass(fn, m, k, n):
+    def time_pass(fn, m, k, n, layout):
         ran.append({})
         timing.append(ran[-1])
         try:
@@ -272,7 +272,8 @@ def _cpu_compute_side(layout, monkeypatch):
                 "host_us_sched": 10.0, "mono_ms": 0.5}
 
     measure = ComputeSideMeasure(Hardware(), layout, reps=1, device="cpu", dtype=torch.float32,
-                                 time_gemm=lambda m, k, n: {"mono_graph_ms": 0.5, "mono_ms": 0.5},
+                                 time_gemm=lambda m, k, n, layout: {"mono_graph_ms": 0.5,
+                                                                       "mono_ms": 0.5},
                                  time_pass=time_pass)
     return measure, ran
 

@@ -1,7 +1,10 @@
 """Measured GEMM times from one GPU (what benchmarks/compute_side.py writes with
 --out), indexed the way the cost model asks for them.
 
-Monolithic GEMM times are device times of CUDA-graph replays. A chunked
+Monolithic GEMM times are device times of CUDA-graph replays, each of one shape in
+one operand layout (`shapes.GEMM_LAYOUTS`: NT, NN, TN), keyed (m, k, n, layout): a row's
+`layout`, else NT (compute_side.py times the forward pass's x @ w.t(); the files it wrote
+before its rows named their layout hold only those). A chunked
 schedule (run on the null transport: its chunk GEMMs, order and waits) is kept
 as its ratio to the monolithic GEMM timed beside it in the same row, graphed
 and eager (eager includes the host's launch gaps). Eager host cost per step,
@@ -18,8 +21,12 @@ import statistics
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .shapes import GEMM_LAYOUTS, check_gemm_layout
+
 if TYPE_CHECKING:
     from .host import HostTime
+
+Dims = tuple[int, int, int, str]  # a GEMM [m, k] x [k, n] and its operand layout
 
 # compute_side.py's (op, schedule label) -> the cost model's schedule kind
 _KINDS = {("ag", "ring"): "ag_ring", ("rs", "ring"): "rs_ring", ("rs", "pipeline4"): "rs_pipeline"}
@@ -81,6 +88,15 @@ class _Row:
             raise self.error(key, f"expected a string, got {v!r}")
         return v
 
+    def layout(self, key: str, default: str) -> str:
+        """An operand layout (NT, NN, TN, TT), `default` when absent."""
+        v = self._get(key, default)
+        try:
+            return check_gemm_layout(v)
+        except ValueError:
+            raise self.error(key, f"expected an operand layout (two letters, each N or T), "
+                                  f"got {v!r}") from None
+
     def time(self, key: str, default: Any = _MISSING, scale: float = 1e3) -> Any:
         """A time in ms (scaled to us; `scale` 1 for one in us), or `default` when absent.
         Optional times may be 0 (not measured); required ones must be > 0."""
@@ -96,12 +112,14 @@ class _Row:
 
 @dataclass
 class Calibration:
-    """Monolithic GEMM device times (median of the rows that timed a shape) and, per
-    chunked schedule, its time relative to the monolithic GEMM of the same row: under a
-    CUDA graph (device time of the chunk GEMMs) and eager (host launch gaps included)."""
+    """Monolithic GEMM device times (median of the rows that timed a shape in a layout)
+    and, per chunked schedule, its time relative to the monolithic GEMM of the same row,
+    in the same layout: under a CUDA graph (device time of the chunk GEMMs) and eager
+    (host launch gaps included). Keys begin with `Dims`, (m, k, n, operand layout)."""
 
-    mono_samples: dict[tuple[int, int, int], list[float]] = field(default_factory=dict)
-    ratios: dict[tuple[int, int, int, str, int], dict[str, float]] = field(default_factory=dict)
+    mono_samples: dict[Dims, list[float]] = field(default_factory=dict)
+    ratios: dict[tuple[int, int, int, str, str, int], dict[str, float]] = \
+        field(default_factory=dict)
     host_step_us: list[float] = field(default_factory=list)
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
@@ -110,7 +128,9 @@ class Calibration:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> "Calibration":
         """Read a compute_side.py JSON ({"meta", "rows", ...}); single-stream rows only.
-        A file that is not such a JSON is a CalibrationError naming the file, row and field."""
+        A row's optional `layout` names its GEMMs' operand layout (default NT: what
+        compute_side.py has always timed, the forward pass's). A file that is not such a
+        JSON is a CalibrationError naming the file, row and field."""
         where, data = os.fspath(path), read_json(path, "calibration")
         rows = data.get("rows") if isinstance(data, dict) else data
         if not isinstance(rows, list):
@@ -123,18 +143,23 @@ class Calibration:
             field = _Row(where, i, r)
             if field.integer("gemm_streams", 1) != 1:
                 continue
-            dims = (field.integer("m"), field.integer("k"), field.integer("n"))
+            dims = (field.integer("m"), field.integer("k"), field.integer("n"),
+                    field.layout("layout", GEMM_LAYOUTS["fprop"]))
             kind = _kind(field.text("op"), field.text("schedule"))
             cal.add(dims, field.time("mono_graph_ms"), kind, field.integer("chunks", 1),
                     field.time("sched_graph_ms"), field.time("sched_ms", 0.0) or None,
                     field.time("host_us_sched", None, scale=1.0))
         return cal
 
-    def add(self, dims: tuple[int, int, int], mono_us: float, kind: str | None = None,
+    def add(self, dims: Dims, mono_us: float, kind: str | None = None,
             chunks: int = 1, graph_us: float | None = None, eager_us: float | None = None,
             host_us: float | None = None) -> None:
         """One measurement (also how the tuner feeds in what it timed on this GPU): the
-        monolithic GEMM and, with `kind`, the chunked schedule timed beside it."""
+        monolithic GEMM (m, k, n) in operand layout `dims[3]` and, with `kind`, the chunked
+        schedule timed beside it."""
+        if len(dims) != 4:
+            raise ValueError(f"calibration dims {dims!r}: expected (m, k, n, operand layout)")
+        check_gemm_layout(dims[3])
         self.mono_samples.setdefault(dims, []).append(mono_us)
         if kind is None or graph_us is None:
             return
@@ -146,10 +171,10 @@ class Calibration:
             self.host_step_us.append(host_us / chunks)
 
     @property
-    def mono(self) -> dict[tuple[int, int, int], float]:
+    def mono(self) -> dict[Dims, float]:
         return {d: statistics.median(v) for d, v in self.mono_samples.items()}
 
-    def chunked_us(self, dims: tuple[int, int, int], kind: str, chunks: int,
+    def chunked_us(self, dims: Dims, kind: str, chunks: int,
                    mode: str = "graph") -> float | None:
         """The whole chunked schedule's time in `mode`, or None where not measured."""
         ratio = self.ratios.get((*dims, kind, chunks), {}).get(mode)
@@ -175,5 +200,5 @@ class Calibration:
 
     def describe(self) -> str:
         dev = self.meta.get("device", "?")
-        return (f"{self.source} ({dev}, {len(self.mono_samples)} GEMM shapes, "
+        return (f"{self.source} ({dev}, {len(self.mono_samples)} GEMM shapes x operand layouts, "
                 f"{len(self.ratios)} chunked schedules)")

@@ -1,5 +1,6 @@
-"""GEMM device time: measured where the calibration has the shape, a roofline
-with wave quantization otherwise.
+"""GEMM device time: measured where the calibration has the shape in the operand
+layout asked for (NT, NN, TN: `shapes.GEMM_LAYOUTS`; cuBLAS runs them at different
+speeds), a roofline with wave quantization otherwise (the roofline ignores the layout).
 
 Why wave quantization: an overlapped schedule cuts one GEMM into row chunks,
 and a chunk's grid of output tiles rarely fills the SMs in whole waves; the
@@ -50,13 +51,16 @@ def fit_efficiency(hw: Hardware, cal: Calibration) -> float:
     if not cal.mono:
         return hw.gemm_efficiency
     unit = hw.replace(gemm_efficiency=1.0, kernel_us=0.0)
-    return statistics.median(roofline_us(unit, *d) / max(t - hw.kernel_us, 1e-9)
+    return statistics.median(roofline_us(unit, *d[:3]) / max(t - hw.kernel_us, 1e-9)
                              for d, t in cal.mono.items())
 
 
 @dataclass
 class GemmModel:
-    """GEMM times for the schedules. `calibration` may be empty (pure roofline)."""
+    """GEMM times for the schedules. `calibration` may be empty (pure roofline). Each
+    time is of an [m, k] x [k, n] GEMM with operands in `layout` (a pass's
+    `PassSpec.gemm_layout`): measured times are looked up by (m, k, n, layout), never
+    taken from another layout's GEMM of the same size."""
 
     hw: Hardware
     calibration: Calibration | None = None
@@ -71,34 +75,36 @@ class GemmModel:
             return 1.0
         return roofline_us(self.fitted, m, k, n, sms) / roofline_us(self.fitted, m, k, n)
 
-    def mono_us(self, m: int, k: int, n: int, sms: int | None = None) -> float:
-        """One GEMM of the whole shape: measured when calibrated, else the fitted roofline."""
-        measured = self._mono.get((m, k, n))
+    def mono_us(self, m: int, k: int, n: int, layout: str, sms: int | None = None) -> float:
+        """One GEMM of the whole shape in `layout`: measured when calibrated, else the
+        fitted roofline."""
+        measured = self._mono.get((m, k, n, layout))
         base = measured if measured is not None else roofline_us(self.fitted, m, k, n)
         return base * self._sm_factor(m, k, n, sms)
 
-    def measured_chunks(self, m: int, k: int, n: int, chunks: int, kind: str | None,
-                        mode: str) -> bool:
+    def measured_chunks(self, m: int, k: int, n: int, layout: str, chunks: int,
+                        kind: str | None, mode: str) -> bool:
         """Whether the calibration timed this chunked schedule in `mode`."""
-        return kind is not None and self.calibration.chunked_us((m, k, n), kind, chunks, mode) \
-            is not None
+        return kind is not None and self.calibration.chunked_us(
+            (m, k, n, layout), kind, chunks, mode) is not None
 
-    def chunk_us(self, m: int, k: int, n: int, chunks: int, kind: str | None = None,
-                 sms: int | None = None, extra_us: float = 0.0, mode: str = "graph") -> float:
+    def chunk_us(self, m: int, k: int, n: int, layout: str, chunks: int,
+                 kind: str | None = None, sms: int | None = None, extra_us: float = 0.0,
+                 mode: str = "graph") -> float:
         """One of `chunks` row chunks ([m/chunks, k] x [k, n]). `kind` names the measured
         schedule (ag_ring, rs_ring, rs_pipeline) whose time, in launch `mode`, applies;
         `extra_us`: device time that schedule's measurement holds besides its GEMMs
         (the ring reduce-scatter's adds), taken out before dividing."""
-        rows = m // chunks
+        rows, dims = m // chunks, (m, k, n, layout)
         if chunks == 1:
-            return self.mono_us(m, k, n, sms)
-        measured = self.calibration.chunked_us((m, k, n), kind, chunks, mode) if kind else None
+            return self.mono_us(m, k, n, layout, sms)
+        measured = self.calibration.chunked_us(dims, kind, chunks, mode) if kind else None
         if measured is None and kind and mode == "eager":  # fall back to the graphed timing
-            measured = self.calibration.chunked_us((m, k, n), kind, chunks, "graph")
+            measured = self.calibration.chunked_us(dims, kind, chunks, "graph")
         if measured is not None:
             base = max(measured - extra_us, 0.0) / chunks
-        elif (m, k, n) in self._mono:  # measured whole, roofline ratio for the cut
-            base = (self._mono[(m, k, n)] * roofline_us(self.fitted, rows, k, n)
+        elif dims in self._mono:  # measured whole, roofline ratio for the cut
+            base = (self._mono[dims] * roofline_us(self.fitted, rows, k, n)
                     / roofline_us(self.fitted, m, k, n))
         else:
             base = roofline_us(self.fitted, rows, k, n)
@@ -108,5 +114,5 @@ class GemmModel:
         """An elementwise `acc += incoming` of nbytes: two reads and a write."""
         return 3 * nbytes / (self.hw.hbm_gbs * 1e3) + self.hw.kernel_us
 
-    def source(self, m: int, k: int, n: int) -> str:
-        return "measured" if (m, k, n) in self._mono else "roofline"
+    def source(self, m: int, k: int, n: int, layout: str) -> str:
+        return "measured" if (m, k, n, layout) in self._mono else "roofline"

@@ -13,6 +13,10 @@ forward GEMM [M,K]x[K,N]:
 | row dgrad | M, N, K | all-gather of the output grad, (M/W) x N |
 | row wgrad | N, M, K | none (reuses the dgrad's gathered grad: `external`) |
 
+Each pass kind multiplies its operands in one layout (`PassSpec.gemm_layout`,
+`shapes.GEMM_LAYOUTS`: fprop NT, dgrad NN, wgrad TN); a measured GEMM time applies to
+its own layout only.
+
 The non-overlapped path runs the GEMM and the NCCL collective one after the other.
 """
 
@@ -27,7 +31,7 @@ from .gemm import GemmModel
 from .hardware import Hardware, Layout
 from .play import Costs, play
 from .runs import Run, recorded
-from .shapes import Shape
+from .shapes import GEMM_LAYOUTS, Shape
 from .timeline import Engine, Sim
 
 PASSES = ("fprop", "dgrad", "wgrad")
@@ -48,6 +52,12 @@ class PassSpec:
         s = self.shape
         return {"fprop": (s.m, s.k, s.n), "dgrad": (s.m, s.n, s.k), "wgrad": (s.n, s.m, s.k)}[
             self.pass_name]
+
+    @property
+    def gemm_layout(self) -> str:
+        """The operand layout of `gemm` as the layer multiplies it (`shapes.GEMM_LAYOUTS`):
+        NT (fprop), NN (dgrad), TN (wgrad)."""
+        return GEMM_LAYOUTS[self.pass_name]
 
     @property
     def comm(self) -> str:
@@ -169,17 +179,17 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
     """One run of the pass's overlapped schedule, the real one on every rank on the
     modelled clock (the compute-only floor when engine.free)."""
     m, k, n = spec.gemm
-    tp = layout.tp
+    ops, tp = spec.gemm_layout, layout.tp
     if spec.comm == "none" or comm_moved or tp == 1 or s.method == "external":  # the GEMM alone
-        return gemm.mono_us(m, k, n)
+        return gemm.mono_us(m, k, n, ops)
     sim = Sim(hw, layout, engine)
     run = run_of(spec, s, layout)
     kind = _KIND.get(run.schedule)
     chunks = run.splits if run.schedule == "rs_pipeline" else tp
     mode = layout.mode
     # a schedule timed eagerly already holds its host launch gaps
-    step_us = 0.0 if mode == "eager" and gemm.measured_chunks(m, k, n, chunks, kind, "eager") \
-        else _step_us(hw, gemm)
+    eager_timed = gemm.measured_chunks(m, k, n, ops, chunks, kind, "eager")
+    step_us = 0.0 if mode == "eager" and eager_timed else _step_us(hw, gemm)
     # a measured ring reduce-scatter includes its adds: taken out of its chunk GEMMs
     extra = (tp - 1) * gemm.add_us(spec.block_elems * hw.dtype_bytes) \
         if run.schedule in ("rs_ring", "rs_hier") else 0.0
@@ -189,7 +199,7 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
         if (kk, nn) != (k, n) or m % rows:
             raise ValueError(f"{spec.name}: the schedule ran a [{rows}, {kk}] x [{kk}, {nn}] GEMM, "
                              f"not a row chunk of the pass's [{m}, {k}] x [{k}, {n}]")
-        return gemm.chunk_us(m, k, n, m // rows, kind, sms, extra, mode)
+        return gemm.chunk_us(m, k, n, ops, m // rows, kind, sms, extra, mode)
 
     # bulk: two launches and no schedule loop, each what a collective launch costs the host
     launch = sim.comm_launch_us if run.schedule == "bulk" else step_us
@@ -208,7 +218,7 @@ def baseline_us(spec: PassSpec, hw: Hardware, layout: Layout, gemm: GemmModel) -
     m, k, n = spec.gemm
     sim = Sim(hw, layout, Engine("sm", hw.nccl_sms))
     coll = 0.0 if spec.comm == "none" else sim.collective_us(spec.block_elems * hw.dtype_bytes)
-    return coll, gemm.mono_us(m, k, n) + coll
+    return coll, gemm.mono_us(m, k, n, spec.gemm_layout) + coll
 
 
 def megatron_modelled_host_us(hw: Hardware, comm: float | bool = True) -> float:
@@ -260,6 +270,7 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
         gemm=spec.gemm, comm=spec.comm,
         settings=s.to_dict() if s is not None else {"method": "none"},
         ring_order=ring_order_of(s, layout),
-        gemm_us=gemm.mono_us(m, k, n), comm_us=comm_us, baseline_us=base_us,
-        compute_only_us=floor, overlapped_us=over, gemm_source=gemm.source(m, k, n),
+        gemm_us=gemm.mono_us(m, k, n, spec.gemm_layout), comm_us=comm_us, baseline_us=base_us,
+        compute_only_us=floor, overlapped_us=over,
+        gemm_source=gemm.source(m, k, n, spec.gemm_layout),
         host_us=host, host_bound=bound)

@@ -15,6 +15,28 @@ from ..config.names import BUFFER_NAMES as BUFFERS
 from ..config.names import COLUMN_BUFFERS as COLUMN
 
 
+# The operand layout of each pass's GEMM [m, k] x [k, n] (`PassSpec.gemm`, `gemm_layout`),
+# as the layer's functions (layers/functions.py) hand the operands to matmul: one letter per
+# operand, A then B. N: stored as it is multiplied (A a contiguous [m, k], B a contiguous
+# [k, n]); T: a transposed view of a contiguous tensor (A = [k, m].t(), B = [n, k].t()).
+# cuBLAS runs them at different speeds (H200, 70B TP=8 fc1: the NT GEMM 8-14% slower than
+# the dgrad's NN and the wgrad's TN), so a measured GEMM time is one layout's
+# (`tune.measure.gemm_operands` builds them; calibrations key by (m, k, n, layout)).
+GEMM_LAYOUTS = {
+    "fprop": "NT",  # x @ weight.t(): weight [n, k]
+    "dgrad": "NN",  # g @ weight: weight [k, n] for this GEMM
+    "wgrad": "TN",  # g.t() @ x: g a contiguous [k, m]
+}
+
+
+def check_gemm_layout(layout: object) -> str:
+    """`layout` if it is an operand layout (two letters, each N or T), else ValueError."""
+    if not (isinstance(layout, str) and len(layout) == 2 and set(layout) <= {"N", "T"}):
+        raise ValueError(f"GEMM operand layout {layout!r}: expected two letters, each N or T "
+                         "(A then B; e.g. NT, the forward pass's x @ weight.t())")
+    return layout
+
+
 @dataclass(frozen=True)
 class Shape:
     """One TP linear: forward GEMM [m, k] x [k, n] per rank at TP size `tp`."""

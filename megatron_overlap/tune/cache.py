@@ -15,8 +15,11 @@ from typing import Any
 # load). 2: one-GPU (compute) results time each candidate's own pass, aggregate and
 # gemm_streams applied (version 1's were predicted from the one-stream timing of whichever
 # candidate of that shape and chunk count came first); measured hardware names the default
-# gemm_streams.
-KEY_VERSION = 2
+# gemm_streams. 3: one-GPU (compute) results take each pass's monolithic GEMM (bulk and
+# external compute sides, baselines, chunked ratios) timed in that pass's operand layout
+# (fprop NT, dgrad NN, wgrad TN); version 2's timed every pass's in NT, and shared one timing
+# between passes of the same (m, k, n).
+KEY_VERSION = 3
 
 
 def cache_key(job: dict[str, Any], hardware: dict[str, Any]) -> str:

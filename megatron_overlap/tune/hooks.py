@@ -4,8 +4,8 @@ only ever picks by time_ms.
 
 - ModelMeasure (CPU, or anywhere): the cost model alone. Nothing is measured.
 - ComputeSideMeasure (one GPU): the pass's GEMM side timed on this GPU (the
-  layer's pass on the null transport, and the monolithic GEMM), the communication
-  from the cost model.
+  layer's pass on the null transport, and the monolithic GEMM in the pass's operand
+  layout: fprop NT, dgrad NN, wgrad TN), the communication from the cost model.
 - DistributedMeasure (several GPUs, one rank per GPU, the TP group spanning
   them): the real overlapped pass, timed on every rank. Its timer is a
   callable, so the same code runs on gloo CPU ranks in tests.
@@ -83,16 +83,20 @@ class ComputeSideMeasure:
     two candidates share a timing only where their passes run the same thing on the null
     transport (e.g. num_sm, which holds nothing back there; the model applies the margin).
     The model then predicts each trial from its own timing alone. Monolithic GEMMs are
-    timed once per shape.
+    timed once per shape and operand layout (the pass's `PassSpec.gemm_layout`: fprop NT,
+    dgrad NN, wgrad TN; cuBLAS runs them at different speeds), and the model takes each
+    pass's monolithic GEMM (its bulk / external compute side, the non-overlapped baseline,
+    the reference of its chunked timing's ratio) in that pass's own layout.
 
-    time_gemm(m, k, n) and time_pass(fn, m, k, n) -> measure_gemm / measure_pass's dicts
-    (default: those, CUDA); device: where the passes' tensors live. Tests inject CPU ones."""
+    time_gemm(m, k, n, layout) and time_pass(fn, m, k, n, layout) -> measure_gemm /
+    measure_pass's dicts (default: those, CUDA); device: where the passes' tensors live.
+    Tests inject CPU ones."""
 
     mode = "compute"
 
     def __init__(self, hw: Hardware, layout: Layout, *, reps: int = 20, dtype: Any = None,
                  host: HostTime | None = None, device: Any = "cuda",
-                 time_gemm: Callable[[int, int, int], dict[str, Any]] | None = None,
+                 time_gemm: Callable[[int, int, int, str], dict[str, Any]] | None = None,
                  time_pass: Callable[..., dict[str, Any]] | None = None) -> None:
         import torch
 
@@ -109,26 +113,28 @@ class ComputeSideMeasure:
                          "torch": torch.__version__, "gemm_streams_default": default_gemm_streams(),
                          **_machine(hw, layout, host)}
 
-    def _time_gemm(self, m: int, k: int, n: int) -> dict[str, Any]:
+    def _time_gemm(self, m: int, k: int, n: int, layout: str) -> dict[str, Any]:
         from .measure import measure_gemm
 
-        return measure_gemm(m, k, n, reps=self.reps, dtype=self.dtype)
+        return measure_gemm(m, k, n, layout, reps=self.reps, dtype=self.dtype)
 
-    def _time_pass(self, fn: Callable[[], Any], m: int, k: int, n: int) -> dict[str, Any]:
+    def _time_pass(self, fn: Callable[[], Any], m: int, k: int, n: int,
+                   layout: str) -> dict[str, Any]:
         from .measure import measure_pass
 
-        return measure_pass(fn, m, k, n, reps=self.reps, dtype=self.dtype)
+        return measure_pass(fn, m, k, n, layout, reps=self.reps, dtype=self.dtype)
 
     def __call__(self, trial: Trial) -> dict[str, Any]:
         from ..comm import NullTransport
         from .passes import as_timed, layout_nodes, timed_key, trial_pass
 
         m, k, n = trial.spec.gemm
-        cal, tp = self.calibration, self.layout.tp
+        ops = trial.spec.gemm_layout  # the pass's operand layout: its GEMMs are timed in it
+        dims, cal, tp = (m, k, n, ops), self.calibration, self.layout.tp
         measured: dict[str, Any] = {}
-        if (m, k, n) not in cal.mono_samples:
-            measured = self.time_gemm(m, k, n)
-            cal.add((m, k, n), measured["mono_graph_ms"] * 1e3)
+        if dims not in cal.mono_samples:
+            measured = self.time_gemm(m, k, n, ops)
+            cal.add(dims, measured["mono_graph_ms"] * 1e3)
         chunking, key = _chunking(trial, tp), None
         if chunking:
             _, kind, chunks = chunking
@@ -138,13 +144,13 @@ class ComputeSideMeasure:
                 # the layer's own pass on the null transport, with this candidate's settings
                 timed = as_timed(trial, null)
                 run = trial_pass(timed, null, self.device, self.dtype, nodes=layout_nodes(timed))
-                measured = self.time_pass(run.run, m, k, n)
+                measured = self.time_pass(run.run, m, k, n, ops)
                 own = Calibration()
-                own.add((m, k, n), measured["mono_graph_ms"] * 1e3, kind, chunks,
+                own.add(dims, measured["mono_graph_ms"] * 1e3, kind, chunks,
                         measured["sched_graph_ms"] * 1e3, measured["sched_ms"] * 1e3,
                         measured["host_us_sched"])
                 self.timed[key] = own.ratios
-                cal.add((m, k, n), measured["mono_graph_ms"] * 1e3)
+                cal.add(dims, measured["mono_graph_ms"] * 1e3)
                 cal.host_step_us += own.host_step_us
         # the model sees this trial's own chunked timing and no other candidate's
         mine = dataclasses.replace(cal, ratios=self.timed[key] if key is not None else {})

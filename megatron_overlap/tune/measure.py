@@ -4,7 +4,9 @@ nothing moved) against one monolithic cuBLAS GEMM of the same size, eager
 against eager and CUDA-graph replay against replay, plus host time per call.
 
 benchmarks/compute_side.py and the tuner's one-GPU mode both time through here
-(the tuner its trials' layer passes, `measure_pass`).
+(the tuner its trials' layer passes, `measure_pass`). A monolithic GEMM is timed in
+the operand layout it is asked for (`gemm_operands`; a pass's is
+`PassSpec.gemm_layout`): cuBLAS runs NT, NN and TN at different speeds.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from ..comm import NullTransport
 from ..overlap.pass_fn import pass_fn
 from ..overlap.streams import ChunkStreams
+from ..simulate.shapes import GEMM_LAYOUTS, check_gemm_layout
 
 
 def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 5) -> float:
@@ -80,12 +83,14 @@ def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
 
 def measure_schedule(m: int, k: int, n: int, op: str, tp: int, method: str, splits: int, *,
                      reps: int = 50, dtype: torch.dtype = torch.bfloat16, gemm_streams: int = 1,
-                     aggregate: bool = False, name: str = "schedule") -> dict[str, float]:
+                     aggregate: bool = False, name: str = "schedule") -> dict[str, Any]:
     """Monolithic GEMM and the schedule's compute side, eager and graphed, side by side.
-    Times in ms, host times in us; ratios = monolithic / schedule."""
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    w = torch.randn(n, k, device="cuda", dtype=dtype)
-    mono = lambda: torch.matmul(x, w.t())  # noqa: E731
+    Times in ms, host times in us; ratios = monolithic / schedule. The schedules multiply
+    x @ w.t(), the forward pass's layout, which `layout` in the result names."""
+    layout = GEMM_LAYOUTS["fprop"]
+    x, wt = gemm_operands(m, k, n, layout, device="cuda", dtype=dtype)
+    w = wt.t()  # the [n, k] weight the schedules take
+    mono = lambda: torch.matmul(x, wt)  # noqa: E731
     streams = ChunkStreams(n=gemm_streams)
     local = x[: x.shape[0] // tp] if op == "ag" else x  # ag gathers a 1/tp block of the rows
     sched, replayed = (pass_fn(local, w, NullTransport(tp), op, method, splits, name=name,
@@ -101,16 +106,18 @@ def measure_schedule(m: int, k: int, n: int, op: str, tp: int, method: str, spli
                mono_graph_ms=tg_mono, sched_graph_ms=tg_sched, graph_ratio=tg_mono / tg_sched,
                mono_tflops=2 * m * k * n / t_mono / 1e9, host_us_sched=host_us(sched, reps),
                host_us_mono=host_us(mono, reps), host_us_replay=host_us(replayed, reps),
-               host_us_b2b_sched=hb_sched, host_us_b2b_replay=hb_replay, host_us_b2b_mono=hb_mono)
+               host_us_b2b_sched=hb_sched, host_us_b2b_replay=hb_replay, host_us_b2b_mono=hb_mono,
+               layout=layout)
     del g_mono, g_sched
     return out
 
 
-def measure_pass(fn: Callable[[], Any], m: int, k: int, n: int, *, reps: int = 50,
-                 dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+def measure_pass(fn: Callable[[], Any], m: int, k: int, n: int, layout: str, *,
+                 reps: int = 50, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     """A whole pass (a closure, e.g. a layer pass on the null transport) against one
-    monolithic GEMM of its size: device times eager and graphed, host time per call."""
-    mono = measure_gemm(m, k, n, reps=reps, dtype=dtype)
+    monolithic GEMM of its size in its operand layout (`PassSpec.gemm_layout`): device
+    times eager and graphed, host time per call."""
+    mono = measure_gemm(m, k, n, layout, reps=reps, dtype=dtype)
     g_sched = graphed(fn)
     t_sched, tg_sched = time_ms(fn, reps), time_ms(g_sched, reps)
     del g_sched
@@ -119,12 +126,26 @@ def measure_pass(fn: Callable[[], Any], m: int, k: int, n: int, *, reps: int = 5
                 host_us_sched=host_us(fn, reps))
 
 
-def measure_gemm(m: int, k: int, n: int, *, reps: int = 50,
+def gemm_operands(m: int, k: int, n: int, layout: str, *, device: Any = "cuda",
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random operands (a [m, k], b [k, n]) of a GEMM in operand `layout` (one letter per
+    operand, `simulate.shapes.GEMM_LAYOUTS`): N, the tensor itself, contiguous; T, a
+    transposed view of a contiguous tensor (a = [k, m].t(), b = [n, k].t()), as the
+    layer's passes hand theirs to matmul (x @ weight.t(), g @ weight, g.t() @ x)."""
+    a_t, b_t = (letter == "T" for letter in check_gemm_layout(layout))
+    a = torch.randn(k, m, device=device, dtype=dtype).t() if a_t else \
+        torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(n, k, device=device, dtype=dtype).t() if b_t else \
+        torch.randn(k, n, device=device, dtype=dtype)
+    return a, b
+
+
+def measure_gemm(m: int, k: int, n: int, layout: str, *, reps: int = 50,
                  dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
-    """One monolithic GEMM, graphed (device time) and eager."""
-    x = torch.randn(m, k, device="cuda", dtype=dtype)
-    w = torch.randn(n, k, device="cuda", dtype=dtype)
-    mono = lambda: torch.matmul(x, w.t())  # noqa: E731
+    """One monolithic GEMM [m, k] x [k, n] in operand `layout` (`gemm_operands`; a pass's
+    is `PassSpec.gemm_layout`), graphed (device time) and eager."""
+    a, b = gemm_operands(m, k, n, layout, device="cuda", dtype=dtype)
+    mono = lambda: torch.matmul(a, b)  # noqa: E731
     return dict(mono_ms=time_ms(mono, reps), mono_graph_ms=time_ms(graphed(mono), reps))
 
 
