@@ -6,7 +6,10 @@
 # NVSHMEM_PROBE: benchmarks/probe_nvshmem.py with 1 and 2 PEs; BENCH_SUITE: layer_overlap.py
 # (unless SKIP_LAYER_OVERLAP) + step_ab.py with 2 shared-GPU ranks (JSON + PNG into $OUT);
 # TUNE: `megatron-overlap tune` on this machine (TUNE_MODEL, TUNE_TP); EMULATED_NODES: layer_overlap.py
-# over 2 emulated nodes (several GPUs); CPU_VERSIONS: the CPU suite against those megatron-core wheels. $OUT gets the logs.
+# over 2 emulated nodes (several GPUs); CPU_VERSIONS: the CPU suite against those megatron-core wheels;
+# HOST_TIME: benchmarks/host_time.py, one run per TP in HT_TP (default "2 4 8"; each under its own
+# timeout HT_TIMEOUT, results host_time_tpN.json); TUNE_CHECK: the tuner in its one-GPU mode for
+# 70b/TP8 and 8b/TP2, then benchmarks/tune_check.py on its picks. $OUT gets the logs.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -75,3 +78,22 @@ for v in ${CPU_VERSIONS:-}; do
     --ignore=tests/test_telemetry.py --ignore=tests/test_ab_demo.py > "$OUT/tests_$v.log" 2>&1
   echo "== megatron-core $v"; tail -8 "$OUT/tests_$v.log"
 done
+if [ -n "${HOST_TIME:-}" ]; then  # issue 14: host time per call; a TP that hangs says where (--stage-timeout)
+  for tp in ${HT_TP:-2 4 8}; do
+    timeout ${HT_TIMEOUT:-240} python3 benchmarks/host_time.py --tp $tp --reps ${HT_REPS:-8} --inner ${HT_INNER:-20} \
+      --stage-timeout ${HT_STAGE_TIMEOUT:-90} --out "$OUT/host_time_tp$tp.json" > "$OUT/host_time_tp$tp.log" 2>&1
+    echo "== host_time TP=$tp rc=$?"; grep -E "^  TP=|done in|FAILED" "$OUT/host_time_tp$tp.log" | tail -4
+    [ -f "$OUT/host_time_tp$tp.json" ] && python3 benchmarks/host_time.py --report "$OUT/host_time_tp$tp.json" | tail -12
+  done
+fi
+if [ -n "${TUNE_CHECK:-}" ]; then  # issue 14: the tuner's predicted compute side against the picked passes run
+  for m in "70b 8" "8b 2"; do set -- $m
+    timeout 150 python3 -m megatron_overlap.cli tune --model $1 --tp $2 --measure compute --reps 5 \
+      --yaml "$OUT/tune_$1_tp$2.yaml" --json "$OUT/tune_$1_tp$2.json" --no-cache --wandb off --no-progress \
+      > "$OUT/tune_$1_tp$2.log" 2>&1
+    echo "== tune $1 tp$2 rc=$?"
+  done
+  timeout 150 python3 benchmarks/tune_check.py --tune "$OUT/tune_70b_tp8.json" "$OUT/tune_8b_tp2.json" --reps 20 \
+    --out "$OUT/tune_check_h200.json" > "$OUT/tune_check.log" 2>&1
+  echo "== tune_check rc=$?"; grep -A30 "^shape" "$OUT/tune_check.log"
+fi
