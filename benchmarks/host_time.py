@@ -37,6 +37,7 @@ import faulthandler
 import json
 import os
 import pstats
+import signal
 import statistics
 import sys
 import time
@@ -135,6 +136,21 @@ def _four_linears(config, hidden: int, split: int, device: torch.device, **kw) -
 
 
 _stage_s = 0.0  # --stage-timeout, in each rank
+_stacks = None  # this rank's stack file (kept open: faulthandler writes to its descriptor)
+
+
+def _stacks_path(out: str, rank: int) -> str:
+    return f"{out}.rank{rank}.stacks"
+
+
+def _watch_stages(out: str, rank: int) -> None:
+    """Where this rank's stacks go if a stage outlasts --stage-timeout: its own file, on
+    its own timer, and also when the launcher ends it because another rank's timer fired
+    first (SIGTERM), so the rank that really hangs is never lost."""
+    global _stacks
+    if _stage_s > 0:
+        _stacks = open(_stacks_path(out, rank), "w")
+        faulthandler.register(signal.SIGTERM, file=_stacks, all_threads=True, chain=True)
 
 
 def _stage(what: str) -> None:
@@ -143,8 +159,8 @@ def _stage(what: str) -> None:
     ends the ranks (a hang then says where it is, and the next TP still runs)."""
     if dist.is_initialized() and dist.get_rank() == 0:
         print(f"  TP={dist.get_world_size()} {what}", flush=True)
-    if _stage_s > 0:
-        faulthandler.dump_traceback_later(_stage_s, exit=True)
+    if _stacks is not None:
+        faulthandler.dump_traceback_later(_stage_s, exit=True, file=_stacks)
 
 
 def _sync(device: torch.device) -> None:
@@ -400,6 +416,7 @@ def _rank(rank: int, world: int, args) -> None:
 
     global _stage_s
     _stage_s = args.stage_timeout
+    _watch_stages(args.out, rank)
     layout = plan_layout(world, args.device)
     device = init_dist(layout, rank)
     if device.type == "cpu":  # megatron-core on CPU: the test suite's shims (never in the library)
@@ -439,6 +456,10 @@ def _rank(rank: int, world: int, args) -> None:
     dist.barrier()
     faulthandler.cancel_dump_traceback_later()
     dist.destroy_process_group()
+    if _stacks is not None:  # nothing hung: no stacks to keep
+        faulthandler.unregister(signal.SIGTERM)
+        _stacks.close()
+        os.remove(_stacks.name)
 
 
 def _us(v: float | None, width: int) -> str:
@@ -483,7 +504,7 @@ def report(meta: dict, rows: list) -> None:
                         parts = ", ".join(f"{k} {u:.0f}" for k, u in v[f"{p}_parts_us"].items()
                                           if u >= 1)
                         print(f"TP={r['tp']} {name} {mode} {p} (cProfile µs/call): {parts}")
-                        if name == "fc1":
+                        if name == "fc1" and v.get(f"{p}_top"):
                             print("    top own time (µs, calls): " + "; ".join(
                                 f"{n} {u} x{c}" for n, u, c in v[f"{p}_top"][:10]))
         if "primitives_us" in r:
@@ -531,9 +552,15 @@ def main() -> None:
         t0 = time.perf_counter()
         try:
             launch(_rank, tp, args, device=args.device)
-        except Exception as exc:  # a rank failed or hit --stage-timeout: its stacks are above
+        except Exception as exc:  # a rank failed or hit --stage-timeout
             print(f"TP={tp} FAILED after {time.perf_counter() - t0:.0f} s: {type(exc).__name__}: "
                   f"{exc}", flush=True)
+            for r in range(tp):  # where each rank was (its timer fired, or it was ended)
+                path = _stacks_path(args.out, r)
+                if os.path.exists(path):
+                    with open(path) as f:
+                        print(f"--- TP={tp} rank {r}: stacks\n{f.read().rstrip()}", flush=True)
+                    os.remove(path)
             continue
         with open(args.out + f".tp{tp}") as f:
             rows.append(json.load(f))

@@ -184,8 +184,30 @@ def test_host_time_a_stage_past_its_timeout_says_where_and_the_next_tp_runs(tmp_
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert proc.stdout.count("TP=2 FAILED after") == 2, proc.stdout
     assert "  TP=2 build" in proc.stdout
-    assert "Thread 0x" in proc.stderr and "host_time.py" in proc.stderr  # the stacks
+    for rank in (0, 1):  # each rank's stacks, labelled, from its own file (then removed)
+        stacks = proc.stdout.split(f"--- TP=2 rank {rank}: stacks\n")
+        assert len(stacks) == 3, proc.stdout  # both runs
+        assert "thread 0x" in stacks[1].lower() and "host_time.py" in stacks[1], stacks[1]
     assert not out.exists()  # no TP finished
+    assert not list(tmp_path.glob("*.stacks"))
+
+
+def test_host_time_a_rank_ended_by_the_launcher_still_leaves_its_stacks(tmp_path):
+    """The rank that hangs is usually not the first whose timer fires: the launcher ends it
+    (SIGTERM) when another rank exits. It still writes where it was."""
+    import signal
+    import time
+
+    out = str(tmp_path / "ht.json")
+    code = ("import sys, time; sys.path.insert(0, 'benchmarks'); import host_time as h; "
+            f"h._stage_s = 600.0; h._watch_stages({out!r}, 3); h._stage('a stage that hangs'); "
+            "print('ready', flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM
+    stacks = (tmp_path / "ht.json.rank3.stacks").read_text()
+    assert "thread 0x" in stacks.lower() and "<string>" in stacks, stacks  # where it slept
 
 
 def test_tune_check_times_the_tuners_picks_cpu(tmp_path):

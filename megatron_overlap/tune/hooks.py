@@ -106,7 +106,8 @@ class ComputeSideMeasure:
         self.hw, self.layout, self.reps, self.device = hw, layout, reps, device
         self.dtype = dtype or torch.bfloat16
         self.calibration = Calibration(source=f"measured on this GPU ({device_name()})", host=host)
-        self.timed: dict[str, dict[tuple[int, int, int, str, int], dict[str, float]]] = {}
+        # timed_key -> its ratios, keyed (m, k, n, layout, kind, chunks)
+        self.timed: dict[str, dict[tuple[int, int, int, str, str, int], dict[str, float]]] = {}
         self.time_gemm = time_gemm or self._time_gemm
         self.time_pass = time_pass or self._time_pass
         self.hardware = {"kind": "compute-side", "device": device_name(),

@@ -52,10 +52,15 @@ def _entry(rank: int, world: int, port: int, env: dict, fn: Callable, args: tupl
         queue.put((rank, False, traceback.format_exc()))
     finally:
         faulthandler.cancel_dump_traceback_later()
-    # Tensors in a result travel as shared-memory handles (file descriptors, CUDA IPC)
-    # that the parent opens from this process when it unpickles them: stay until it has
-    # (seen: FileNotFoundError in the parent when a rank had already exited).
-    received.wait(timeout)
+    # CPU tensors in a result travel as shared-memory file descriptors that the parent
+    # opens from this process when it unpickles them: stay until it has (seen:
+    # FileNotFoundError in the parent when a rank had already exited), or until the
+    # parent is gone. Results are CPU data (a CUDA tensor would need its sender alive
+    # for as long as the parent holds it).
+    parent = os.getppid()
+    deadline = time.monotonic() + timeout
+    while not received.wait(1.0) and os.getppid() == parent and time.monotonic() < deadline:
+        pass
 
 
 def run(fn: Callable, world: int, *args: Any, env: dict | None = None, timeout: float = 240) -> list:

@@ -71,6 +71,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, env: dict | None = None,
                             out[r] = ("exited", p.exitcode)
     finally:
         received.set()  # what came is unpickled: a rank that reported may go (helpers.dist._entry)
+        grace = time.monotonic() + 2.0  # for them to go; one still stuck (a GPU wait) is ended
+        for p in procs:
+            p.join(timeout=max(0.0, grace - time.monotonic()))
         for r, p in enumerate(procs):
             if p.is_alive():
                 p.kill()
