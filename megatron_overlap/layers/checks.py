@@ -16,7 +16,7 @@ import torch
 from ..config import LayerSettings
 from ..overlap import matmul
 from .functions import token_rows
-from .wgrad import accumulates, autograd_grad, weight_grad
+from .wgrad import grad_buffer, grad_for_autograd, weight_grad
 
 
 class LayerInputError(ValueError):
@@ -103,12 +103,11 @@ class EmptyLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         g = grad_out.reshape(-1, weight.shape[0])
         x2 = x.reshape(-1, x.shape[-1])
-        grad_w = None
-        if ctx.needs_input_grad[1]:  # a frozen weight: no grad, main_grad left alone
-            grad_w = None if accumulates(weight, ctx.fuse) else g.new_empty(weight.shape)
+        trains = ctx.needs_input_grad[1]  # False: a frozen weight (no grad, main_grad left alone)
+        grad_w = grad_buffer(weight, g, ctx.fuse, trains)
+        if trains:
             weight_grad(weight, g, x2, ctx.fuse, functools.partial(matmul, op="wgrad"), grad_w)
-            if grad_w is None:
-                grad_w = autograd_grad(weight, x)
+        grad_w = grad_for_autograd(grad_w, weight, x, trains)
         grad_b = g.sum(0) if ctx.use_bias else None
         return x.new_zeros(x.shape), grad_w, grad_b, None, None
 

@@ -25,7 +25,7 @@ from ..overlap import all_gather_matmul, hide, matmul, matmul_reduce_scatter
 from ..overlap.replay import PassGraphs
 from ..overlap.streams import ChunkStreams, plain
 from .plan import LayerPlan
-from .wgrad import accumulates, autograd_grad, weight_grad
+from .wgrad import grad_buffer, grad_for_autograd, main_grad_written, weight_grad
 
 Graphs = Optional[dict[str, PassGraphs]]
 
@@ -199,22 +199,6 @@ def row_bwd(g, x2, weight, grad_in, grad_w, plan: LayerPlan, tp: Transport, node
 
 
 # -- autograd ------------------------------------------------------------------------------
-def _grad_w(weight: torch.Tensor, like: torch.Tensor, fuse: bool, wgrad: bool) -> Optional[torch.Tensor]:
-    return None if not wgrad or accumulates(weight, fuse) else like.new_empty(weight.shape)
-
-
-def _main_grad(weight: torch.Tensor, fuse: bool, wgrad: bool) -> Optional[torch.Tensor]:
-    return weight.main_grad if wgrad and accumulates(weight, fuse) else None
-
-
-def _autograd_w(grad_w, weight: torch.Tensor, like: torch.Tensor, wgrad: bool):
-    """What autograd gets for the weight: the grad, Megatron's main_grad placeholder, or
-    None for a frozen weight (whose main_grad is left alone, as Megatron's frozen path does)."""
-    if not wgrad or grad_w is not None:
-        return grad_w
-    return autograd_grad(weight, like)
-
-
 def _save(ctx, x: torch.Tensor, weight: torch.Tensor) -> None:
     """Save what the backward reads. The input feeds only the wgrad, so a frozen weight's
     layer keeps no activation (as Megatron's frozen path), only the input's shape."""
@@ -263,15 +247,15 @@ class ColumnParallelMatmul(torch.autograd.Function):
         if not (need_in or wgrad):  # frozen weight, input without grad: only a bias trains
             grad_b = _flat(grad_out).sum(0) if need_b else None
             return None, None, grad_b, None, None, None, None, None, None, None
-        grad_in, grad_w = _grad_in(ctx, weight), _grad_w(weight, grad_out, fuse, wgrad)
+        grad_in, grad_w = _grad_in(ctx, weight), grad_buffer(weight, grad_out, fuse, wgrad)
         grad_b = grad_out.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
         # whether the wgrad runs changes what the pass issues: part of its replay key
         _run(ctx.graphs, "bwd", tp,
              lambda: column_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, grad_b,
                                 plan, tp, ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad, wgrad),
-             grad_out, x, weight, grad_in, grad_w, grad_b, _main_grad(weight, fuse, wgrad),
+             grad_out, x, weight, grad_in, grad_w, grad_b, main_grad_written(weight, fuse, wgrad),
              static=(ctx.allreduce_dgrad, wgrad), audit=ctx.audit)
-        grad_w = _autograd_w(grad_w, weight, grad_in, wgrad)
+        grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
         return grad_in, grad_w, grad_b, None, None, None, None, None, None, None
 
 
@@ -297,13 +281,13 @@ class RowParallelMatmul(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         plan, tp, fuse = ctx.plan, ctx.tp, ctx.fuse_wgrad
         wgrad = ctx.needs_input_grad[1]  # (the input needs its grad, or there is no backward)
-        grad_in, grad_w = _grad_in(ctx, weight), _grad_w(weight, grad_out, fuse, wgrad)
+        grad_in, grad_w = _grad_in(ctx, weight), grad_buffer(weight, grad_out, fuse, wgrad)
         _run(ctx.graphs, "bwd", tp,
              lambda: row_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, plan, tp,
                              ctx.layouts.get("dgrad"), fuse, wgrad),
-             grad_out, x, weight, grad_in, grad_w, _main_grad(weight, fuse, wgrad),
+             grad_out, x, weight, grad_in, grad_w, main_grad_written(weight, fuse, wgrad),
              static=(wgrad,), audit=ctx.audit)
-        grad_w = _autograd_w(grad_w, weight, grad_in, wgrad)
+        grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
         return grad_in, grad_w, None, None, None, None, None, None
 
 

@@ -3,7 +3,9 @@ gradient_accumulation_fusion): apex's fused kernel when it is importable, a torc
 addmm otherwise, with Megatron's conventions for what autograd gets back.
 
 Split in two so a pass can be replayed from a CUDA graph: the device work
-(`weight_grad`) and what autograd gets back (`autograd_grad`, host only)."""
+(`weight_grad`, into `grad_buffer`'s tensor or `main_grad_written`) and what autograd
+gets back (`grad_for_autograd`, host only). `trains` False is a frozen weight: no grad
+at all, main_grad left alone (as Megatron's frozen path)."""
 
 from __future__ import annotations
 
@@ -50,3 +52,25 @@ def autograd_grad(weight: torch.Tensor, like: torch.Tensor) -> Optional[torch.Te
     weight.grad_added_to_main_grad = True
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
     return make(weight.main_grad.shape, dtype=like.dtype, device=like.device)
+
+
+def grad_buffer(weight: torch.Tensor, like: torch.Tensor, fuse: bool,
+                trains: bool = True) -> Optional[torch.Tensor]:
+    """Where `weight_grad` writes dW (allocated like `like`), or None: it accumulates into
+    main_grad, or the weight is frozen."""
+    return None if not trains or accumulates(weight, fuse) else like.new_empty(weight.shape)
+
+
+def main_grad_written(weight: torch.Tensor, fuse: bool,
+                      trains: bool = True) -> Optional[torch.Tensor]:
+    """The main_grad that `weight_grad` accumulates into, or None."""
+    return weight.main_grad if trains and accumulates(weight, fuse) else None
+
+
+def grad_for_autograd(grad_w: Optional[torch.Tensor], weight: torch.Tensor, like: torch.Tensor,
+                      trains: bool = True) -> Optional[torch.Tensor]:
+    """What autograd gets for the weight: `grad_w` (`grad_buffer`'s tensor), Megatron's
+    main_grad placeholder (`autograd_grad`), or None for a frozen weight."""
+    if not trains or grad_w is not None:
+        return grad_w
+    return autograd_grad(weight, like)
