@@ -32,6 +32,7 @@ alone. The schedule alone on `null` (no transport) is timed too.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import faulthandler
 import json
@@ -179,7 +180,37 @@ def _waits_on_device(layer) -> bool:
     return layer.weight.is_cuda and layer.transport.name in ("symm", "nvshmem")
 
 
-def _turns(calls, device: torch.device):
+def _pass_graphs(layers) -> list:
+    """Every captured-pass cache of `layers` (a dict or one layer): ours have them,
+    Megatron's own linears have none."""
+    layers = layers.values() if isinstance(layers, dict) else (layers,)
+    return [pg for layer in layers for pg in getattr(layer, "pass_graphs", {}).values()]
+
+
+def _counts(layers) -> tuple[int, int]:
+    """(replays, captures) made so far by `layers`' passes."""
+    pgs = _pass_graphs(layers)
+    return sum(pg.replays for pg in pgs), sum(pg.captures for pg in pgs)
+
+
+@contextlib.contextmanager
+def _no_captures(layers):
+    """No new capture inside a staggered turn: a capture can block its host on its own
+    queued GPU work (seen on the H200 at TP=8: rank 0 stopped in `capture_end` while its
+    queued replays waited on ranks asleep in the turn barrier), so a signature first
+    seen in a turn runs eagerly. The warm-up before a turn makes the same calls, so there
+    should be none (`_counts` shows it)."""
+    saved = [(pg, pg.capture_after) for pg in _pass_graphs(layers)]
+    for pg, _ in saved:
+        pg.capture_after = sys.maxsize
+    try:
+        yield
+    finally:
+        for pg, after in saved:
+            pg.capture_after = after
+
+
+def _turns(calls, device: torch.device, layers):
     """Staggered: each rank in turn runs `calls()` (its back-to-back calls, timed) while
     the other ranks sleep in a gloo barrier, so no other rank's host competes for the
     CPUs. Every rank makes the same calls in the same order; the GPU side pairs them up
@@ -190,10 +221,11 @@ def _turns(calls, device: torch.device):
     ranks sleep: a deadlock (seen on the H200 at TP=2 with 4 eager calls a turn). Returns
     what `calls()` returned on this rank."""
     mine = None
-    for r in range(dist.get_world_size()):
-        dist.barrier()
-        if dist.get_rank() == r:
-            mine = calls()
+    with _no_captures(layers):
+        for r in range(dist.get_world_size()):
+            dist.barrier()
+            if dist.get_rank() == r:
+                mine = calls()
     _drained(device)
     return mine
 
@@ -251,7 +283,7 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
         if replayed and _waits_on_device(layer):  # see _turns: replays only
             _stage(f"replayed {name}: staggered turns")
             f_st, b_st = _turns(lambda: _b2b(lambda: layer(x)[0], lambda y: y.backward(g), inner),
-                                device)
+                                device, layer)
         med = _median
         row = dict(fwd_us=med(fwd), bwd_us=med(bwd), fwd_b2b_us=med(f_b2b), bwd_b2b_us=med(b_b2b),
                    fwd_staggered_us=med(f_st), bwd_staggered_us=med(b_st))
@@ -311,28 +343,33 @@ def megatron_layers(tp: int, hidden: int, dtype, device) -> dict:
     return _four_linears(config, hidden, tp, device, tp_group=mine)
 
 
-def time_chain(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, inner: int,
-               staggered: bool) -> dict:
-    """Host µs per layer call inside `chain` (its forward and its backward, divided by 4),
-    back to back; `staggered`: the ranks in turns (see _turns)."""
+def time_chain(layers: dict, calls: tuple, inner: int, staggered: bool) -> dict:
+    """Host µs per layer call inside `calls` (`chain`'s forward and backward, built once
+    per set of layers so that every arm sees the same tensors), divided by 4, back to
+    back; `staggered`: the ranks in turns (see _turns). Also how many of the timed
+    passes replayed and how many were captured while timed (0 once addresses settle)."""
     from megatron_overlap.overlap import replay
 
-    fwd, bwd = chain(layers, tokens, tp, hidden, dtype, device)
-    _stage(f"chain ({'megatron' if not hasattr(layers['qkv'], 'overlap_plan') else 'ours'}, "
+    fwd, bwd = calls
+    device = next(iter(layers.values())).weight.device
+    _stage(f"chain ({'megatron' if not _pass_graphs(layers) else 'ours'}, "
            f"replay {'on' if replay.enabled() else 'off'}, {'staggered' if staggered else 'concurrent'})")
-    for _ in range(3):
+    for _ in range(4):  # outputs alternate between two addresses: both signatures captured
         bwd(fwd())
     _drained(device)
     f: list[float] = []
     b: list[float] = []
+    before = _counts(layers)
     if not staggered:
         f, b = _b2b(fwd, bwd, inner)
         _sync(device)
     elif all(not hasattr(layer, "overlap_plan") or (_waits_on_device(layer) and replay.enabled())
              for layer in layers.values()):  # Megatron's own linears (no comm), or our replays
-        f, b = _turns(lambda: _b2b(fwd, bwd, inner), device)
+        f, b = _turns(lambda: _b2b(fwd, bwd, inner), device, layers)
+    after = _counts(layers)
     per = lambda v: _median(v) and _median(v) / len(LAYERS)  # noqa: E731
-    return dict(fwd_us=per(f), bwd_us=per(b))
+    return dict(fwd_us=per(f), bwd_us=per(b), passes=len(f) * 2 * len(LAYERS) if f else 0,
+                replays=after[0] - before[0], captures=after[1] - before[1])
 
 
 def time_null(tokens: int, tp: int, hidden: int, dtype, device, reps: int) -> dict:
@@ -439,11 +476,13 @@ def _rank(rank: int, world: int, args) -> None:
 
     _stage("Megatron's linears on one-rank groups")
     mcore = megatron_layers(world, args.hidden, dtype, device)
-    for mode, replayed, chain_of in (("eager", False, layers), ("replay", True, layers),
-                                     ("megatron", False, mcore)):
+    ours_calls = chain(layers, args.tokens, world, args.hidden, dtype, device)
+    mcore_calls = chain(mcore, args.tokens, world, args.hidden, dtype, device)
+    for mode, replayed, chain_of, calls in (("eager", False, layers, ours_calls),
+                                            ("replay", True, layers, ours_calls),
+                                            ("megatron", False, mcore, mcore_calls)):
         replay.set_enabled(replayed)
-        row[f"chain_{mode}"] = {how: time_chain(chain_of, args.tokens, world, args.hidden, dtype,
-                                                device, args.inner, how == "staggered")
+        row[f"chain_{mode}"] = {how: time_chain(chain_of, calls, args.inner, how == "staggered")
                                 for how in ("concurrent", "staggered")}
     _stage("null schedules, primitives (rank 0)")
     if rank == 0:
@@ -493,9 +532,12 @@ def report(meta: dict, rows: list) -> None:
             c = r.get(f"chain_{mode}")
             if c is None:  # runs before the chain existed
                 continue
+            hits = "".join(f"  {how}: {c[how]['replays']}/{c[how]['passes']} replayed, "
+                           f"{c[how]['captures']} captured" for how in ("concurrent", "staggered")
+                           if mode == "replay" and c[how].get("passes"))
             print(f"{r['tp']:3d} {mode:9s} {_us(c['concurrent']['fwd_us'], 9)} "
                   f"{_us(c['concurrent']['bwd_us'], 9)} {_us(c['staggered']['fwd_us'], 8)} "
-                  f"{_us(c['staggered']['bwd_us'], 8)}")
+                  f"{_us(c['staggered']['bwd_us'], 8)}{hits}")
     for r in rows:
         for mode in ("eager", "replay"):
             for name, v in r[mode].items():

@@ -20,6 +20,7 @@ from pathlib import Path
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
 FIELD = re.compile(r"\s*([a-z][a-z /()-]*?):\s*([-+0-9.eE]+|nan|inf)\s*\|", re.I)
 LAYERS = re.compile(r"MLM-PARITY-LAYERS (\{[^{}]*\})")  # ranks may print on one line
+REPLAYS = re.compile(r"MLM-REPLAYS (\{\"rank\": \d+, \"per_iter\": \[[\[\]0-9, ]*\]\})")
 
 
 def read(path: Path) -> dict:
@@ -30,9 +31,10 @@ def read(path: Path) -> dict:
         if m:
             iters[int(m.group(1))] = {k.strip(): v for k, v in FIELD.findall(m.group(2) + "|")}
     built = [json.loads(m.group(1)) for m in LAYERS.finditer(text)]
+    replays = sorted((json.loads(m.group(1)) for m in REPLAYS.finditer(text)), key=lambda r: r["rank"])
     installed = re.findall(r"megatron_overlap\.install\((.*?)\): (.*?) \[", text)
     version = re.search(r"megatron-core ([0-9][^ )]*)", text)
-    return {"iters": iters, "built": built, "installed": installed,
+    return {"iters": iters, "built": built, "installed": installed, "replays": replays,
             "version": version.group(1) if version else "?"}
 
 
@@ -93,10 +95,16 @@ def main(argv: list[str] | None = None) -> int:
           f"overlapped layers built per rank: {on['built']} (on), {off['built']} (off)")
     for r in [head, *rows]:
         print("  ".join(x.rjust(w) for x, w in zip(r, widths)))
+    for arm, log in (("on", on), ("second", off) if a.second_overlapped else (None, None)):
+        if arm and log["replays"]:
+            print(f"layer passes replayed / run per iteration ({arm}): " + "; ".join(
+                f"rank {r['rank']}: " + " ".join(f"{rep}/{calls}" for calls, rep, _ in r["per_iter"])
+                for r in log["replays"]))
     print("PARITY " + ("OK" if not errors else "FAILED: " + "; ".join(errors)), flush=True)
     if a.json:
         a.json.write_text(json.dumps({"label": a.label, "version": on["version"], "rows": rows,
-                                      "errors": errors, "built_on": on["built"]}, indent=1))
+                                      "errors": errors, "built_on": on["built"],
+                                      "replays_on": on["replays"]}, indent=1))
     return 1 if errors else 0
 
 

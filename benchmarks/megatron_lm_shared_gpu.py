@@ -15,7 +15,9 @@ library must not do:
 - Where there is no CUDA toolkit (pip's torch has none), core_v0.14-0.16's
   `fused_kernels.load`, which builds nothing but asks nvcc for its version, is skipped.
 - At exit, each rank prints `MLM-PARITY-LAYERS {json}`: how many of our overlapped
-  layers were built (benchmarks/megatron_lm_parity.py checks each arm's count).
+  layers were built (benchmarks/megatron_lm_parity.py checks each arm's count), and
+  `MLM-REPLAYS {json}`: per training iteration, how many layer passes ran, how many of
+  them replayed their CUDA graph, how many were captured (`overlap.replay.totals`).
 
 TREE must come first on PYTHONPATH (the shim imports megatron before the entry point).
 """
@@ -32,6 +34,7 @@ from collections import Counter
 from typing import Any, Iterator
 
 BUILT: Counter = Counter()
+PER_ITER: list[list[int]] = []  # [calls, replays, captures] of each train_step
 
 
 class _Done:
@@ -78,6 +81,27 @@ def _count_builds() -> None:
         {"rank": int(os.environ.get("RANK", 0)), **BUILT}), flush=True))
 
 
+def _count_replays() -> None:
+    """Wrap Megatron-LM's train_step (looked up by name from its train loop) to note how
+    each iteration's layer passes ran."""
+    from megatron.training import training
+
+    from megatron_overlap.overlap import replay
+
+    step = training.train_step
+
+    def train_step(*args, **kwargs):
+        before = replay.totals()
+        out = step(*args, **kwargs)
+        after = replay.totals()
+        PER_ITER.append([after[k] - before[k] for k in ("calls", "replays", "captures")])
+        return out
+
+    training.train_step = train_step
+    atexit.register(lambda: print("MLM-REPLAYS " + json.dumps(
+        {"rank": int(os.environ.get("RANK", 0)), "per_iter": PER_ITER}), flush=True))
+
+
 def install_shims() -> None:
     from megatron.core.datasets import utils as dataset_utils
     from megatron.core.distributed import param_and_grad_buffer
@@ -92,6 +116,7 @@ def install_shims() -> None:
     if fused_kernels is not None and cpp_extension.CUDA_HOME is None:
         fused_kernels.load = lambda *args, **kwargs: None
     _count_builds()
+    _count_replays()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import torch
 from megatron_overlap.comm import NullTransport
 from megatron_overlap.config import LayerSettings
 from megatron_overlap.simulate import Candidate, Layout, PassSpec, Shape, Trial
+from megatron_overlap.tune.measure import gemm_operands
 from megatron_overlap.tune.passes import layout_nodes, trial_pass
 
 
@@ -59,35 +60,62 @@ def _cpu_ms(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
-def measure(trial: Trial, device: str, reps: int) -> dict[str, float]:
+def measure(trial: Trial, device: str, reps: int, rounds: int = 3) -> dict[str, float]:
     """The trial's pass on the null transport, in the ring order its layout implies (as the
-    tuner timed it): graphed and back-to-back eager ms per call."""
+    tuner timed it): graphed and back-to-back eager ms per call; and the pass's
+    monolithic GEMM in its operand layout (the tuner's reference), graphed, timed in turns
+    with the graphed pass (`rounds` medians of `reps`, the median of those): this GPU's
+    GEMM speed drifts by more than 10% with its power and thermal state (the same
+    8192 x 7168 x 8192 GEMM 1.22-1.48 ms within one script on the H200), so a pass and its
+    reference are compared only when timed side by side."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     run = trial_pass(trial, NullTransport(trial.spec.shape.tp), device, dtype,
                      nodes=layout_nodes(trial)).run
+    a, b = gemm_operands(*trial.spec.gemm, trial.spec.gemm_layout, device=device, dtype=dtype)
+    mono = lambda: torch.matmul(a, b)  # noqa: E731
     if device != "cuda":
         ms = _cpu_ms(run, reps)
-        return {"graph_ms": ms, "b2b_ms": ms}
+        return {"graph_ms": ms, "b2b_ms": ms, "mono_ms": _cpu_ms(mono, reps)}
     from megatron_overlap.tune.measure import graphed, time_b2b, time_ms
 
-    g = graphed(run)
-    out = {"graph_ms": time_ms(g, reps), "b2b_ms": time_b2b(run, reps)[0]}
-    del g
+    g, gm = graphed(run), graphed(mono)
+    turns = [(time_ms(g, reps), time_ms(gm, reps)) for _ in range(rounds)]
+    out = {"graph_ms": statistics.median(t for t, _ in turns), "b2b_ms": time_b2b(run, reps)[0],
+           "mono_ms": statistics.median(m for _, m in turns)}
+    del g, gm
     return out
 
 
-def check(doc: dict[str, Any], device: str, reps: int) -> list[dict[str, Any]]:
+def tuner_mono_ms(doc: dict[str, Any], row: dict[str, Any]) -> float | None:
+    """The monolithic GEMM the tuner measured for this pass's shape and kind (each is timed
+    once, on the first trial of its size and layout, and shared by the others)."""
+    for t in doc.get("trials", ()):
+        if t["shape"] == row["shape"] and t["pass"] == row["pass"] and \
+                t.get("measured_mono_graph_ms"):
+            return t["measured_mono_graph_ms"]
+    return None
+
+
+def check(doc: dict[str, Any], device: str, reps: int, rounds: int = 3) -> list[dict[str, Any]]:
+    """One row per chosen pass. ratio: predicted / measured; rel_ratio: the same with each
+    side taken relative to its own monolithic GEMM (the tuner's, and the one timed here in
+    turns with the pass), which leaves out the GPU's drift between the two runs (None
+    where the tune file holds no monolithic timing: the model-only tuner)."""
     mode = doc["layout"].get("mode", "graph")
     rows = []
     for row, trial in chosen_trials(doc):
-        got = measure(trial, device, reps)
+        got = measure(trial, device, reps, rounds)
         measured = got["graph_ms"] if mode == "graph" else got["b2b_ms"]
+        t_mono = tuner_mono_ms(doc, row)
+        rel = (row["compute_only_ms"] / t_mono) / (got["graph_ms"] / got["mono_ms"]) \
+            if t_mono and mode == "graph" else None
         rows.append({"shape": row["shape"], "pass": row["pass"], "label": row["label"],
                      "settings": row["settings"], "nodes": layout_nodes(trial),
                      "tune_mode": doc["mode"], "launch": mode,
                      "predicted_ms": row["compute_only_ms"], **{f"measured_{k}": v
                                                                 for k, v in got.items()},
-                     "measured_ms": measured, "ratio": row["compute_only_ms"] / measured})
+                     "measured_ms": measured, "ratio": row["compute_only_ms"] / measured,
+                     "tuner_mono_ms": t_mono, "rel_ratio": rel})
     return rows
 
 
@@ -96,6 +124,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tune", nargs="+", required=True, help="JSON of `megatron-overlap tune`")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="turns of (pass, monolithic GEMM) timings, graphed")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--out", default="benchmarks/results/tune_check.json")
     args = ap.parse_args()
@@ -109,7 +139,7 @@ def main() -> None:
             doc = json.load(f)
         sources.append({"file": path, "mode": doc["mode"], "command": doc.get("command"),
                         "hardware": doc.get("hardware")})
-        rows += check(doc, args.device, args.reps)
+        rows += check(doc, args.device, args.reps, args.rounds)
     dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     meta = {"device": dev, "torch": torch.__version__, "reps": args.reps,
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "functional_only": args.device == "cpu"}
@@ -120,15 +150,23 @@ def main() -> None:
         print("FUNCTIONAL ONLY: CPU times say nothing about the GPU")
     print(f"{dev}  torch {torch.__version__}  {args.reps} reps")
     print(f"{'shape':16s} {'pass':11s} {'picked':34s} {'predicted':>9s} {'measured':>9s} "
-          f"{'ratio':>6s} {'graph':>8s} {'b2b':>8s}")
+          f"{'ratio':>6s} {'graph':>8s} {'b2b':>8s} {'mono tuner':>10s} {'mono here':>9s} "
+          f"{'rel ratio':>9s}")
     for r in rows:
+        rel, tm = r["rel_ratio"], r["tuner_mono_ms"]
         print(f"{r['shape']:16s} {r['pass']:11s} {r['label'][:34]:34s} {r['predicted_ms']:9.3f} "
               f"{r['measured_ms']:9.3f} {r['ratio']:6.3f} {r['measured_graph_ms']:8.3f} "
-              f"{r['measured_b2b_ms']:8.3f}")
-    off = sorted(abs(r["ratio"] - 1) for r in rows)
-    print(f"ratio = tuner's predicted compute side / measured (ms per call, the tuner's launch "
-          f"mode); |ratio - 1| median {statistics.median(off):.3f}, max {off[-1]:.3f}; "
-          f"within 5%: {sum(o <= 0.05 for o in off)} of {len(off)}; full results: {args.out}")
+              f"{r['measured_b2b_ms']:8.3f} {tm if tm else float('nan'):10.3f} "
+              f"{r['measured_mono_ms']:9.3f} {rel if rel else float('nan'):9.3f}")
+    for key, what in (("ratio", "ratio = tuner's predicted compute side / measured (ms per call, "
+                       "the tuner's launch mode)"),
+                      ("rel_ratio", "rel ratio = the same, each relative to the monolithic GEMM "
+                       "timed beside it (the tuner's; here, in turns with the pass)")):
+        off = sorted(abs(r[key] - 1) for r in rows if r[key] is not None)
+        if off:
+            print(f"{what}: |{key} - 1| median {statistics.median(off):.3f}, max {off[-1]:.3f}; "
+                  f"within 5%: {sum(o <= 0.05 for o in off)} of {len(off)}")
+    print(f"full results: {args.out}")
 
 
 if __name__ == "__main__":

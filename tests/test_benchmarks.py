@@ -246,6 +246,41 @@ def test_tune_check_times_the_tuners_picks_cpu(tmp_path):
         assert r["measured_ms"] > 0 and r["ratio"] == pytest.approx(r["predicted_ms"] / r["measured_ms"])
 
 
+def test_tune_check_compares_each_side_with_its_own_monolithic_gemm(tmp_path, monkeypatch):
+    """rel_ratio takes the prediction relative to the tuner's monolithic GEMM of that pass
+    (the first trial of its shape and pass that measured one) and the measurement relative
+    to the one timed beside it: a GPU that runs every GEMM 20% slower than during the tune
+    leaves rel_ratio at 1 where ratio says 0.83."""
+    import importlib.util
+
+    from megatron_overlap.cli import main
+
+    search = tmp_path / "tune.json"
+    assert main(["tune", "--hidden-size", "64", "--ffn-hidden-size", "128",
+                 "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",
+                 "--tp", "2", "--measure", "model", "--yaml", str(tmp_path / "tune.yaml"),
+                 "--json", str(search), "--no-cache", "--wandb", "off", "--no-progress"]) == 0
+    doc = json.loads(search.read_text())
+    spec = importlib.util.spec_from_file_location("tune_check", os.path.join(ROOT, "benchmarks",
+                                                                             "tune_check.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert all(r["rel_ratio"] is None for r in mod.check(doc, "cpu", 1, 1))  # model-only: no monos
+    seen = set()
+    for t in doc["trials"]:  # as the one-GPU tuner writes them: the first of each size timed it
+        if (t["shape"], t["pass"]) not in seen:
+            seen.add((t["shape"], t["pass"]))
+            t["measured_mono_graph_ms"] = 2.0
+    chosen = {(c["shape"], c["pass"]): c["compute_only_ms"] for c in doc["chosen"]}
+    monkeypatch.setattr(mod, "measure", lambda trial, device, reps, rounds: {
+        "graph_ms": 1.2 * chosen[(trial.spec.shape.name, trial.name)], "b2b_ms": 1.0,
+        "mono_ms": 2.4})
+    rows = mod.check(doc, "cuda", 1, 1)
+    assert rows and all(r["tuner_mono_ms"] == 2.0 for r in rows)
+    for r in rows:
+        assert r["ratio"] == pytest.approx(1 / 1.2) and r["rel_ratio"] == pytest.approx(1.0)
+
+
 def test_tune_check_times_hierarchical_picks_in_their_ring_order(tmp_path, monkeypatch):
     """A model-only tune whose TP group spans nodes (TP 4 on nodes of 2 GPUs: --gpus-per-node,
     LOCAL_WORLD_SIZE's role in a real run) picks hierarchical rings; tune_check hands their

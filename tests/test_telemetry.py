@@ -195,7 +195,14 @@ def test_log_step_without_run(model):
         assert m[f"ov/{op}/bytes"] == s["bytes"]
         assert m[f"ov/{op}/wait_ms"] == pytest.approx(s["wait_s"] * 1e3)
     assert m["ov/bytes_total"] == sum(s["bytes"] for s in snap.values()) > 0
-    assert tel.log_step(2) == {"ov/wait_ms_total": 0.0, "ov/bytes_total": 0}  # counters were reset
+    # how the passes ran: each of the four overlapped layers ran its forward and its backward
+    # pass once (the output layer, overlapping nothing, runs Megatron's path: no pass); none
+    # replayed (CPU: no CUDA graphs)
+    assert (m["ov/replay/calls"], m["ov/replay/replays"], m["ov/replay/captures"]) == \
+        (2 * len(MODULES), 0, 0)
+    assert m["ov/replay/replayed"] == 0.0
+    assert tel.log_step(2) == {"ov/wait_ms_total": 0.0, "ov/bytes_total": 0, "ov/replay/calls": 0,
+                               "ov/replay/replays": 0, "ov/replay/captures": 0}  # counters were reset
 
 
 def test_wandb_offline_round_trip(model, tmp_path, monkeypatch):

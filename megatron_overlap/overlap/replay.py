@@ -32,6 +32,7 @@ can take longer than its GEMMs run. A replay issues it in one launch.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
@@ -42,6 +43,7 @@ from ..comm.transport import Transport
 
 _pools: dict[int, tuple] = {}  # device index -> (scratch pool, capture stream, keeper graph, its tensor)
 _enabled: Optional[bool] = None  # install(graphs=...) sets it; None: the environment's default
+_all: "weakref.WeakSet[PassGraphs]" = weakref.WeakSet()  # every live pass's graphs (`totals`)
 log = logging.getLogger("megatron_overlap")
 
 
@@ -61,6 +63,17 @@ def set_enabled(value: Optional[bool]) -> Optional[bool]:
     global _enabled
     previous, _enabled = _enabled, value
     return previous
+
+
+def totals() -> dict[str, int]:
+    """Pass calls, replays and captures so far, summed over every live layer pass: how much
+    of a run issued its passes as one launch each (telemetry logs the per-step change)."""
+    out = {"calls": 0, "replays": 0, "captures": 0}
+    for pg in list(_all):
+        out["calls"] += pg.calls
+        out["replays"] += pg.replays
+        out["captures"] += pg.captures
+    return out
 
 
 def _pool(dev: int) -> tuple:
@@ -114,14 +127,18 @@ class PassGraphs:
         self.off = off or None  # why this pass is never captured here (it runs eagerly)
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: OrderedDict[tuple, int] = OrderedDict()
-        self.replays = self.captures = 0
+        # calls: every run(); replays: those issued as one graph launch (a capture's own
+        # call included); the rest ran eagerly (first sightings, moved tensors, unusable)
+        self.calls = self.replays = self.captures = 0
         self.failed: str | None = None  # why a capture failed: the pass then runs eagerly
+        _all.add(self)
 
     def run(self, tp: Transport, body: Callable[[], None],
             tensors: Sequence[Optional[torch.Tensor]], static: tuple = ()) -> None:
         """Run `body` (the whole pass: every tensor it reads or writes is in `tensors`,
         every host-side choice it makes that can change from call to call in `static`)
         eagerly, or as a replay of its graph."""
+        self.calls += 1
         if self.failed is not None or not self._usable(tp, tensors):
             body()
             return
@@ -159,6 +176,7 @@ class PassGraphs:
                     tensors: Sequence[Optional[torch.Tensor]], static: tuple = ()) -> None:
         """Run `body` eagerly whatever is captured, counting it as a sighting of its
         signature (a pass whose host-side calls must be seen: `layers.agree`'s audit)."""
+        self.calls += 1
         if self.failed is None and self._usable(tp, tensors):
             key = self._key(tp, tensors, static)
             if key not in self._graphs:

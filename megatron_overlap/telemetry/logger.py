@@ -12,6 +12,7 @@ from .. import comm
 from ..comm import stats
 from ..extras import require
 from ..config import state
+from ..overlap import replay
 from .rows import layer_settings
 from .table import settings_table
 
@@ -56,6 +57,7 @@ class OverlapTelemetry:
 
     def __init__(self, run: Any = None, *, console: bool = True, prefix: str = "overlap") -> None:
         self.run, self.console, self.prefix = run, console, prefix
+        self._replay_seen = replay.totals()
 
     def log_settings(self, model: torch.nn.Module) -> list[dict[str, Any]]:
         """Print the per-pass table; to wandb, a table `<prefix>/settings` and the
@@ -83,8 +85,17 @@ class OverlapTelemetry:
 
     def log_step(self, step: int, extra: Optional[dict[str, Any]] = None) -> dict[str, Any]:
         """Counters since the last call (and reset them), merged with `extra` (which
-        wins on a clash); logged at `step`. Returns what was logged."""
+        wins on a clash); logged at `step`. Returns what was logged. Among them, how the
+        layer passes ran since the last call (`<prefix>/replay/...`: calls, replays,
+        captures, and replayed, the share issued as one graph launch each; passes that
+        ran eagerly paid the full host cost: first sightings, tensors that moved)."""
         metrics: dict[str, Any] = step_metrics(stats.snapshot(reset=True), self.prefix)
+        now = replay.totals()
+        delta = {k: now[k] - self._replay_seen.get(k, 0) for k in now}
+        self._replay_seen = now
+        metrics.update({f"{self.prefix}/replay/{k}": v for k, v in delta.items()})
+        if delta["calls"]:
+            metrics[f"{self.prefix}/replay/replayed"] = delta["replays"] / delta["calls"]
         metrics.update(extra or {})
         if self.run is not None:
             self.run.log(metrics, step=step)

@@ -99,6 +99,12 @@ def _replay_vs_eager(rank, world):
                 if key in got[-1]:
                     errs[(kind, variant, seq, key, "megatron")] = gpu.rel(got[-1][key], mega[key])
         counts[(kind, variant)] = {p: (g.replays, g.captures) for p, g in ours.pass_graphs.items()}
+        # every call counted, replayed or not: 3 token counts x (1 sizing forward + 4 steps
+        # replay on + 4 off) forwards, 3 x 8 backwards; what telemetry sums (replay.totals)
+        calls = {p: g.calls for p, g in ours.pass_graphs.items()}
+        assert calls == {"fprop": 27, "bwd": 24}, calls
+        total = replay.totals()
+        assert total["calls"] >= 51 and total["replays"] >= sum(c[0] for c in counts[(kind, variant)].values())
     ours.transport.check()
     return errs, counts
 
