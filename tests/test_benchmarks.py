@@ -210,23 +210,34 @@ def test_host_time_a_rank_ended_by_the_launcher_still_leaves_its_stacks(tmp_path
     assert "thread 0x" in stacks.lower() and "<string>" in stacks, stacks  # where it slept
 
 
-def test_tune_check_times_the_tuners_picks_cpu(tmp_path):
-    """benchmarks/tune_check.py rebuilds exactly the passes a tuner JSON chose (settings
-    included) and times them through the layer's pass functions; on CPU: functional only."""
-    import importlib.util
-
+def _small_tune(tmp_path, *flags: str) -> dict:
+    """A model-only tune of a tiny model (`flags` add to / override --tp 2); its JSON."""
     from megatron_overlap.cli import main
 
     search = tmp_path / "tune.json"
     assert main(["tune", "--hidden-size", "64", "--ffn-hidden-size", "128",
                  "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",
-                 "--tp", "2", "--measure", "model", "--yaml", str(tmp_path / "tune.yaml"),
+                 "--tp", "2", *flags, "--measure", "model", "--yaml", str(tmp_path / "tune.yaml"),
                  "--json", str(search), "--no-cache", "--wandb", "off", "--no-progress"]) == 0
-    doc = json.loads(search.read_text())
+    return json.loads(search.read_text())
+
+
+def _tune_check():
+    """benchmarks/tune_check.py as a module."""
+    import importlib.util
+
     spec = importlib.util.spec_from_file_location("tune_check", os.path.join(ROOT, "benchmarks",
                                                                              "tune_check.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tune_check_times_the_tuners_picks_cpu(tmp_path):
+    """benchmarks/tune_check.py rebuilds exactly the passes a tuner JSON chose (settings
+    included) and times them through the layer's pass functions; on CPU: functional only."""
+    doc, mod = _small_tune(tmp_path), _tune_check()
+    search = tmp_path / "tune.json"
     for row, trial in mod.chosen_trials(doc):  # the picked settings, exactly
         assert trial.candidate.to_dict() == row["settings"] and trial.name == row["pass"]
         assert trial.comm_moved == row["comm_moved"]
@@ -251,20 +262,7 @@ def test_tune_check_compares_each_side_with_its_own_monolithic_gemm(tmp_path, mo
     (the first trial of its shape and pass that measured one) and the measurement relative
     to the one timed beside it: a GPU that runs every GEMM 20% slower than during the tune
     leaves rel_ratio at 1 where ratio says 0.83."""
-    import importlib.util
-
-    from megatron_overlap.cli import main
-
-    search = tmp_path / "tune.json"
-    assert main(["tune", "--hidden-size", "64", "--ffn-hidden-size", "128",
-                 "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",
-                 "--tp", "2", "--measure", "model", "--yaml", str(tmp_path / "tune.yaml"),
-                 "--json", str(search), "--no-cache", "--wandb", "off", "--no-progress"]) == 0
-    doc = json.loads(search.read_text())
-    spec = importlib.util.spec_from_file_location("tune_check", os.path.join(ROOT, "benchmarks",
-                                                                             "tune_check.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    doc, mod = _small_tune(tmp_path), _tune_check()
     assert all(r["rel_ratio"] is None for r in mod.check(doc, "cpu", 1, 1))  # model-only: no monos
     seen = set()
     for t in doc["trials"]:  # as the one-GPU tuner writes them: the first of each size timed it
@@ -285,22 +283,9 @@ def test_tune_check_times_hierarchical_picks_in_their_ring_order(tmp_path, monke
     """A model-only tune whose TP group spans nodes (TP 4 on nodes of 2 GPUs: --gpus-per-node,
     LOCAL_WORLD_SIZE's role in a real run) picks hierarchical rings; tune_check hands their
     passes the ranks per node the tuner and the layer use, and the flat ones none."""
-    import importlib.util
-
-    from megatron_overlap.cli import main
     from megatron_overlap.simulate.passes import ring_order_of
 
-    search = tmp_path / "tune.json"
-    assert main(["tune", "--hidden-size", "64", "--ffn-hidden-size", "128",
-                 "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "1",
-                 "--tp", "4", "--gpus-per-node", "2", "--measure", "model",
-                 "--yaml", str(tmp_path / "tune.yaml"), "--json", str(search), "--no-cache",
-                 "--wandb", "off", "--no-progress"]) == 0
-    doc = json.loads(search.read_text())
-    spec = importlib.util.spec_from_file_location("tune_check", os.path.join(ROOT, "benchmarks",
-                                                                             "tune_check.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    doc, mod = _small_tune(tmp_path, "--tp", "4", "--gpus-per-node", "2"), _tune_check()
     seen = []
     real = mod.trial_pass
 
