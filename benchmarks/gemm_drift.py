@@ -2,11 +2,12 @@
 
 A tuner measures a pass's monolithic GEMM once and a check times the pass minutes
 later; if the GPU's speed for the same GEMM moves between the two, so does their
-ratio. On the H200 a large bf16 GEMM is power-bound: its time moves with the
-power and thermal state the GPU is in, and with the values multiplied (random
-normal operands draw more power than small or zero ones). This times one shape in
-each operand layout and with three kinds of values, in `--rounds` turns (each a
-median of `--reps` graphed calls, `tune.measure`'s timers), and prints each turn.
+ratio. This times one shape in each operand layout with three operand sets (random
+normal, random x 0.02, zeros), in `--rounds` turns (each a median of `--reps` graphed
+calls, `tune.measure`'s timers), and prints each turn: what stays with one set of
+tensors from turn to turn, and what differs between sets. On the H200 the sets differed
+by up to ~16% while each repeated within 1-9% (BENCHMARKS.md), in an order that another
+run did not reproduce.
 
     python benchmarks/gemm_drift.py --m 8192 --k 7168 --n 8192 --rounds 3 --out benchmarks/results/gemm_drift_h200.json
 """

@@ -188,9 +188,11 @@ def _pass_graphs(layers) -> list:
 
 
 def _counts(layers) -> tuple[int, int]:
-    """(replays, captures) made so far by `layers`' passes."""
+    """(replays, captures) made so far by `layers`' passes; replays: launches of a graph
+    captured at an earlier call (a capturing call is not one)."""
     pgs = _pass_graphs(layers)
-    return sum(pg.replays for pg in pgs), sum(pg.captures for pg in pgs)
+    captures = sum(pg.captures for pg in pgs)
+    return sum(pg.replays for pg in pgs) - captures, captures
 
 
 @contextlib.contextmanager
@@ -198,8 +200,7 @@ def _no_captures(layers):
     """No new capture inside a staggered turn: a capture can block its host on its own
     queued GPU work (seen on the H200 at TP=8: rank 0 stopped in `capture_end` while its
     queued replays waited on ranks asleep in the turn barrier), so a signature first
-    seen in a turn runs eagerly. The warm-up before a turn makes the same calls, so there
-    should be none (`_counts` shows it)."""
+    seen in a turn runs eagerly (`_counts` shows how many; `_settle` makes them rare)."""
     saved = [(pg, pg.capture_after) for pg in _pass_graphs(layers)]
     for pg, _ in saved:
         pg.capture_after = sys.maxsize
@@ -354,8 +355,7 @@ def time_chain(layers: dict, calls: tuple, inner: int, staggered: bool) -> dict:
     device = next(iter(layers.values())).weight.device
     _stage(f"chain ({'megatron' if not _pass_graphs(layers) else 'ours'}, "
            f"replay {'on' if replay.enabled() else 'off'}, {'staggered' if staggered else 'concurrent'})")
-    for _ in range(4):  # outputs alternate between two addresses: both signatures captured
-        bwd(fwd())
+    settled = _settle(layers, fwd, bwd, inner)
     _drained(device)
     f: list[float] = []
     b: list[float] = []
@@ -369,7 +369,27 @@ def time_chain(layers: dict, calls: tuple, inner: int, staggered: bool) -> dict:
     after = _counts(layers)
     per = lambda v: _median(v) and _median(v) / len(LAYERS)  # noqa: E731
     return dict(fwd_us=per(f), bwd_us=per(b), passes=len(f) * 2 * len(LAYERS) if f else 0,
-                replays=after[0] - before[0], captures=after[1] - before[1])
+                replays=after[0] - before[0], captures=after[1] - before[1], settled=settled)
+
+
+def _settle(layers, fwd, bwd, inner: int, rounds: int = 6) -> bool:
+    """Warm up with the timed loop's own pattern (`_b2b`: the previous output alive while
+    the next is allocated) until a round of `inner` calls captures nothing, at most
+    `rounds` rounds; True if one did (with replay off or no passes, at once). Every rank
+    makes the same number of calls (a pass's transfers pair up across ranks)."""
+    from megatron_overlap.overlap import replay
+
+    if not (replay.enabled() and _pass_graphs(layers)):  # nothing to capture: a short warm-up
+        _b2b(fwd, bwd, 4)
+        return True
+    for _ in range(rounds):
+        before = _counts(layers)[1]
+        _b2b(fwd, bwd, inner)
+        done = torch.tensor([float(_counts(layers)[1] == before)])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)  # on gloo: every rank agrees to stop
+        if done.item():
+            return True
+    return False
 
 
 def time_null(tokens: int, tp: int, hidden: int, dtype, device, reps: int) -> dict:
@@ -533,7 +553,9 @@ def report(meta: dict, rows: list) -> None:
             if c is None:  # runs before the chain existed
                 continue
             hits = "".join(f"  {how}: {c[how]['replays']}/{c[how]['passes']} replayed, "
-                           f"{c[how]['captures']} captured" for how in ("concurrent", "staggered")
+                           f"{c[how]['captures']} captured"
+                           + ("" if c[how].get("settled", True) else " (warm-up never settled)")
+                           for how in ("concurrent", "staggered")
                            if mode == "replay" and c[how].get("passes"))
             print(f"{r['tp']:3d} {mode:9s} {_us(c['concurrent']['fwd_us'], 9)} "
                   f"{_us(c['concurrent']['bwd_us'], 9)} {_us(c['staggered']['fwd_us'], 8)} "

@@ -20,7 +20,7 @@ from pathlib import Path
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ \|(.*)")
 FIELD = re.compile(r"\s*([a-z][a-z /()-]*?):\s*([-+0-9.eE]+|nan|inf)\s*\|", re.I)
 LAYERS = re.compile(r"MLM-PARITY-LAYERS (\{[^{}]*\})")  # ranks may print on one line
-REPLAYS = re.compile(r"MLM-REPLAYS (\{\"rank\": \d+, \"per_iter\": \[[\[\]0-9, ]*\]\})")
+REPLAYS = re.compile(r"MLM-REPLAYS (\{[^{}]*\})")
 
 
 def read(path: Path) -> dict:
@@ -98,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     for arm, log in (("on", on), ("second", off) if a.second_overlapped else (None, None)):
         if arm and log["replays"]:
             print(f"layer passes replayed / run per iteration ({arm}): " + "; ".join(
-                f"rank {r['rank']}: " + " ".join(f"{rep}/{calls}" for calls, rep, _ in r["per_iter"])
+                f"rank {r['rank']}: " + " ".join(f"{rep}/{calls}" for calls, rep, *_ in r["per_iter"])
+                + f" (captures {sum(it[2] for it in r['per_iter'])}"
+                + (f", evictions {sum(it[3] for it in r['per_iter'])}" if
+                   all(len(it) > 3 for it in r["per_iter"]) else "") + ")"
                 for r in log["replays"]))
     print("PARITY " + ("OK" if not errors else "FAILED: " + "; ".join(errors)), flush=True)
     if a.json:

@@ -17,7 +17,8 @@ library must not do:
 - At exit, each rank prints `MLM-PARITY-LAYERS {json}`: how many of our overlapped
   layers were built (benchmarks/megatron_lm_parity.py checks each arm's count), and
   `MLM-REPLAYS {json}`: per training iteration, how many layer passes ran, how many of
-  them replayed their CUDA graph, how many were captured (`overlap.replay.totals`).
+  them replayed a CUDA graph captured earlier, how many were captured, how many graphs
+  were evicted (`overlap.replay.totals`).
 
 TREE must come first on PYTHONPATH (the shim imports megatron before the entry point).
 """
@@ -34,7 +35,7 @@ from collections import Counter
 from typing import Any, Iterator
 
 BUILT: Counter = Counter()
-PER_ITER: list[list[int]] = []  # [calls, replays, captures] of each train_step
+PER_ITER: list[list[int]] = []  # [calls, replays, captures, evictions] of each train_step
 
 
 class _Done:
@@ -94,7 +95,7 @@ def _count_replays() -> None:
         before = replay.totals()
         out = step(*args, **kwargs)
         after = replay.totals()
-        PER_ITER.append([after[k] - before[k] for k in ("calls", "replays", "captures")])
+        PER_ITER.append([after[k] - before[k] for k in ("calls", "replays", "captures", "evictions")])
         return out
 
     training.train_step = train_step

@@ -33,6 +33,7 @@ import torch
 from megatron_overlap.comm import NullTransport
 from megatron_overlap.config import LayerSettings
 from megatron_overlap.simulate import Candidate, Layout, PassSpec, Shape, Trial
+from megatron_overlap.simulate.shapes import GEMM_LAYOUTS
 from megatron_overlap.tune.measure import gemm_operands
 from megatron_overlap.tune.passes import layout_nodes, trial_pass
 
@@ -86,37 +87,77 @@ def measure(trial: Trial, device: str, reps: int, rounds: int = 3) -> dict[str, 
     return out
 
 
-def tuner_mono_ms(doc: dict[str, Any], row: dict[str, Any]) -> float | None:
-    """The monolithic GEMM the tuner measured for this pass's shape and kind (each is timed
-    once, on the first trial of its size and layout, and shared by the others)."""
-    for t in doc.get("trials", ()):
-        if t["shape"] == row["shape"] and t["pass"] == row["pass"] and \
-                t.get("measured_mono_graph_ms"):
-            return t["measured_mono_graph_ms"]
-    return None
+def tuner_mono_ms(doc: dict[str, Any], trial: Trial) -> float | None:
+    """The tuner's monolithic GEMM for this pass: as its cost model takes it, the median of
+    every timing the tune holds of that GEMM size in that operand layout (each chunked
+    trial's measurement times it again); None for a model-only tune."""
+    layout = trial.spec.gemm_layout
+    times = [t["measured_mono_graph_ms"] for t in doc.get("trials", ())
+             if t.get("measured_mono_graph_ms") and tuple(t["gemm"]) == tuple(trial.spec.gemm)
+             and GEMM_LAYOUTS[t["pass"].rsplit("_", 1)[1]] == layout]
+    return statistics.median(times) if times else None
+
+
+def score(doc: dict[str, Any], row: dict[str, Any], trial: Trial, got: dict[str, float]) -> dict[str, Any]:
+    """One chosen pass's result row from what `measure` got. ratio: predicted / measured;
+    rel_ratio: the same with each side taken relative to its own monolithic GEMM (the
+    tuner's, and the one timed here in turns with the pass), which leaves out the GPU's
+    drift between the two runs (None where the tune file holds no monolithic timing: the
+    model-only tuner; or in eager launch mode)."""
+    mode = doc["layout"].get("mode", "graph")
+    measured = got["graph_ms"] if mode == "graph" else got["b2b_ms"]
+    t_mono = tuner_mono_ms(doc, trial)
+    rel = (row["compute_only_ms"] / t_mono) / (got["graph_ms"] / got["mono_ms"]) \
+        if t_mono and mode == "graph" else None
+    return {"shape": row["shape"], "pass": row["pass"], "label": row["label"],
+            "settings": row["settings"], "nodes": layout_nodes(trial),
+            "tune_mode": doc["mode"], "launch": mode,
+            "predicted_ms": row["compute_only_ms"], **{f"measured_{k}": v for k, v in got.items()},
+            "measured_ms": measured, "ratio": row["compute_only_ms"] / measured,
+            "tuner_mono_ms": t_mono, "rel_ratio": rel,
+            "chunked": row["settings"]["method"] not in ("bulk", "external")}
 
 
 def check(doc: dict[str, Any], device: str, reps: int, rounds: int = 3) -> list[dict[str, Any]]:
-    """One row per chosen pass. ratio: predicted / measured; rel_ratio: the same with each
-    side taken relative to its own monolithic GEMM (the tuner's, and the one timed here in
-    turns with the pass), which leaves out the GPU's drift between the two runs (None
-    where the tune file holds no monolithic timing: the model-only tuner)."""
-    mode = doc["layout"].get("mode", "graph")
-    rows = []
-    for row, trial in chosen_trials(doc):
-        got = measure(trial, device, reps, rounds)
-        measured = got["graph_ms"] if mode == "graph" else got["b2b_ms"]
-        t_mono = tuner_mono_ms(doc, row)
-        rel = (row["compute_only_ms"] / t_mono) / (got["graph_ms"] / got["mono_ms"]) \
-            if t_mono and mode == "graph" else None
-        rows.append({"shape": row["shape"], "pass": row["pass"], "label": row["label"],
-                     "settings": row["settings"], "nodes": layout_nodes(trial),
-                     "tune_mode": doc["mode"], "launch": mode,
-                     "predicted_ms": row["compute_only_ms"], **{f"measured_{k}": v
-                                                                for k, v in got.items()},
-                     "measured_ms": measured, "ratio": row["compute_only_ms"] / measured,
-                     "tuner_mono_ms": t_mono, "rel_ratio": rel})
-    return rows
+    """Every chosen pass of `doc` timed here (`measure`) and scored (`score`)."""
+    return [score(doc, row, trial, measure(trial, device, reps, rounds))
+            for row, trial in chosen_trials(doc)]
+
+
+def rescore(doc: dict[str, Any], earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of an earlier check of `doc`'s picks scored again from their measurements
+    (no GPU needed): for a change in how they are compared, not in what was measured."""
+    got = {(r["shape"], r["pass"]): {k[len("measured_"):]: v for k, v in r.items()
+                                     if k.startswith("measured_") and k != "measured_ms"}
+           for r in earlier}
+    return [score(doc, row, trial, got[(row["shape"], row["pass"])])
+            for row, trial in chosen_trials(doc) if (row["shape"], row["pass"]) in got]
+
+
+def report(rows: list[dict[str, Any]], head: str, out: str) -> None:
+    print(head)
+    print(f"{'shape':16s} {'pass':11s} {'picked':34s} {'predicted':>9s} {'measured':>9s} "
+          f"{'ratio':>6s} {'graph':>8s} {'b2b':>8s} {'mono tuner':>10s} {'mono here':>9s} "
+          f"{'rel ratio':>9s}")
+    for r in rows:
+        rel, tm = r["rel_ratio"], r["tuner_mono_ms"]
+        print(f"{r['shape']:16s} {r['pass']:11s} {r['label'][:34]:34s} {r['predicted_ms']:9.3f} "
+              f"{r['measured_ms']:9.3f} {r['ratio']:6.3f} {r['measured_graph_ms']:8.3f} "
+              f"{r['measured_b2b_ms']:8.3f} {tm if tm else float('nan'):10.3f} "
+              f"{r['measured_mono_ms']:9.3f} {rel if rel else float('nan'):9.3f}")
+    for key, chunked, what in (
+            ("ratio", None, "ratio = tuner's predicted compute side / measured (ms per call, the "
+             "tuner's launch mode)"),
+            ("rel_ratio", None, "rel ratio = the same, each relative to the monolithic GEMM timed "
+             "beside it (the tuner's; here, in turns with the pass)"),
+            ("rel_ratio", True, "rel ratio of the chunked passes alone (a bulk or external pass "
+             "is its monolithic GEMM: its rel ratio is ~1 by construction)")):
+        off = sorted(abs(r[key] - 1) for r in rows
+                     if r[key] is not None and chunked in (None, r["chunked"]))
+        if off:
+            print(f"{what}: |{key} - 1| median {statistics.median(off):.3f}, max {off[-1]:.3f}; "
+                  f"within 5%: {sum(o <= 0.05 for o in off)} of {len(off)}")
+    print(f"full results: {out}")
 
 
 def main() -> None:
@@ -128,45 +169,39 @@ def main() -> None:
                     help="turns of (pass, monolithic GEMM) timings, graphed")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--out", default="benchmarks/results/tune_check.json")
+    ap.add_argument("--rescore", metavar="JSON", help="score an earlier --out file of these tune "
+                    "files' picks again from its measurements (no GPU) and write it to --out")
     args = ap.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("tune_check.py: no CUDA GPU here (--device cpu: functional only)")
-    if args.device == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    rows, sources = [], []
+    docs = []
     for path in args.tune:
         with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-        sources.append({"file": path, "mode": doc["mode"], "command": doc.get("command"),
-                        "hardware": doc.get("hardware")})
-        rows += check(doc, args.device, args.reps, args.rounds)
-    dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    meta = {"device": dev, "torch": torch.__version__, "reps": args.reps,
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "functional_only": args.device == "cpu"}
+            docs.append((path, json.load(f)))
+    sources = [{"file": p, "mode": d["mode"], "command": d.get("command"),
+                "hardware": d.get("hardware")} for p, d in docs]
+    if args.rescore:
+        with open(args.rescore, encoding="utf-8") as f:
+            earlier = json.load(f)
+        rows = [r for _, d in docs for r in rescore(d, earlier["rows"])]
+        meta = {**earlier["meta"], "rescored": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "rescored_from": args.rescore}
+        head = f"{meta['device']}  rescored from {args.rescore} (measured {meta['date']})"
+    else:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("tune_check.py: no CUDA GPU here (--device cpu: functional only)")
+        if args.device == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+        rows = [r for _, d in docs for r in check(d, args.device, args.reps, args.rounds)]
+        dev = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+        meta = {"device": dev, "torch": torch.__version__, "reps": args.reps,
+                "rounds": args.rounds, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "functional_only": args.device == "cpu"}
+        head = f"{dev}  torch {torch.__version__}  {args.reps} reps"
+        if args.device == "cpu":
+            head = "FUNCTIONAL ONLY: CPU times say nothing about the GPU\n" + head
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump({"meta": meta, "tune": sources, "rows": rows}, f, indent=1)
-    if args.device == "cpu":
-        print("FUNCTIONAL ONLY: CPU times say nothing about the GPU")
-    print(f"{dev}  torch {torch.__version__}  {args.reps} reps")
-    print(f"{'shape':16s} {'pass':11s} {'picked':34s} {'predicted':>9s} {'measured':>9s} "
-          f"{'ratio':>6s} {'graph':>8s} {'b2b':>8s} {'mono tuner':>10s} {'mono here':>9s} "
-          f"{'rel ratio':>9s}")
-    for r in rows:
-        rel, tm = r["rel_ratio"], r["tuner_mono_ms"]
-        print(f"{r['shape']:16s} {r['pass']:11s} {r['label'][:34]:34s} {r['predicted_ms']:9.3f} "
-              f"{r['measured_ms']:9.3f} {r['ratio']:6.3f} {r['measured_graph_ms']:8.3f} "
-              f"{r['measured_b2b_ms']:8.3f} {tm if tm else float('nan'):10.3f} "
-              f"{r['measured_mono_ms']:9.3f} {rel if rel else float('nan'):9.3f}")
-    for key, what in (("ratio", "ratio = tuner's predicted compute side / measured (ms per call, "
-                       "the tuner's launch mode)"),
-                      ("rel_ratio", "rel ratio = the same, each relative to the monolithic GEMM "
-                       "timed beside it (the tuner's; here, in turns with the pass)")):
-        off = sorted(abs(r[key] - 1) for r in rows if r[key] is not None)
-        if off:
-            print(f"{what}: |{key} - 1| median {statistics.median(off):.3f}, max {off[-1]:.3f}; "
-                  f"within 5%: {sum(o <= 0.05 for o in off)} of {len(off)}")
-    print(f"full results: {args.out}")
+    report(rows, head, args.out)
 
 
 if __name__ == "__main__":

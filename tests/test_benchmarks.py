@@ -233,6 +233,32 @@ def _tune_check():
     return mod
 
 
+def test_host_time_turns_capture_nothing_and_count_replays_without_captures():
+    """host_time's staggered turns make no capture (a signature new there runs eagerly) and
+    put every pass's capture_after back, also when a call fails; its replay count leaves out
+    the capturing calls (PassGraphs.replays counts every graph launch)."""
+    import importlib.util
+
+    from megatron_overlap.overlap.replay import PassGraphs
+
+    spec = importlib.util.spec_from_file_location("host_time", os.path.join(ROOT, "benchmarks",
+                                                                            "host_time.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Layer:
+        pass_graphs = {"fprop": PassGraphs("qkv fprop"), "bwd": PassGraphs("qkv bwd")}
+
+    fprop = Layer.pass_graphs["fprop"]
+    fprop.replays, fprop.captures = 5, 2  # 2 capturing calls (each also launches), 3 replays
+    assert mod._counts({"qkv": Layer(), "megatron's": object()}) == (3, 2)
+    with pytest.raises(RuntimeError, match="a call failed"):
+        with mod._no_captures(Layer()):
+            assert {pg.capture_after for pg in Layer.pass_graphs.values()} == {sys.maxsize}
+            raise RuntimeError("a call failed")
+    assert {pg.capture_after for pg in Layer.pass_graphs.values()} == {2}
+
+
 def test_tune_check_times_the_tuners_picks_cpu(tmp_path):
     """benchmarks/tune_check.py rebuilds exactly the passes a tuner JSON chose (settings
     included) and times them through the layer's pass functions; on CPU: functional only."""
@@ -259,16 +285,19 @@ def test_tune_check_times_the_tuners_picks_cpu(tmp_path):
 
 def test_tune_check_compares_each_side_with_its_own_monolithic_gemm(tmp_path, monkeypatch):
     """rel_ratio takes the prediction relative to the tuner's monolithic GEMM of that pass
-    (the first trial of its shape and pass that measured one) and the measurement relative
-    to the one timed beside it: a GPU that runs every GEMM 20% slower than during the tune
-    leaves rel_ratio at 1 where ratio says 0.83."""
+    (the median of the tune's timings of that GEMM size and operand layout, as its cost
+    model takes it) and the measurement relative to the one timed beside it: a GPU that
+    runs every GEMM 20% slower than during the tune leaves rel_ratio at 1 where ratio says
+    0.83. A bulk or external pick is reported apart from the chunked ones."""
     doc, mod = _small_tune(tmp_path), _tune_check()
     assert all(r["rel_ratio"] is None for r in mod.check(doc, "cpu", 1, 1))  # model-only: no monos
-    seen = set()
-    for t in doc["trials"]:  # as the one-GPU tuner writes them: the first of each size timed it
-        if (t["shape"], t["pass"]) not in seen:
-            seen.add((t["shape"], t["pass"]))
-            t["measured_mono_graph_ms"] = 2.0
+    groups: dict = {}
+    for t in doc["trials"]:
+        groups.setdefault((tuple(t["gemm"]), t["pass"].rsplit("_", 1)[1]), []).append(t)
+    for trials in groups.values():  # timings of one GEMM whose median (2.0) is not the first
+        for t, ms in zip(trials, [1.0, 2.0, 9.0] if len(trials) >= 3 else [2.0]):
+            t["measured_mono_graph_ms"] = ms
+    assert any(len(trials) >= 3 for trials in groups.values())
     chosen = {(c["shape"], c["pass"]): c["compute_only_ms"] for c in doc["chosen"]}
     monkeypatch.setattr(mod, "measure", lambda trial, device, reps, rounds: {
         "graph_ms": 1.2 * chosen[(trial.spec.shape.name, trial.name)], "b2b_ms": 1.0,
@@ -277,6 +306,9 @@ def test_tune_check_compares_each_side_with_its_own_monolithic_gemm(tmp_path, mo
     assert rows and all(r["tuner_mono_ms"] == 2.0 for r in rows)
     for r in rows:
         assert r["ratio"] == pytest.approx(1 / 1.2) and r["rel_ratio"] == pytest.approx(1.0)
+        assert r["chunked"] == (r["settings"]["method"] not in ("bulk", "external"))
+    assert {r["chunked"] for r in rows} == {True, False}
+    assert mod.rescore(doc, rows) == rows  # scored again from its measurements alone
 
 
 def test_tune_check_times_hierarchical_picks_in_their_ring_order(tmp_path, monkeypatch):

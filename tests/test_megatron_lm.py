@@ -444,8 +444,8 @@ def _log(path: Path, arm: str, losses: list[str]) -> Path:
     built = ', "OverlapColumnParallelLinear": 8, "OverlapRowParallelLinear": 8' if arm == "on" else ""
     lines.append('MLM-PARITY-LAYERS {"rank": 0%s}' % built)
     if arm == "on":  # both ranks' notes on one line, as ranks sharing a terminal print them
-        lines.append('MLM-REPLAYS {"rank": 1, "per_iter": [[32, 0, 0], [32, 16, 16], [32, 32, 0]]}'
-                     'MLM-REPLAYS {"rank": 0, "per_iter": [[32, 0, 0], [32, 16, 16], [32, 31, 1]]}')
+        lines.append('MLM-REPLAYS {"rank": 1, "per_iter": [[32, 0, 0, 0], [32, 0, 16, 0], [32, 32, 0, 0]]}'
+                     'MLM-REPLAYS {"rank": 0, "per_iter": [[32, 0, 0, 0], [32, 0, 16, 0], [32, 30, 1, 1]]}')
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -461,8 +461,8 @@ def test_parity_check_of_two_logs(tmp_path, capsys):
     assert parity.main([str(on), str(off), "--iters", "3", "--label", "t"]) == 0
     out = capsys.readouterr().out
     assert "PARITY OK" in out
-    assert ("layer passes replayed / run per iteration (on): rank 0: 0/32 16/32 31/32; "
-            "rank 1: 0/32 16/32 32/32") in out
+    assert ("layer passes replayed / run per iteration (on): rank 0: 0/32 0/32 30/32 (captures 17, "
+            "evictions 1); rank 1: 0/32 0/32 32/32 (captures 16, evictions 0)") in out
     _log(on, "on", losses[:1] + ["8.912346E+00"] + losses[2:])
     assert parity.main([str(on), str(off), "--iters", "3"]) == 1
     assert "iteration 2: lm loss 8.912346E+00 (on) != 8.912345E+00 (off)" in capsys.readouterr().out

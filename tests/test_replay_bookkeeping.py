@@ -53,11 +53,18 @@ def test_second_sighting_captures_then_replays_and_re_emits_trace_and_stats():
     tp, x, out, calls = NullTransport(2), torch.ones(2, 3), torch.empty(4, 3), []
     graphs = _Recorded("qkv fprop")
     stats.snapshot(reset=True)
+    before = replay.totals()
     with trace.recording() as events:
         for _ in range(4):
             graphs.run(tp, _pass(tp, x, out, calls), (x, out))
     assert len(calls) == 2  # first sighting eager, second captured; then replays only
-    assert (graphs.captures, graphs.replays) == (1, 3)
+    assert (graphs.calls, graphs.captures, graphs.replays) == (4, 1, 3)  # launches: the capture's too
+    # the process's totals (telemetry's source): replays are launches of a graph captured at
+    # an earlier call, so the capturing call is not one; they outlive the pass's graphs
+    del graphs
+    after = replay.totals()
+    assert {k: after[k] - before[k] for k in after} == {"calls": 4, "replays": 2, "captures": 1,
+                                                         "evictions": 0}
     # every call, eager or replayed, is in the trace and the stats once
     assert [e.kind for e in events] == ["start", "wait"] * 4
     assert stats.snapshot()["qkv_fprop"]["transfers"] == 4

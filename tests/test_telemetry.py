@@ -202,7 +202,8 @@ def test_log_step_without_run(model):
         (2 * len(MODULES), 0, 0)
     assert m["ov/replay/replayed"] == 0.0
     assert tel.log_step(2) == {"ov/wait_ms_total": 0.0, "ov/bytes_total": 0, "ov/replay/calls": 0,
-                               "ov/replay/replays": 0, "ov/replay/captures": 0}  # counters were reset
+                               "ov/replay/replays": 0, "ov/replay/captures": 0,
+                               "ov/replay/evictions": 0}  # counters were reset
 
 
 def test_wandb_offline_round_trip(model, tmp_path, monkeypatch):

@@ -32,7 +32,6 @@ can take longer than its GEMMs run. A replay issues it in one launch.
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
 
@@ -43,7 +42,11 @@ from ..comm.transport import Transport
 
 _pools: dict[int, tuple] = {}  # device index -> (scratch pool, capture stream, keeper graph, its tensor)
 _enabled: Optional[bool] = None  # install(graphs=...) sets it; None: the environment's default
-_all: "weakref.WeakSet[PassGraphs]" = weakref.WeakSet()  # every live pass's graphs (`totals`)
+# every pass's calls in this process, never decremented (a layer freed keeps its share):
+# calls; replays, a launch of a graph captured at an earlier call; captures (that call
+# captures, then launches). Forwards count on the main thread, backwards on the autograd
+# engine's, which a training step does not run at the same time.
+_totals = {"calls": 0, "replays": 0, "captures": 0, "evictions": 0}
 log = logging.getLogger("megatron_overlap")
 
 
@@ -66,14 +69,12 @@ def set_enabled(value: Optional[bool]) -> Optional[bool]:
 
 
 def totals() -> dict[str, int]:
-    """Pass calls, replays and captures so far, summed over every live layer pass: how much
-    of a run issued its passes as one launch each (telemetry logs the per-step change)."""
-    out = {"calls": 0, "replays": 0, "captures": 0}
-    for pg in list(_all):
-        out["calls"] += pg.calls
-        out["replays"] += pg.replays
-        out["captures"] += pg.captures
-    return out
+    """Every layer pass's calls in this process so far: `calls`, `replays` (issued as one
+    launch of a graph captured at an earlier call) and `captures`; the rest of the calls
+    ran eagerly, paying the full host cost. `evictions`: graphs dropped for a pass's
+    `max_graphs` bound (a pass cycling through more signatures keeps recapturing).
+    Telemetry logs the per-step change."""
+    return dict(_totals)
 
 
 def _pool(dev: int) -> tuple:
@@ -127,11 +128,10 @@ class PassGraphs:
         self.off = off or None  # why this pass is never captured here (it runs eagerly)
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._seen: OrderedDict[tuple, int] = OrderedDict()
-        # calls: every run(); replays: those issued as one graph launch (a capture's own
-        # call included); the rest ran eagerly (first sightings, moved tensors, unusable)
+        # calls: every run(); replays: graph launches (a capture's own call included, unlike
+        # `totals`); the rest ran eagerly (first sightings, moved tensors, unusable)
         self.calls = self.replays = self.captures = 0
         self.failed: str | None = None  # why a capture failed: the pass then runs eagerly
-        _all.add(self)
 
     def run(self, tp: Transport, body: Callable[[], None],
             tensors: Sequence[Optional[torch.Tensor]], static: tuple = ()) -> None:
@@ -139,6 +139,7 @@ class PassGraphs:
         every host-side choice it makes that can change from call to call in `static`)
         eagerly, or as a replay of its graph."""
         self.calls += 1
+        _totals["calls"] += 1
         if self.failed is not None or not self._usable(tp, tensors):
             body()
             return
@@ -158,10 +159,13 @@ class PassGraphs:
                 body()
                 return
             self._graphs[key] = entry
+            _totals["captures"] += 1
             while len(self._graphs) > self.max_graphs:
                 self._graphs.popitem(last=False)
+                _totals["evictions"] += 1
         else:
             self._graphs.move_to_end(key)
+            _totals["replays"] += 1
         tp.check()
         entry.graph.replay()
         self.replays += 1
@@ -177,6 +181,7 @@ class PassGraphs:
         """Run `body` eagerly whatever is captured, counting it as a sighting of its
         signature (a pass whose host-side calls must be seen: `layers.agree`'s audit)."""
         self.calls += 1
+        _totals["calls"] += 1
         if self.failed is None and self._usable(tp, tensors):
             key = self._key(tp, tensors, static)
             if key not in self._graphs:

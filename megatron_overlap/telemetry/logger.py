@@ -87,8 +87,9 @@ class OverlapTelemetry:
         """Counters since the last call (and reset them), merged with `extra` (which
         wins on a clash); logged at `step`. Returns what was logged. Among them, how the
         layer passes ran since the last call (`<prefix>/replay/...`: calls, replays,
-        captures, and replayed, the share issued as one graph launch each; passes that
-        ran eagerly paid the full host cost: first sightings, tensors that moved)."""
+        captures, evictions, and replayed, the share issued as one launch of a graph
+        captured earlier; the other passes ran eagerly at the full host cost: first
+        sightings, tensors that moved; `overlap.replay.totals`)."""
         metrics: dict[str, Any] = step_metrics(stats.snapshot(reset=True), self.prefix)
         now = replay.totals()
         delta = {k: now[k] - self._replay_seen.get(k, 0) for k in now}

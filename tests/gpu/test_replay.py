@@ -62,6 +62,7 @@ def _replay_vs_eager(rank, world):
         ref, ours = ref.cuda(), ours.cuda()
         if fuse:
             ours.weight.main_grad = torch.zeros(ours.weight.shape, dtype=torch.float32, device="cuda")
+        before = replay.totals()
         for seq in (64, 32, 64):  # a new token count, then back to the first
             # Fixed buffers refilled with new values every step: a replay that left an
             # output unwritten, or read stale inputs, would not equal eager.
@@ -100,11 +101,16 @@ def _replay_vs_eager(rank, world):
                     errs[(kind, variant, seq, key, "megatron")] = gpu.rel(got[-1][key], mega[key])
         counts[(kind, variant)] = {p: (g.replays, g.captures) for p, g in ours.pass_graphs.items()}
         # every call counted, replayed or not: 3 token counts x (1 sizing forward + 4 steps
-        # replay on + 4 off) forwards, 3 x 8 backwards; what telemetry sums (replay.totals)
+        # replay on + 4 off) forwards, 3 x 8 backwards; the process's totals (telemetry's
+        # source) moved by exactly this layer's calls (Megatron's layer has no passes), its
+        # replays there being launches of a graph captured at an earlier call
         calls = {p: g.calls for p, g in ours.pass_graphs.items()}
         assert calls == {"fprop": 27, "bwd": 24}, calls
-        total = replay.totals()
-        assert total["calls"] >= 51 and total["replays"] >= sum(c[0] for c in counts[(kind, variant)].values())
+        after = replay.totals()
+        launched, captured = (sum(c[i] for c in counts[(kind, variant)].values()) for i in (0, 1))
+        assert {k: after[k] - before[k] for k in after} == \
+            {"calls": 51, "replays": launched - captured, "captures": captured, "evictions": 0}, \
+            (before, after)
     ours.transport.check()
     return errs, counts
 
