@@ -305,6 +305,7 @@ def time_layers(layers: dict, tokens: int, tp: int, hidden: int, dtype, device, 
                         prof.disable()
                 row[f"{p}_parts_us"], row[f"{p}_top"] = breakdown(prof, reps)
         layer.transport.check()
+        # graph launches per pass (PassGraphs.replays: a capturing call's launch included)
         row["replays"] = {p: g.replays for p, g in getattr(layer, "pass_graphs", {}).items()}
         res[name] = row
     return res
@@ -355,7 +356,7 @@ def time_chain(layers: dict, calls: tuple, inner: int, staggered: bool) -> dict:
     device = next(iter(layers.values())).weight.device
     _stage(f"chain ({'megatron' if not _pass_graphs(layers) else 'ours'}, "
            f"replay {'on' if replay.enabled() else 'off'}, {'staggered' if staggered else 'concurrent'})")
-    settled = _settle(layers, fwd, bwd, inner)
+    settled = _settle(layers, fwd, bwd, inner, device)
     _drained(device)
     f: list[float] = []
     b: list[float] = []
@@ -372,21 +373,27 @@ def time_chain(layers: dict, calls: tuple, inner: int, staggered: bool) -> dict:
                 replays=after[0] - before[0], captures=after[1] - before[1], settled=settled)
 
 
-def _settle(layers, fwd, bwd, inner: int, rounds: int = 6) -> bool:
+def _settle(layers, fwd, bwd, inner: int, device: torch.device, rounds: int = 6) -> bool:
     """Warm up with the timed loop's own pattern (`_b2b`: the previous output alive while
-    the next is allocated) until a round of `inner` calls captures nothing, at most
-    `rounds` rounds; True if one did (with replay off or no passes, at once). Every rank
-    makes the same number of calls (a pass's transfers pair up across ranks)."""
+    the next is allocated) until a round of `inner` calls is replays alone on every rank (a
+    signature first seen late in a round runs eagerly and captures nothing yet: only all
+    calls replayed says the addresses settled), at most `rounds` rounds; True if one was.
+    With replay off, or no passes of ours: a short warm-up. Every rank makes the same
+    number of calls (a pass's transfers pair up across ranks)."""
     from megatron_overlap.overlap import replay
 
-    if not (replay.enabled() and _pass_graphs(layers)):  # nothing to capture: a short warm-up
+    pgs = _pass_graphs(layers)
+    if not (replay.enabled() and pgs):  # nothing to capture
         _b2b(fwd, bwd, 4)
         return True
     for _ in range(rounds):
-        before = _counts(layers)[1]
+        calls, (replays, _) = sum(pg.calls for pg in pgs), _counts(layers)
         _b2b(fwd, bwd, inner)
-        done = torch.tensor([float(_counts(layers)[1] == before)])
-        dist.all_reduce(done, op=dist.ReduceOp.MIN)  # on gloo: every rank agrees to stop
+        all_replayed = _counts(layers)[0] - replays == sum(pg.calls for pg in pgs) - calls
+        # every rank agrees to stop (a tensor where the default group's backend takes one)
+        done = torch.tensor([float(all_replayed)],
+                            device=device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if done.item():
             return True
     return False
@@ -525,6 +532,12 @@ def _us(v: float | None, width: int) -> str:
     return f"{v:{width}.0f}" if v is not None else f"{'-':>{width}s}"
 
 
+def _replayed(arm: dict) -> int:
+    """An arm's replays without its capturing calls; files written before `settled` existed
+    counted a capturing call as a replay too."""
+    return arm["replays"] if "settled" in arm else arm["replays"] - arm["captures"]
+
+
 def report(meta: dict, rows: list) -> None:
     """Print the tables of one run (`meta`, `rows` as the --out file holds them)."""
     backend = meta["backend"]
@@ -539,7 +552,7 @@ def report(meta: dict, rows: list) -> None:
                 print(f"{r['tp']:3d} {name:6s} {mode:7s} {_us(v['fwd_us'], 7)} {_us(v['bwd_us'], 7)} "
                       f"{_us(v['fwd_b2b_us'], 8)} {_us(v['bwd_b2b_us'], 8)} "
                       f"{_us(v.get('fwd_staggered_us'), 8)} {_us(v.get('bwd_staggered_us'), 8)}  "
-                      f"replays {v.get('replays')}")
+                      f"graph launches {v.get('replays')}")
         for name, v in r.get("null", {}).items():
             print(f"{r['tp']:3d} null {name}: drained {v['drained_us']:.0f}, b2b {v['b2b_us']:.0f}"
                   + (f", replays {v['replays']}" if v.get("replays") is not None else ""))
@@ -552,7 +565,7 @@ def report(meta: dict, rows: list) -> None:
             c = r.get(f"chain_{mode}")
             if c is None:  # runs before the chain existed
                 continue
-            hits = "".join(f"  {how}: {c[how]['replays']}/{c[how]['passes']} replayed, "
+            hits = "".join(f"  {how}: {_replayed(c[how])}/{c[how]['passes']} replayed, "
                            f"{c[how]['captures']} captured"
                            + ("" if c[how].get("settled", True) else " (warm-up never settled)")
                            for how in ("concurrent", "staggered")

@@ -126,12 +126,21 @@ def check(doc: dict[str, Any], device: str, reps: int, rounds: int = 3) -> list[
 
 def rescore(doc: dict[str, Any], earlier: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The rows of an earlier check of `doc`'s picks scored again from their measurements
-    (no GPU needed): for a change in how they are compared, not in what was measured."""
-    got = {(r["shape"], r["pass"]): {k[len("measured_"):]: v for k, v in r.items()
-                                     if k.startswith("measured_") and k != "measured_ms"}
-           for r in earlier}
-    return [score(doc, row, trial, got[(row["shape"], row["pass"])])
-            for row, trial in chosen_trials(doc) if (row["shape"], row["pass"]) in got]
+    (no GPU needed): for a change in how they are compared, not in what was measured. A row
+    counts only where it timed exactly `doc`'s pick (same shape, pass and settings); a pick
+    with none is a ValueError (another tune's check, or a changed pick)."""
+    by_pick = {(r["shape"], r["pass"], json.dumps(r["settings"], sort_keys=True)): r
+               for r in earlier}
+    rows = []
+    for row, trial in chosen_trials(doc):
+        r = by_pick.get((row["shape"], row["pass"], json.dumps(row["settings"], sort_keys=True)))
+        if r is None:
+            raise ValueError(f"tune_check --rescore: no earlier row timed {row['shape']} "
+                             f"{row['pass']} with the picked settings ({row['label']})")
+        got = {k[len("measured_"):]: v for k, v in r.items()
+               if k.startswith("measured_") and k != "measured_ms"}
+        rows.append(score(doc, row, trial, got))
+    return rows
 
 
 def report(rows: list[dict[str, Any]], head: str, out: str) -> None:

@@ -309,6 +309,10 @@ def test_tune_check_compares_each_side_with_its_own_monolithic_gemm(tmp_path, mo
         assert r["chunked"] == (r["settings"]["method"] not in ("bulk", "external"))
     assert {r["chunked"] for r in rows} == {True, False}
     assert mod.rescore(doc, rows) == rows  # scored again from its measurements alone
+    changed = [dict(r, settings={**r["settings"], "num_splits": 99}) if i == 0 else r
+               for i, r in enumerate(rows)]
+    with pytest.raises(ValueError, match="no earlier row timed .* with the picked settings"):
+        mod.rescore(doc, changed)  # another pick's timing is never taken for this one
 
 
 def test_tune_check_times_hierarchical_picks_in_their_ring_order(tmp_path, monkeypatch):
