@@ -1,6 +1,6 @@
 """GEMM device time: measured where the calibration has the shape in the operand
-layout asked for (NT, NN, TN: `shapes.GEMM_LAYOUTS`; cuBLAS runs them at different
-speeds), a roofline with wave quantization otherwise (the roofline ignores the layout).
+layout asked for (NT, NN, TN: `shapes.GEMM_LAYOUTS`; cuBLAS may pick another kernel
+per layout), a roofline with wave quantization otherwise (the roofline ignores the layout).
 
 Why wave quantization: an overlapped schedule cuts one GEMM into row chunks,
 and a chunk's grid of output tiles rarely fills the SMs in whole waves; the

@@ -19,9 +19,10 @@ from ..config.names import COLUMN_BUFFERS as COLUMN
 # as the layer's functions (layers/functions.py) hand the operands to matmul: one letter per
 # operand, A then B. N: stored as it is multiplied (A a contiguous [m, k], B a contiguous
 # [k, n]); T: a transposed view of a contiguous tensor (A = [k, m].t(), B = [n, k].t()).
-# cuBLAS runs them at different speeds (H200, 70B TP=8 fc1: the NT GEMM 8-14% slower than
-# the dgrad's NN and the wgrad's TN), so a measured GEMM time is one layout's
-# (`tune.measure.gemm_operands` builds them; calibrations key by (m, k, n, layout)).
+# cuBLAS may pick another kernel per layout, so a measured GEMM time is kept as one layout's
+# (`tune.measure.gemm_operands` builds them; calibrations key by (m, k, n, layout)). On the
+# H200 the fc1-size GEMM ran NT, NN and TN within its own run-to-run spread (BENCHMARKS.md,
+# benchmarks/gemm_drift.py).
 GEMM_LAYOUTS = {
     "fprop": "NT",  # x @ weight.t(): weight [n, k]
     "dgrad": "NN",  # g @ weight: weight [k, n] for this GEMM

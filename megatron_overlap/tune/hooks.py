@@ -84,7 +84,7 @@ class ComputeSideMeasure:
     transport (e.g. num_sm, which holds nothing back there; the model applies the margin).
     The model then predicts each trial from its own timing alone. Monolithic GEMMs are
     timed once per shape and operand layout (the pass's `PassSpec.gemm_layout`: fprop NT,
-    dgrad NN, wgrad TN; cuBLAS runs them at different speeds), and the model takes each
+    dgrad NN, wgrad TN; cuBLAS may pick another kernel per layout), and the model takes each
     pass's monolithic GEMM (its bulk / external compute side, the non-overlapped baseline,
     the reference of its chunked timing's ratio) in that pass's own layout.
 

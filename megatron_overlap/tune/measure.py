@@ -6,7 +6,7 @@ against eager and CUDA-graph replay against replay, plus host time per call.
 benchmarks/compute_side.py and the tuner's one-GPU mode both time through here
 (the tuner its trials' layer passes, `measure_pass`). A monolithic GEMM is timed in
 the operand layout it is asked for (`gemm_operands`; a pass's is
-`PassSpec.gemm_layout`): cuBLAS runs NT, NN and TN at different speeds.
+`PassSpec.gemm_layout`): cuBLAS may pick another kernel for NT, NN and TN.
 """
 
 from __future__ import annotations
