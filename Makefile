@@ -21,9 +21,11 @@ setup: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
-# GPU tests: ranks sharing one GPU through torch symmetric memory (skipped without a GPU).
-test-gpu: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -rs tests/gpu
+# The whole GPU suite on a GPU machine (ranks sharing one GPU through torch symmetric
+# memory), spread over pytest-xdist workers: tests/gpu/suite.sh. PYTHON picks the
+# interpreter (this venv's: PYTHON=$(BIN)/python make test-gpu).
+test-gpu:
+	bash tests/gpu/suite.sh
 
 demo: $(STAMP)
 	$(BIN)/python examples/ab_overlap.py

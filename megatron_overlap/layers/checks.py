@@ -119,8 +119,8 @@ def empty_column(layer: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     return EmptyLinear.apply(x, weight, bias, out_rows, layer.gradient_accumulation_fusion)
 
 
-def empty_row(layer: Any, x: torch.Tensor):
-    """The row layer's output for no rows (before its bias): [s / tp (SP) or s, b, output_size]."""
+def empty_row(layer: Any, x: torch.Tensor, bias: torch.Tensor | None):
+    """The row layer's output for no rows: [s / tp (SP) or s, b, output_size]."""
     sp = layer.overlap_plan.sequence_parallel
     out_rows = x.shape[0] // layer.tp_group.size() if sp else x.shape[0]
-    return EmptyLinear.apply(x, layer.weight, None, out_rows, layer.gradient_accumulation_fusion)
+    return EmptyLinear.apply(x, layer.weight, bias, out_rows, layer.gradient_accumulation_fusion)

@@ -152,8 +152,11 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
         torch.sum(g, 0, out=grad_b)
 
 
-def row_fprop(x2, weight, out, plan: LayerPlan, tp: Transport, nodes) -> None:
-    """out = reduce_sp(x2 @ weight^T): reduce-scattered under SP, all-reduced otherwise."""
+def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes) -> None:
+    """out = reduce_sp(x2 @ weight^T) (+ bias, after the reduction, as Megatron adds it):
+    reduce-scattered under SP, all-reduced otherwise. The bias is added here, into the
+    pass's own output, so the layer returns that tensor: an add outside the pass would
+    allocate the result beside it and move the pass's output between calls (no replay)."""
     op, streams = begin(tp, plan, "fprop")
     s, sp = plan.fprop, plan.sequence_parallel
     if s is not None:
@@ -161,6 +164,8 @@ def row_fprop(x2, weight, out, plan: LayerPlan, tp: Transport, nodes) -> None:
                               scatter=sp, streams=streams, nodes=nodes, out=out)
     else:
         matmul_reduce_scatter(x2, weight, tp, "bulk", 1, op=op, scatter=sp, out=out)
+    if bias is not None:
+        out.add_(bias)
 
 
 def row_dgrad(g, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams, op: str):
@@ -188,14 +193,17 @@ def row_wgrad(g_full, x2, weight, grad_w, plan: LayerPlan, fuse: bool) -> None:
                 grad_w)
 
 
-def row_bwd(g, x2, weight, grad_in, grad_w, plan: LayerPlan, tp: Transport, nodes,
+def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transport, nodes,
             fuse: bool, wgrad: bool = True) -> None:
-    """grad_in and grad_w: the dgrad pass, then the wgrad pass (none for a frozen
-    weight, `wgrad=False`), in one transport pass."""
+    """grad_in, grad_w and grad_b (this rank's rows of g, summed: under SP Megatron's
+    finalize_model_grads sums the bias grad over the TP group): the dgrad pass, then the
+    wgrad pass (none for a frozen weight, `wgrad=False`), in one transport pass."""
     dname, streams = begin(tp, plan, "dgrad")
     g_full = row_dgrad(g, weight, grad_in, plan, tp, nodes, streams, dname)
     if wgrad:
         row_wgrad(g_full, x2, weight, grad_w, plan, fuse)
+    if grad_b is not None:
+        torch.sum(g, 0, out=grad_b)
 
 
 # -- autograd ------------------------------------------------------------------------------
@@ -260,20 +268,21 @@ class ColumnParallelMatmul(torch.autograd.Function):
 
 
 class RowParallelMatmul(torch.autograd.Function):
-    """Y = reduce_sp(X @ W^T). X: [s, b, k/tp]; Y: [s/tp or s, b, n]."""
+    """Y = reduce_sp(X @ W^T) (+ b). X: [s, b, k/tp]; Y: [s/tp or s, b, n]."""
 
     @staticmethod
-    def forward(ctx, x, weight, plan: LayerPlan, tp: Transport, fuse_wgrad: bool,
+    def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool,
                 layouts: dict | None = None, graphs: Graphs = None, audit=None):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs, ctx.audit = plan, tp, fuse_wgrad, graphs, audit
+        ctx.use_bias = bias is not None
         ctx.layouts = layouts = layouts or {}
         _save(ctx, x, weight)
         # SP reduce-scatters the sequence (the layer's door checked that TP divides it)
         seq = x.shape[0] // (tp.world_size if plan.sequence_parallel else 1)
         out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
         _run(graphs, "fprop", tp,
-             lambda: row_fprop(_flat(x), weight, _flat(out), plan, tp, layouts.get("fprop")),
-             x, weight, out, audit=audit)
+             lambda: row_fprop(_flat(x), weight, bias, _flat(out), plan, tp, layouts.get("fprop")),
+             x, weight, bias, out, audit=audit)
         return out
 
     @staticmethod
@@ -282,13 +291,14 @@ class RowParallelMatmul(torch.autograd.Function):
         plan, tp, fuse = ctx.plan, ctx.tp, ctx.fuse_wgrad
         wgrad = ctx.needs_input_grad[1]  # (the input needs its grad, or there is no backward)
         grad_in, grad_w = _grad_in(ctx, weight), grad_buffer(weight, grad_out, fuse, wgrad)
+        grad_b = grad_out.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
         _run(ctx.graphs, "bwd", tp,
-             lambda: row_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, plan, tp,
-                             ctx.layouts.get("dgrad"), fuse, wgrad),
-             grad_out, x, weight, grad_in, grad_w, main_grad_written(weight, fuse, wgrad),
+             lambda: row_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, grad_b, plan,
+                             tp, ctx.layouts.get("dgrad"), fuse, wgrad),
+             grad_out, x, weight, grad_in, grad_w, grad_b, main_grad_written(weight, fuse, wgrad),
              static=(wgrad,), audit=ctx.audit)
         grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
-        return grad_in, grad_w, None, None, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None
 
 
 # -- the last-dim gather / split around a layer (gather_output, a row's unsplit input) ----

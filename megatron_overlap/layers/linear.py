@@ -210,13 +210,12 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
         x = input_
         if not self.input_is_parallel and self.transport.world_size > 1:  # its grad's gather bounded
             x = ScatterLastDim.apply(input_, self.transport, self.overlap_plan.op_name("scatter_input"))
+        bias = None if self.skip_bias_add else self.bias  # added inside the pass (row_fprop)
         if checks.is_empty(x):
-            out = checks.empty_row(self, x)
+            out = checks.empty_row(self, x, bias)
         else:
             self._note_tokens(input_, full=True)
-            out = RowParallelMatmul.apply(x, w, self.overlap_plan, self.transport,
+            out = RowParallelMatmul.apply(x, w, bias, self.overlap_plan, self.transport,
                                           self.gradient_accumulation_fusion, self._layouts, self.pass_graphs,
                                           audit)
-        if self.skip_bias_add:
-            return out, self.bias
-        return (out + self.bias if self.bias is not None else out), None
+        return out, (self.bias if self.skip_bias_add else None)

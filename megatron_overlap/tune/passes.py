@@ -98,7 +98,7 @@ def trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype, *,
                            t.get("pending"), plan, tp, False)
     elif p == "fprop":
         t.update(x=rand(m, k), out=empty(m // w, n))
-        body = lambda: F.row_fprop(t["x"], t["weight"], t["out"], plan, tp, nodes)  # noqa: E731
+        body = lambda: F.row_fprop(t["x"], t["weight"], None, t["out"], plan, tp, nodes)  # noqa: E731
     elif p == "dgrad":
         t.update(g=rand(m // w, n), grad_in=empty(m, k))
 

@@ -140,7 +140,7 @@ def _run_layer(kind, x, w, g, plan, tp):
     if kind == "column":
         y = ColumnParallelMatmul.apply(x, w, None, plan, tp, False, False)
     else:
-        y = RowParallelMatmul.apply(x, w, plan, tp, False)
+        y = RowParallelMatmul.apply(x, w, None, plan, tp, False)
     y.backward(g)
     return dict(y=y.detach(), dx=x.grad, dw=w.grad)
 
@@ -213,7 +213,7 @@ def _graphed(rank, world):
             if kind == "column":
                 y = ColumnParallelMatmul.apply(sx, sw, None, plan, tp, False, False)
             else:
-                y = RowParallelMatmul.apply(sx, sw, plan, tp, False)
+                y = RowParallelMatmul.apply(sx, sw, None, plan, tp, False)
             y.backward(sg)
             return y
 

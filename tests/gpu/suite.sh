@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The whole GPU suite (tests/gpu) in one command, its tests spread over pytest-xdist
+# workers so that it ends well inside the GPU machine's 10 minutes per command (one
+# file at a time it took about 10). Ranks share the one GPU (torch symmetric memory,
+# gloo); the one-rank-per-GPU variants skip, saying so, where there is a single GPU.
+#
+#   make test-gpu                      # or: bash tests/gpu/suite.sh [pytest args]
+#
+# PYTHON: the interpreter (default python3); GPU_WORKERS: xdist workers (default 4);
+# GPU_SUITE_TIMEOUT: seconds for the whole run (default 540); OUT: where the log goes.
+# Wheels in .whl/ (../shared/device/wheels.sh: megatron-core, nvshmem4py, ...) are
+# installed into /tmp/site first, for a machine that has no megatron-core of its own.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-/tmp/gpu_suite}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 2
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# NVLink multicast stays off (shared hosts); nothing here needs it
+export NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0
+if ! "$PY" -c "import xdist, torch; assert torch.cuda.is_available()" 2>/dev/null; then
+  echo "tests/gpu/suite.sh: needs a CUDA GPU and pytest-xdist under $PY" >&2
+  exit 2
+fi
+git log -1 --format='HEAD %h %cd' --date=iso 2>/dev/null | tee "$OUT/gpu_suite.log"
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/gpu_suite.log"
+start=$(date +%s)
+timeout "${GPU_SUITE_TIMEOUT:-540}" "$PY" -m pytest -q -p no:cacheprovider -n "${GPU_WORKERS:-4}" \
+  --dist load -rfEs --durations=12 tests/gpu "$@" 2>&1 | tee -a "$OUT/gpu_suite.log"
+rc=${PIPESTATUS[0]}
+echo "tests/gpu/suite.sh: rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_suite.log"
+exit "$rc"
