@@ -1,6 +1,7 @@
-"""Optional dependencies of the tools, each installed by one extra of the package.
+"""Optional dependencies of the tools (and of FP8 in the layers: torchao), each
+installed by one extra of the package.
 
-The runtime needs torch and megatron-core alone; a tool that needs more imports it
+The runtime needs torch and megatron-core alone; a feature that needs more imports it
 through `require`, which names the extra when the module is missing:
 
     wandb = require("wandb", "OverlapTelemetry(run)")
@@ -15,7 +16,7 @@ import importlib
 from types import ModuleType
 
 # top-level module -> the extra (pyproject.toml [project.optional-dependencies]) that installs it
-EXTRAS: dict[str, str] = {"wandb": "wandb", "rich": "tools", "matplotlib": "ab"}
+EXTRAS: dict[str, str] = {"wandb": "wandb", "rich": "tools", "matplotlib": "ab", "torchao": "fp8"}
 
 
 class MissingExtra(ImportError):

@@ -1,6 +1,6 @@
 """The runtime imports with torch and megatron-core alone: wandb, rich and matplotlib
-are the tools' extras (pyproject.toml), and a tool that needs a missing one says
-which extra installs it. Each check runs in a fresh interpreter in which the extras
+are the tools' extras, torchao FP8's (pyproject.toml), and a feature that needs a
+missing one says which extra installs it. Each check runs in a fresh interpreter in which the extras
 cannot be imported."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXTRAS = ("wandb", "rich", "matplotlib")
+EXTRAS = ("wandb", "rich", "matplotlib", "torchao")
 
 # Makes every module of EXTRAS unimportable, as if never installed.
 BLOCKER = f"""
@@ -78,7 +78,8 @@ def test_tools_import_without_extras():
 
 
 @pytest.mark.parametrize("module,extra", [("wandb", "wandb"), ("rich.progress", "tools"),
-                                          ("matplotlib", "ab")])
+                                          ("matplotlib", "ab"),
+                                          ("torchao.float8.float8_utils", "fp8")])
 def test_require_names_the_extra(module, extra):
     code = f"""
 from megatron_overlap.extras import MissingExtra, require
@@ -94,6 +95,23 @@ else:
     top = module.partition(".")[0]
     assert proc.stdout.strip() == (f"the feature needs {top}, which is not installed: "
                                    f"pip install 'megatron-overlap[{extra}]'")
+
+
+def test_fp8_without_torchao_names_the_extra():
+    """The overlap layer imports without torchao; FP8 asks for it when it first runs."""
+    code = """
+import torch
+from megatron_overlap.extras import MissingExtra
+from megatron_overlap.overlap import fp8
+try:
+    fp8.amax(torch.ones(2))
+except MissingExtra as e:
+    print(e)
+"""
+    proc = _run(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == ("FP8 in the overlapped linears needs torchao, which is not "
+                                   "installed: pip install 'megatron-overlap[fp8]'")
 
 
 def test_tools_missing_an_extra_name_it(tmp_path):

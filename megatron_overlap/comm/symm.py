@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .heap import ALIGN, Buffer, HeapTransport
-from .transport import Handle, Peer, SendRecv
+from .transport import FLOAT8, Handle, Peer, SendRecv
 
 PASS_BARRIER, BULK_BARRIER, EXCHANGE = 0, 1, 2  # signal-pad channels
 
@@ -107,6 +107,8 @@ class SymmTransport(HeapTransport):
         if peer == self.rank:
             return t
         buf, offset = self._locate(t, op, "send destination")
+        if t.dtype in FLOAT8:  # the peer's bytes, seen as FP8 (a copy moves bytes alike)
+            return buf.handle.get_buffer(peer, tuple(t.shape), torch.uint8, offset).view(t.dtype)
         return buf.handle.get_buffer(peer, tuple(t.shape), t.dtype, offset // t.element_size())
 
     @contextlib.contextmanager

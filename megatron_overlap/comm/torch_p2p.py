@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from .transport import Handle, SendRecv, Transport
+from .transport import Handle, SendRecv, Transport, as_bytes
 
 
 class _Works(Handle):
@@ -50,13 +50,13 @@ class TorchP2PTransport(Transport):
         self._global = [dist.get_global_rank(group, r) for r in range(self.world_size)]
 
     def _start_exchange(self, sends, recvs: Sequence[SendRecv], op: str, chunk: int) -> Handle:
-        ops = [dist.P2POp(dist.isend, t, self._global[p], self.group) for t, p, _ in sends]
-        ops += [dist.P2POp(dist.irecv, t, self._global[p], self.group) for t, p in recvs]
+        ops = [dist.P2POp(dist.isend, as_bytes(t), self._global[p], self.group) for t, p, _ in sends]
+        ops += [dist.P2POp(dist.irecv, as_bytes(t), self._global[p], self.group) for t, p in recvs]
         return _Works(dist.batch_isend_irecv(ops) if ops else [], self.timeout)
 
     def _start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int) -> Handle:
-        return _Works([dist.all_gather_into_tensor(out, inp.contiguous(), group=self.group,
-                                                   async_op=True)], self.timeout)
+        return _Works([dist.all_gather_into_tensor(as_bytes(out), as_bytes(inp.contiguous()),
+                                                   group=self.group, async_op=True)], self.timeout)
 
     def _start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int
                               ) -> Handle:

@@ -31,6 +31,17 @@ SendRecv = tuple[torch.Tensor, Peer]
 Send = tuple[torch.Tensor, Peer] | tuple[torch.Tensor, Peer, torch.Tensor]
 
 
+# FP8 tensors are moved, never reduced: gathers and ring steps carry them as their bytes
+# (`as_bytes`), and a reduction of one is a ContractError (reductions stay in bf16 / fp32).
+FLOAT8 = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or for an FP8 tensor its uint8 view (same storage, same shape): gloo
+    takes no float8 dtype, and a transfer that moves bytes needs none."""
+    return t.view(torch.uint8) if t.dtype in FLOAT8 else t
+
+
 def default_timeout() -> datetime.timedelta:
     """How long a wait may block before it is a diagnosed failure, not a hang."""
     return datetime.timedelta(seconds=envvars.timeout_s())
@@ -142,12 +153,14 @@ class Transport(abc.ABC):
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, *, op: str, chunk: int = 0) -> Handle:
         """`out` receives the sum over ranks of this rank's row block of `inp`."""
         self.check()
+        self._no_fp8_sum(inp, op)
         return self._started(self._start_reduce_scatter(out, inp, op, chunk), op, chunk, "all ranks",
                              _nbytes(inp))
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str, chunk: int = 0) -> Handle:
         """`tensor` becomes the sum over ranks, in place."""
         self.check()
+        self._no_fp8_sum(tensor, op)
         return self._started(self._start_all_reduce(tensor, op, chunk), op, chunk, "all ranks", _nbytes(tensor))
 
     def workspace(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str
@@ -259,6 +272,12 @@ class Transport(abc.ABC):
         return self.name
 
     # -- helpers -------------------------------------------------------------------------
+    def _no_fp8_sum(self, t: torch.Tensor, op: str) -> None:
+        if t.dtype in FLOAT8:
+            raise ContractError(f"megatron_overlap[{self.name}]: '{op}': a reduction of a {t.dtype} "
+                                "tensor; FP8 is gathered, never summed: reduce the GEMM's "
+                                "bf16 / fp32 output")
+
     def _started(self, handle: Handle, op: str, chunk: int, peers, nbytes: int) -> Handle:
         via = self.via(peers)
         stats.started(op, nbytes)

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 
 from ..comm.transport import Transport
-from .gemm import Gemm, matmul
+from .gemm import Gemm, matmul, out_dtype
 from .streams import ChunkStreams, plain
 
 
@@ -46,7 +46,7 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     ([world * rows, k], valid until the transport's next pass), which is returned."""
     world, rank, rows = tp.world_size, tp.rank, x.shape[0]
     gathered = tp.workspace((world * rows, x.shape[1]), x.dtype, x.device)
-    out = x.new_empty(world * rows, w.shape[0]) if out is None else out
+    out = x.new_empty(world * rows, w.shape[0], dtype=out_dtype(gemm, x)) if out is None else out
     g_blocks, out_blocks, wt = gathered.split(rows), out.split(rows), w.t()  # views made once
     g_blocks[rank].copy_(x)
     steps = ring_steps(rank, world, aggregate)
@@ -79,7 +79,8 @@ def bulk(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     GEMM (`overlap.bulk.hide`; `config.names.BULK_HIDES`)."""
     gathered = x.new_empty(tp.world_size * x.shape[0], x.shape[1])
     tp.all_gather(gathered, x, op=op).wait()
-    out = x.new_empty(gathered.shape[0], w.shape[0]) if out is None else out
+    if out is None:
+        out = x.new_empty(gathered.shape[0], w.shape[0], dtype=out_dtype(gemm, x))
     gemm(gathered, w.t(), out, op=op)
     return out, gathered
 

@@ -18,6 +18,15 @@ class Gemm(Protocol):
         """`a @ b` (2-D, or 3-D batched), into `out` when given; returns the product."""
 
 
+def out_dtype(gemm: Gemm, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.dtype:
+    """The dtype of what `gemm` makes from `x`: `out`'s, else the GEMM's own `out_dtype`
+    (an FP8 GEMM outputs bf16 / fp32), else `x`'s. Schedules size their output,
+    partial-sum and receive buffers with it: a reduction never runs in FP8."""
+    if out is not None:
+        return out.dtype
+    return getattr(gemm, "out_dtype", None) or x.dtype
+
+
 def matmul(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *, op: str,
            chunk: int = 0) -> torch.Tensor:
     """cuBLAS (or the CPU's BLAS) through `torch.mm` / `torch.bmm`: the same kernels as

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 from ..comm.transport import Handle, Transport
-from .gemm import Gemm, matmul
+from .gemm import Gemm, matmul, out_dtype
 from .streams import ChunkStreams, plain
 
 def _check_rows(op: str, total: int, parts: int, what: str) -> int:
@@ -45,14 +45,15 @@ def pipeline(x: torch.Tensor, w: torch.Tensor, tp: Transport, num_splits: int, *
     else:
         sub = _check_rows(op, x.shape[0], num_splits, "pipeline chunks")
         x_chunks = x.split(sub)
-    out = x.new_empty(num_splits * sub, n) if out is None else out
+    dtype = out_dtype(gemm, x, out)  # the partial sums' (never FP8)
+    out = x.new_empty(num_splits * sub, n, dtype=dtype) if out is None else out
     out_chunks = out.view(num_splits, sub, n).unbind(0)
     handles: list[Handle] = []
     with streams or plain() as st:
         for i in range(num_splits):
             with st.chunk(i):
                 if scatter:
-                    part = tp.workspace((world, sub, n), x.dtype, x.device)
+                    part = tp.workspace((world, sub, n), dtype, x.device)
                     gemm(x_chunks[i], wt_batch, part, op=op, chunk=i)
                     handles.append(tp.reduce_scatter(out_chunks[i], part.view(world * sub, n),
                                                      op=op, chunk=i))
@@ -74,10 +75,11 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     world, rank, n = tp.world_size, tp.rank, w.shape[0]
     rows = _check_rows(op, x.shape[0], world, "TP ranks")
     blocks, wt = x.split(rows), w.t()
-    incoming = tp.workspace((max(world - 1, 1), rows, n), x.dtype, x.device).unbind(0)
+    dtype = out_dtype(gemm, x, out)  # the partial sums' (never FP8)
+    incoming = tp.workspace((max(world - 1, 1), rows, n), dtype, x.device).unbind(0)
     # running sums on the caller's stream (safe to hand back); the last one is the result
-    out = x.new_empty(rows, n) if out is None else out
-    accs = [*x.new_empty(world - 1, rows, n).unbind(0), out]
+    out = x.new_empty(rows, n, dtype=dtype) if out is None else out
+    accs = [*x.new_empty(world - 1, rows, n, dtype=dtype).unbind(0), out]
     handle = None
     with streams or plain() as st:
         for s in range(world):

@@ -28,7 +28,7 @@ import torch
 
 from ..comm.topology import Topology
 from ..comm.transport import Handle, Transport
-from .gemm import Gemm, matmul
+from .gemm import Gemm, matmul, out_dtype
 from .streams import ChunkStreams, plain
 
 Layout = Sequence[Sequence[int]]
@@ -140,7 +140,7 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes: La
     mine, size = nodes[me_n], len(nodes[me_n])
     others = partners(me_n, len(nodes))
     gathered = tp.workspace((world * rows, x.shape[1]), x.dtype, x.device)
-    out = x.new_empty(world * rows, w.shape[0]) if out is None else out
+    out = x.new_empty(world * rows, w.shape[0], dtype=out_dtype(gemm, x)) if out is None else out
     g, o, wt = gathered.split(rows), out.split(rows), w.t()
     g[rank].copy_(x)
     ring = dict(right=mine[(me_l + 1) % size], left=mine[(me_l - 1) % size], op=op, gemm=gemm)
@@ -195,10 +195,11 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes
     me_n, me_l = _position(nodes, rank)
     mine, size = nodes[me_n], len(nodes[me_n])
     blocks, wt = x.split(rows), w.t()
-    ring_in = tp.workspace((n_nodes, max(size - 1, 1), rows, n), x.dtype, x.device)
-    node_in = tp.workspace((n_nodes, rows, n), x.dtype, x.device).unbind(0)  # by sending node
-    accs = x.new_empty(n_nodes, size, rows, n)  # running sums, on the caller's stream
-    out = x.new_empty(rows, n) if out is None else out
+    dtype = out_dtype(gemm, x, out)  # the partial sums' (never FP8)
+    ring_in = tp.workspace((n_nodes, max(size - 1, 1), rows, n), dtype, x.device)
+    node_in = tp.workspace((n_nodes, rows, n), dtype, x.device).unbind(0)  # by sending node
+    accs = x.new_empty(n_nodes, size, rows, n, dtype=dtype)  # running sums, caller's stream
+    out = x.new_empty(rows, n, dtype=dtype) if out is None else out
     ring = dict(me_l=me_l, right=mine[(me_l + 1) % size], left=mine[(me_l - 1) % size], op=op,
                 gemm=gemm)
     inter: list[Handle] = []

@@ -1,0 +1,41 @@
+"""The FP8 reference of the tests, written independently of the schedules, the layers
+and torchao: a tensor is quantized whole, with plain torch ops (per-tensor current
+scaling: scale = fp8 max / amax, rounded from float64 to float32; the value scaled in
+fp32, saturated, cast), and a product is one whole-tensor `torch._scaled_mm`. Nothing
+here gathers, chunks or reduces: a test builds the whole tensor every rank's shard
+comes from, and sums the ranks' partial products itself."""
+
+from __future__ import annotations
+
+import torch
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def scale(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    amax = t.detach().abs().max().to(torch.float64)
+    return (torch.finfo(dtype).max / amax.clamp(min=1e-12)).to(torch.float32)
+
+
+def quantize(t: torch.Tensor, dtype: torch.dtype, s: torch.Tensor | None = None):
+    """(t in `dtype`, its scale); `s` given: with that scale (a shard of a tensor whose
+    scale is the whole tensor's)."""
+    s = scale(t, dtype) if s is None else s
+    m = torch.finfo(dtype).max
+    return (t.detach().to(torch.float32) * s).clamp(-m, m).to(dtype), s
+
+
+def mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor,
+       out_dtype: torch.dtype) -> torch.Tensor:
+    """a @ b of two quantized tensors (any layout; made row-major x column-major here)."""
+    return torch._scaled_mm(a8.contiguous(), b8.t().contiguous().t(), scale_a=sa.reciprocal(),
+                            scale_b=sb.reciprocal(), out_dtype=out_dtype)
+
+
+def dequantize(t8: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (t8.to(torch.float32) / s).to(dtype)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
