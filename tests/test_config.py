@@ -432,7 +432,8 @@ def test_effects_reasons(defaults):
     p2p = ring.effects("torch_p2p")
     assert p2p["num_sm"] == "no effect on torch_p2p: NCCL picks its own SMs"
     assert p2p["num_splits"] == "no effect: ring_exchange uses TP chunks"
-    assert p2p["fp8_buf"] == "no effect: no FP8 path"
+    assert p2p["fp8_buf"] == ("no effect: FP8 layers (config.fp8) gather FP8 and reduce bf16 "
+                              "regardless")
     assert p2p["aggregate"] == "active" and p2p["gemm_priority"] == "active"
     assert pipe.effects("symm")["num_sm"] == "active"
     assert pipe.effects("symm")["num_splits"] == "active"

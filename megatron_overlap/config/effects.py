@@ -25,7 +25,9 @@ ACTIVE = "active"
 CAPS: dict[str, BackendCaps] = {name: b.caps for name, b in REGISTRY.items()}
 # Keys no backend of this package honours (config.backends.BackendCaps says why).
 NO_ATOMIC = "no effect: atomic GEMM not implemented (always non-atomic)"
-NO_FP8 = "no effect: no FP8 path"
+# An FP8 layer (Megatron's config.fp8) quantizes what it gathers before the gather and
+# reduces in the output dtype, whatever fp8_buf says; a bf16 layer moves bf16.
+NO_FP8 = "no effect: FP8 layers (config.fp8) gather FP8 and reduce bf16 regardless"
 
 
 def caps_for(backend: str) -> BackendCaps:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..config import LayerSettings
+from ..config import ConfigError, LayerSettings
 from ..overlap import matmul
 from .functions import token_rows
 from .wgrad import grad_buffer, grad_for_autograd, weight_grad
@@ -58,12 +58,53 @@ def _splits(layer: Any, s: LayerSettings | None, rows: int, tp: int, where: str)
                     f"a sequence length x micro-batch size that {n} divides")
 
 
+def megatron_fallback(layer: Any) -> str:
+    """Why the layer runs Megatron's own forward whatever its plan says ('' when not)."""
+    if getattr(layer, "explicit_expert_comm", False):
+        return "explicit_expert_comm (MoE expert communication)"
+    if getattr(layer.config, "defer_embedding_wgrad_compute", False):
+        return "defer_embedding_wgrad_compute=True"
+    return ""
+
+
+def check_fp8_build(layer: Any) -> None:
+    """An FP8 layer, when it is built: torchao there, a forward of ours (Megatron's runs
+    bf16), and per-rank GEMM dimensions cuBLAS's FP8 GEMM takes (multiples of 16)."""
+    from ..overlap.fp8 import available
+
+    name, p = layer.overlap_plan.layer, layer.precision
+    available()  # MissingExtra naming the [fp8] extra
+    why = megatron_fallback(layer)
+    if why:
+        raise ConfigError(f"megatron_overlap: layer {name!r}: {why} makes the layer run "
+                          f"Megatron's own forward, which runs bf16, while the config asks for "
+                          f"{p.describe()}; turn {why.split('=')[0]} off or set fp8=None",
+                          layer=name, key="fp8", value=p.recipe)
+    n, k = layer.weight.shape
+    if n % 16 or k % 16:
+        raise ConfigError(f"megatron_overlap: layer {name!r}: {p.describe()} needs this rank's "
+                          f"weight dimensions to be multiples of 16 (cuBLAS's FP8 GEMM), got "
+                          f"{n} x {k}; pick hidden / FFN sizes (divided by TP) that 16 divides, "
+                          f"or set fp8=None", layer=name, key="fp8", value=p.recipe)
+
+
+def _fp8_tokens(layer: Any, tokens: int) -> None:
+    """An FP8 wgrad multiplies over the tokens: their count must be a multiple of 16."""
+    p = layer.precision
+    if p.fp8 and p.wgrad and layer.weight.requires_grad and tokens % 16:
+        raise _fail(layer, f"{p.describe()}: the wgrad GEMM runs over the {tokens} tokens "
+                    "(sequence x micro-batch) of the whole sequence, which cuBLAS's FP8 GEMM "
+                    "takes in multiples of 16", "pad the sequence so that 16 divides sequence "
+                    "x micro-batch, or set fp8_wgrad=False")
+
+
 def check_column(layer: Any, x: Any, weight: torch.Tensor) -> None:
     """OverlapColumnParallelLinear's input: [s/tp (SP) or s, b, input_size] or 2-D."""
     _common(layer, x, layer.input_size, weight)
     plan, tp = layer.overlap_plan, layer.tp_group.size()
     if plan.sequence_parallel and plan.rs_dgrad:
         _splits(layer, plan.dgrad, token_rows(x), tp, "the dgrad's reduce-scatter")
+    _fp8_tokens(layer, token_rows(x) * (tp if plan.sequence_parallel else 1))
 
 
 def check_row(layer: Any, x: Any) -> None:
@@ -80,6 +121,7 @@ def check_row(layer: Any, x: Any) -> None:
     rows = token_rows(x) // tp if plan.sequence_parallel else token_rows(x)
     _splits(layer, plan.fprop, rows, tp, "the forward's reduce-scatter" if plan.sequence_parallel
             else "the forward's all-reduce")
+    _fp8_tokens(layer, token_rows(x))
 
 
 def is_empty(x: torch.Tensor) -> bool:

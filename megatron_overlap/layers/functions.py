@@ -24,8 +24,10 @@ from ..config.effects import CAPS
 from ..overlap import all_gather_matmul, hide, matmul, matmul_reduce_scatter
 from ..overlap.replay import PassGraphs
 from ..overlap.streams import ChunkStreams, plain
+from .fp8 import Fp8Backward, Fp8Forward, col_major
 from .plan import LayerPlan
-from .wgrad import grad_buffer, grad_for_autograd, main_grad_written, weight_grad
+from .precision import Precision
+from .wgrad import accumulates, grad_buffer, grad_for_autograd, main_grad_written, weight_grad
 
 Graphs = Optional[dict[str, PassGraphs]]
 
@@ -75,53 +77,61 @@ def _gathered(x2: torch.Tensor, tp: Transport) -> torch.Tensor:
 
 
 # -- the passes: every tensor they touch is an argument --------------------------------------
-def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes) -> None:
-    """out = gather_sp(x2) @ weight^T (+ bias)."""
+def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
+                 q: Fp8Forward | None = None) -> None:
+    """out = gather_sp(x2) @ weight^T (+ bias). FP8 (`q`): x2 is quantized once, with the
+    TP group's amax under SP, and the gather moves FP8."""
     op, streams = begin(tp, plan, "fprop")
+    gemm = matmul
+    if q is not None:
+        x2, weight, gemm = q.operands(x2, weight, tp, op, plan.sequence_parallel, out.dtype)
     if plan.sequence_parallel and plan.fprop is not None:
         all_gather_matmul(x2, weight, tp, plan.fprop.method, op=op, aggregate=plan.fprop.aggregate,
-                          streams=streams, nodes=nodes, out=out)
+                          streams=streams, nodes=nodes, out=out, gemm=gemm)
     elif plan.sequence_parallel:
         full = _gathered(x2, tp)
         tp.all_gather(full, x2, op=op).wait()
-        matmul(full, weight.t(), out, op=op)
+        gemm(full, weight.t(), out, op=op)
     else:
-        matmul(x2, weight.t(), out, op=op)
+        gemm(x2, weight.t(), out, op=op)
     if bias is not None:
         out.add_(bias)
 
 
 def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams,
-                 op: str, allreduce_dgrad: bool, wgrad: bool = True):
+                 op: str, allreduce_dgrad: bool, wgrad: bool = True, gemm=matmul):
     """The column dgrad pass: g @ weight, with the input's all-gather (under SP, for the
     wgrad) hidden under it, or run beside its reduce-scatter into grad_in (rs_dgrad).
     Returns (the wgrad's input, what column_wgrad still reduces into grad_in or None).
-    `wgrad=False` (frozen weight): the gather, which only feeds the wgrad, is skipped."""
+    `wgrad=False` (frozen weight): the gather, which only feeds the wgrad, is skipped.
+    FP8: g and weight are FP8 (weight column-major), `gemm` their scaled GEMM, and x2
+    the forward's FP8 input when the wgrad runs in FP8 (then the gather moves FP8)."""
     gather = plan.sequence_parallel and wgrad
     full = _gathered(x2, tp) if gather else x2
     start = (lambda: tp.all_gather(full, x2, op=op)) if gather else None
     if plan.sequence_parallel and plan.rs_dgrad:
         handle = start and start()
         matmul_reduce_scatter(g, weight.t(), tp, plan.dgrad.method, plan.dgrad.splits(tp.world_size),
-                              op=op, streams=streams, nodes=nodes, out=grad_in)
+                              op=op, streams=streams, nodes=nodes, out=grad_in, gemm=gemm)
         if handle is not None:
             handle.wait()
         return full, None
     if plan.sequence_parallel:
         with (streams or plain()).margin_only():  # bulk: num_sm SMs short where set_sm_margin acts
-            dgrad = hide(start, lambda: matmul(g, weight, op=op), overlap=plan.dgrad is not None)
+            dgrad = hide(start, lambda: gemm(g, weight, op=op), overlap=plan.dgrad is not None)
         return full, dgrad
-    matmul(g, weight, grad_in, op=op)
+    gemm(g, weight, grad_in, op=op)
     return x2, (grad_in if allreduce_dgrad else None)
 
 
 def column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan: LayerPlan, tp: Transport,
-                 fuse: bool, wgrad: bool = True) -> None:
+                 fuse: bool, wgrad: bool = True, gemm=matmul, fp8: bool = False) -> None:
     """The column wgrad pass: grad_w = g^T @ inp (or into main_grad), the dgrad's reduction
     hidden under it: `pending` reduce-scattered into grad_in (SP), grad_in all-reduced
     (without SP, `pending` is grad_in), or nothing (None). `wgrad=False` (frozen weight):
     no GEMM to hide it under, so the reduction simply runs, named for the dgrad it
-    finishes (a diagnosis then names the pass that actually ran)."""
+    finishes (a diagnosis then names the pass that actually ran). `fp8`: g and inp are
+    FP8 (g laid out for the wgrad), `gemm` their scaled GEMM."""
     if not wgrad:
         if pending is not None:
             op = plan.op_name("dgrad")
@@ -135,83 +145,138 @@ def column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan: LayerPlan, tp: 
                  else (lambda: tp.all_reduce(grad_in, op=op)))
     streams = pass_streams(tp, plan.wgrad)[1].margin_only() if plan.wgrad is not None else plain()
     with streams:  # bulk: the GEMM held num_sm SMs short where set_sm_margin acts
-        hide(start, lambda: weight_grad(weight, g, inp, fuse, functools.partial(matmul, op=op),
-                                        grad_w), overlap=plan.wgrad is not None)
+        hide(start, lambda: weight_grad(weight, g, col_major(inp) if fp8 else inp, fuse,
+                                        functools.partial(gemm, op=op), grad_w),
+             overlap=plan.wgrad is not None)
+
+
+def _wgrad_dtype(weight, grad_w, fuse: bool) -> torch.dtype:
+    """What an FP8 wgrad GEMM outputs: main_grad's dtype where it accumulates there."""
+    return weight.main_grad.dtype if accumulates(weight, fuse) else grad_w.dtype
 
 
 def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transport, nodes,
-               fuse: bool, allreduce_dgrad: bool, wgrad: bool = True) -> None:
+               fuse: bool, allreduce_dgrad: bool, wgrad: bool = True,
+               q: Fp8Backward | None = None) -> None:
     """grad_in (reduce-scattered under SP, all-reduced when asked), grad_w (or main_grad;
     neither when `wgrad` is False: a frozen weight), grad_b: the dgrad pass, then the
-    wgrad pass, in one transport pass."""
+    wgrad pass, in one transport pass. FP8 (`q`): g is this rank's own, so its own amax;
+    the dgrad multiplies by the forward's FP8 weight; the wgrad runs in FP8 on the
+    gathered FP8 input (x2) when the recipe's fp8_wgrad says so."""
     dname, streams = begin(tp, plan, "dgrad")
-    inp, pending = column_dgrad(g, x2, weight, grad_in, plan, tp, nodes, streams, dname,
-                                allreduce_dgrad, wgrad)
-    column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan, tp, fuse, wgrad)
+    gd, wd, dgemm, gw, wgemm, fp8_w = g, weight, matmul, g, matmul, False
+    if q is not None:
+        gd, g_scale = q.grad(g)
+        w8t, dgemm = q.dgrad(g_scale, grad_in.dtype)
+        wd = w8t.t()
+        if q.p.wgrad and wgrad:
+            gw, fp8_w = col_major(gd), True
+            wgemm = q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse))
+    inp, pending = column_dgrad(gd, x2, wd, grad_in, plan, tp, nodes, streams, dname,
+                                allreduce_dgrad, wgrad, dgemm)
+    column_wgrad(gw, inp, weight, grad_w, grad_in, pending, plan, tp, fuse, wgrad, wgemm, fp8_w)
     if grad_b is not None:
         torch.sum(g, 0, out=grad_b)
 
 
-def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes) -> None:
+def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
+              q: Fp8Forward | None = None) -> None:
     """out = reduce_sp(x2 @ weight^T) (+ bias, after the reduction, as Megatron adds it):
     reduce-scattered under SP, all-reduced otherwise. The bias is added here, into the
     pass's own output, so the layer returns that tensor: an add outside the pass would
-    allocate the result beside it and move the pass's output between calls (no replay)."""
+    allocate the result beside it and move the pass's output between calls (no replay).
+    FP8 (`q`): x2 (this rank's own, never gathered) and the weight quantized, each with
+    its own amax; the partial products, and so the reduction, in out's dtype."""
     op, streams = begin(tp, plan, "fprop")
+    gemm = matmul
+    if q is not None:
+        x2, weight, gemm = q.operands(x2, weight, tp, op, False, out.dtype)
     s, sp = plan.fprop, plan.sequence_parallel
     if s is not None:
         matmul_reduce_scatter(x2, weight, tp, s.method, s.splits(tp.world_size), op=op,
-                              scatter=sp, streams=streams, nodes=nodes, out=out)
+                              scatter=sp, streams=streams, nodes=nodes, out=out, gemm=gemm)
     else:
-        matmul_reduce_scatter(x2, weight, tp, "bulk", 1, op=op, scatter=sp, out=out)
+        matmul_reduce_scatter(x2, weight, tp, "bulk", 1, op=op, scatter=sp, out=out, gemm=gemm)
     if bias is not None:
         out.add_(bias)
 
 
-def row_dgrad(g, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams, op: str):
+def row_dgrad(g, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams, op: str,
+              gemm=matmul):
     """The row dgrad pass: grad_in = gather_sp(g) @ weight, the gather hidden under it.
     Returns the gathered g, the wgrad's input (with overlap the transport's workspace:
-    valid within this transport pass)."""
+    valid within this transport pass). FP8: g and weight FP8 (weight column-major),
+    `gemm` their scaled GEMM: the gather moves FP8."""
     if plan.sequence_parallel and plan.dgrad is not None:
         _, g_full = all_gather_matmul(g, weight.t(), tp, plan.dgrad.method, op=op,
                                       aggregate=plan.dgrad.aggregate, streams=streams,
-                                      nodes=nodes, out=grad_in)
+                                      nodes=nodes, out=grad_in, gemm=gemm)
         return g_full
     if plan.sequence_parallel:
         g_full = _gathered(g, tp)
         tp.all_gather(g_full, g, op=op).wait()
-        matmul(g_full, weight, grad_in, op=op)
+        gemm(g_full, weight, grad_in, op=op)
         return g_full
-    matmul(g, weight, grad_in, op=op)
+    gemm(g, weight, grad_in, op=op)
     return g
 
 
-def row_wgrad(g_full, x2, weight, grad_w, plan: LayerPlan, fuse: bool) -> None:
+def row_wgrad(g_full, x2, weight, grad_w, plan: LayerPlan, fuse: bool, gemm=matmul) -> None:
     """The row wgrad pass: grad_w = g_full^T @ x2 on the dgrad's gathered gradient; no
     communication of its own ("external")."""
-    weight_grad(weight, g_full, x2, fuse, functools.partial(matmul, op=plan.op_name("wgrad")),
+    weight_grad(weight, g_full, x2, fuse, functools.partial(gemm, op=plan.op_name("wgrad")),
                 grad_w)
 
 
 def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transport, nodes,
-            fuse: bool, wgrad: bool = True) -> None:
+            fuse: bool, wgrad: bool = True, q: Fp8Backward | None = None) -> None:
     """grad_in, grad_w and grad_b (this rank's rows of g, summed: under SP Megatron's
     finalize_model_grads sums the bias grad over the TP group): the dgrad pass, then the
-    wgrad pass (none for a frozen weight, `wgrad=False`), in one transport pass."""
+    wgrad pass (none for a frozen weight, `wgrad=False`), in one transport pass.
+    FP8 (`q`): g quantized once, with the TP group's amax under SP (it is gathered); the
+    wgrad reuses the gathered FP8 g with the forward's FP8 input (x2) when fp8_wgrad is
+    on, else it runs in the parameters' dtype on g_full dequantized (what the dgrad saw)."""
     dname, streams = begin(tp, plan, "dgrad")
-    g_full = row_dgrad(g, weight, grad_in, plan, tp, nodes, streams, dname)
-    if wgrad:
-        row_wgrad(g_full, x2, weight, grad_w, plan, fuse)
+    if q is None:
+        g_full = row_dgrad(g, weight, grad_in, plan, tp, nodes, streams, dname)
+        if wgrad:
+            row_wgrad(g_full, x2, weight, grad_w, plan, fuse)
+    else:
+        g8, g_scale = q.grad(g, tp if plan.sequence_parallel else None, dname)
+        w8t, dgemm = q.dgrad(g_scale, grad_in.dtype)
+        g_full = row_dgrad(g8, w8t.t(), grad_in, plan, tp, nodes, streams, dname, dgemm)
+        if wgrad and q.p.wgrad:
+            row_wgrad(col_major(g_full), col_major(x2), weight, grad_w, plan, fuse,
+                      q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse)))
+        elif wgrad:
+            row_wgrad((g_full.float() / g_scale).to(x2.dtype), x2, weight, grad_w, plan, fuse)
     if grad_b is not None:
         torch.sum(g, 0, out=grad_b)
 
 
 # -- autograd ------------------------------------------------------------------------------
-def _save(ctx, x: torch.Tensor, weight: torch.Tensor) -> None:
+def _fp8_forward(precision: Optional[Precision], x: torch.Tensor, weight: torch.Tensor
+                 ) -> Optional[Fp8Forward]:
+    return Fp8Forward(precision, _flat(x), weight) if precision is not None and precision.fp8 else None
+
+
+def _save(ctx, x: torch.Tensor, weight: torch.Tensor, q: Optional[Fp8Forward] = None) -> None:
     """Save what the backward reads. The input feeds only the wgrad, so a frozen weight's
-    layer keeps no activation (as Megatron's frozen path), only the input's shape."""
+    layer keeps no activation (as Megatron's frozen path), only the input's shape. FP8:
+    the forward's FP8 weight and scales, and its FP8 input in place of the input when
+    the wgrad runs in FP8 (half the bytes kept, and gathered, under SP)."""
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-    ctx.save_for_backward(x if weight.requires_grad else None, weight)
+    ctx.precision = None if q is None else q.p
+    keep = (q.x8 if q is not None and q.p.wgrad else x) if weight.requires_grad else None
+    extra = (None, None, None) if q is None else (q.w8, q.w_scale, q.x_scale)
+    ctx.save_for_backward(keep, weight, *extra)
+
+
+def _saved(ctx):
+    """(input or FP8 input, weight, the backward's Fp8Backward or None)."""
+    x, weight, w8, w_scale, x_scale = ctx.saved_tensors
+    q = None if ctx.precision is None else Fp8Backward(ctx.precision, w8, w_scale, x_scale)
+    return x, weight, q
 
 
 def _grad_in(ctx, weight: torch.Tensor) -> torch.Tensor:
@@ -234,37 +299,40 @@ class ColumnParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool, allreduce_dgrad: bool,
-                layouts: dict | None = None, graphs: Graphs = None, audit=None):
+                layouts: dict | None = None, graphs: Graphs = None, audit=None,
+                precision: Optional[Precision] = None):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.allreduce_dgrad = plan, tp, fuse_wgrad, allreduce_dgrad
         ctx.layouts = layouts = layouts or {}
         ctx.graphs, ctx.use_bias, ctx.audit = graphs, bias is not None, audit
-        _save(ctx, x, weight)
+        q = _fp8_forward(precision, x, weight)
+        _save(ctx, x, weight, q)
         # the output in its final shape (no host-side view after a replay): SP gathers the sequence
         seq = x.shape[0] * (tp.world_size if plan.sequence_parallel else 1)
         out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
         _run(graphs, "fprop", tp,
-             lambda: column_fprop(_flat(x), weight, bias, _flat(out), plan, tp, layouts.get("fprop")),
-             x, weight, bias, out, audit=audit)
+             lambda: column_fprop(_flat(x), weight, bias, _flat(out), plan, tp, layouts.get("fprop"), q),
+             x, weight, bias, out, *(q.tensors() if q is not None else ()), audit=audit)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, weight, q = _saved(ctx)
         plan, tp, fuse = ctx.plan, ctx.tp, ctx.fuse_wgrad
         need_in, wgrad, need_b = ctx.needs_input_grad[:3]
         if not (need_in or wgrad):  # frozen weight, input without grad: only a bias trains
             grad_b = _flat(grad_out).sum(0) if need_b else None
-            return None, None, grad_b, None, None, None, None, None, None, None
+            return None, None, grad_b, None, None, None, None, None, None, None, None
         grad_in, grad_w = _grad_in(ctx, weight), grad_buffer(weight, grad_out, fuse, wgrad)
         grad_b = grad_out.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
         # whether the wgrad runs changes what the pass issues: part of its replay key
         _run(ctx.graphs, "bwd", tp,
              lambda: column_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, grad_b,
-                                plan, tp, ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad, wgrad),
+                                plan, tp, ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad, wgrad, q),
              grad_out, x, weight, grad_in, grad_w, grad_b, main_grad_written(weight, fuse, wgrad),
-             static=(ctx.allreduce_dgrad, wgrad), audit=ctx.audit)
+             *(q.tensors() if q is not None else ()), static=(ctx.allreduce_dgrad, wgrad),
+             audit=ctx.audit)
         grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
-        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 class RowParallelMatmul(torch.autograd.Function):
@@ -272,33 +340,35 @@ class RowParallelMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool,
-                layouts: dict | None = None, graphs: Graphs = None, audit=None):
+                layouts: dict | None = None, graphs: Graphs = None, audit=None,
+                precision: Optional[Precision] = None):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs, ctx.audit = plan, tp, fuse_wgrad, graphs, audit
         ctx.use_bias = bias is not None
         ctx.layouts = layouts = layouts or {}
-        _save(ctx, x, weight)
+        q = _fp8_forward(precision, x, weight)
+        _save(ctx, x, weight, q)
         # SP reduce-scatters the sequence (the layer's door checked that TP divides it)
         seq = x.shape[0] // (tp.world_size if plan.sequence_parallel else 1)
         out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
         _run(graphs, "fprop", tp,
-             lambda: row_fprop(_flat(x), weight, bias, _flat(out), plan, tp, layouts.get("fprop")),
-             x, weight, bias, out, audit=audit)
+             lambda: row_fprop(_flat(x), weight, bias, _flat(out), plan, tp, layouts.get("fprop"), q),
+             x, weight, bias, out, *(q.tensors() if q is not None else ()), audit=audit)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
+        x, weight, q = _saved(ctx)
         plan, tp, fuse = ctx.plan, ctx.tp, ctx.fuse_wgrad
         wgrad = ctx.needs_input_grad[1]  # (the input needs its grad, or there is no backward)
         grad_in, grad_w = _grad_in(ctx, weight), grad_buffer(weight, grad_out, fuse, wgrad)
         grad_b = grad_out.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
         _run(ctx.graphs, "bwd", tp,
              lambda: row_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, grad_b, plan,
-                             tp, ctx.layouts.get("dgrad"), fuse, wgrad),
+                             tp, ctx.layouts.get("dgrad"), fuse, wgrad, q),
              grad_out, x, weight, grad_in, grad_w, grad_b, main_grad_written(weight, fuse, wgrad),
-             static=(wgrad,), audit=ctx.audit)
+             *(q.tensors() if q is not None else ()), static=(wgrad,), audit=ctx.audit)
         grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
-        return grad_in, grad_w, grad_b, None, None, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 # -- the last-dim gather / split around a layer (gather_output, a row's unsplit input) ----

@@ -25,6 +25,7 @@ from ..config import state
 from ..overlap.hierarchical import RingOrder
 from ..overlap.replay import PassGraphs
 from . import agree, checks
+from .precision import layer_precision, enclosing_layer_number
 from .graphs import megatron_graphs
 from .functions import (ColumnParallelMatmul, GatherLastDim, RowParallelMatmul, ScatterLastDim,
                         token_rows)
@@ -68,6 +69,11 @@ class _OverlapMixin:
             is_expert=is_expert, settings=st.settings, rs_dgrad_settings=st.rs_dgrad_settings,
             layer=name)
         self.overlap_backend = st.backend
+        # bf16 or an FP8 recipe, from Megatron's own fp8 fields; refused here if it cannot run
+        self.precision = layer_precision(self.config, self.overlap_plan.layer,
+                                         enclosing_layer_number())
+        if self.precision.fp8:
+            checks.check_fp8_build(self)
         self._transport = None
         self._orders: dict[str, RingOrder] | None = None
         self._max_tokens = 0  # largest [sequence x batch] seen, across the TP group
@@ -122,8 +128,9 @@ class _OverlapMixin:
         out at the first call and kept. Frozen weights run our path too (the backward
         skips the wgrad): Megatron's frozen path would wait on its own, unbounded
         collectives."""
-        fallback = (getattr(self, "explicit_expert_comm", False)
-                    or getattr(self.config, "defer_embedding_wgrad_compute", False))
+        if self.precision.fp8:  # Megatron's forward would run bf16: ours runs even unoverlapped
+            return False
+        fallback = checks.megatron_fallback(self)
         missing_apex = self.gradient_accumulation_fusion and not HAVE_APEX_WGRAD
         return (fallback or not self.overlap_plan.enabled) and not missing_apex
 
@@ -132,17 +139,30 @@ class _OverlapMixin:
         if tokens > self._max_tokens:  # (nn.Module attribute writes are slow: only on change)
             self._max_tokens, self._elem = tokens, x.element_size()
 
+    def _moved_elem(self, pass_name: str, es: int) -> int:
+        """Bytes per element a pass moves: 1 for what an FP8 layer gathers (the column
+        forward's input, the column dgrad's gather of the FP8 input for an FP8 wgrad, the
+        row dgrad's gradient), else the activations' (reductions stay in their dtype)."""
+        p, column = self.precision, isinstance(self, ColumnParallelLinear)
+        if not p.fp8:
+            return es
+        gathers = {"fprop": column, "wgrad": False,
+                   "dgrad": (not column) or (p.wgrad and not self.overlap_plan.rs_dgrad)}
+        return 1 if gathers[pass_name] else es
+
     def overlap_rows(self) -> list[dict]:
         """This layer's effective per-pass settings (console table, wandb), with the
         bytes of the communication buffer each pass used at the largest token count
-        seen so far (0 before the first forward)."""
+        seen so far (0 before the first forward), and the layer's precision."""
         t, es = self._max_tokens, getattr(self, "_elem", 0)
         width = self.input_size if isinstance(self, ColumnParallelLinear) else self.output_size
-        per_pass = {"fprop": t * width * es, "dgrad": t * width * es,
-                    "wgrad": t * width * es if isinstance(self, ColumnParallelLinear) else 0}
+        per_pass = {p: t * width * self._moved_elem(p, es) for p in ("fprop", "dgrad", "wgrad")}
+        if not isinstance(self, ColumnParallelLinear):
+            per_pass["wgrad"] = 0
         tp = self.transport
-        return self.overlap_plan.rows(tp.world_size, tp.name, per_pass, backends=tp.backends,
+        rows = self.overlap_plan.rows(tp.world_size, tp.name, per_pass, backends=tp.backends,
                                       orders=self.ring_orders, transport=comm.describe_peers(tp))
+        return [{**r, "precision": self.precision.describe()} for r in rows]
 
 
 class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
@@ -183,7 +203,7 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
             self._note_tokens(input_, full=not self.sequence_parallel)
             out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
                                              self.gradient_accumulation_fusion, self._allreduce_dgrad,
-                                             self._layouts, self.pass_graphs, audit)
+                                             self._layouts, self.pass_graphs, audit, self.precision)
         if gather and self.transport.world_size > 1:  # bounded, unlike Megatron's gather
             out = GatherLastDim.apply(out, self.transport, self.overlap_plan.op_name("gather_output"))
         return out, (self.bias if self.skip_bias_add else None)
@@ -217,5 +237,5 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
             self._note_tokens(input_, full=True)
             out = RowParallelMatmul.apply(x, w, bias, self.overlap_plan, self.transport,
                                           self.gradient_accumulation_fusion, self._layouts, self.pass_graphs,
-                                          audit)
+                                          audit, self.precision)
         return out, (self.bias if self.skip_bias_add else None)

@@ -13,6 +13,8 @@ from typing import Callable, Optional
 
 import torch
 
+from ..comm.transport import FLOAT8
+
 try:  # apex's CUDA extension; optional
     import fused_weight_gradient_mlp_cuda as _apex_wgrad  # type: ignore
 except ImportError:  # pragma: no cover - depends on the machine
@@ -31,11 +33,16 @@ def accumulates(weight: torch.Tensor, fuse: bool) -> bool:
 def weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor, fuse: bool,
                 gemm: GemmInto, out: Optional[torch.Tensor] = None) -> None:
     """dW = grad_out^T @ inp, into `out`, or accumulated into weight.main_grad when
-    `accumulates(weight, fuse)` (then `out` is unused)."""
+    `accumulates(weight, fuse)` (then `out` is unused). FP8 operands go to `gemm` (a
+    scaled GEMM whose output dtype is main_grad's) as they are: grad_out laid out so its
+    transpose is row-major, inp column-major."""
     if not accumulates(weight, fuse):
         gemm(grad_out.t(), inp, out)
         return
     main_grad = weight.main_grad
+    if grad_out.dtype in FLOAT8:  # FP8 operands: the scaled GEMM outputs main_grad's dtype
+        main_grad.add_(gemm(grad_out.t(), inp))
+        return
     if _apex_wgrad is not None and main_grad.is_cuda:
         kernel = (_apex_wgrad.wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32
                   else _apex_wgrad.wgrad_gemm_accum_fp16)

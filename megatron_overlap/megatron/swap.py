@@ -8,7 +8,11 @@ model comes from (the local spec, a spec built before install(), a user's own),
 and however megatron-core 0.14-0.19 instantiates submodules (build_module or a
 direct call). Megatron's own output layer, MoE experts and any layer without one
 of those buffer names are left alone. Also `overlap_layer_spec(spec)`, for users
-who prefer to put the classes into their spec explicitly."""
+who prefer to put the classes into their spec explicitly.
+
+`TransformerLayer.__init__` is wrapped too, so that a linear built inside knows its
+layer's number (`layers.precision.building`): Megatron keeps some layers in bf16 by
+number (first_last_layers_bf16), and a linear is given no number of its own."""
 
 from __future__ import annotations
 
@@ -17,8 +21,10 @@ import functools
 from typing import Any
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..config import COLUMN_BUFFERS, ROW_BUFFERS
+from ..layers.precision import building
 
 # the local spec's submodule of each buffer: linear_qkv, linear_fc1 (column), linear_proj, linear_fc2
 _SLOTS = {f"linear_{b}": kind for kind, bs in (("column", COLUMN_BUFFERS), ("row", ROW_BUFFERS))
@@ -57,11 +63,23 @@ def _swapping_init(base: type):
     return __init__
 
 
+def _numbering_init(original):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        with building(self):  # its layer_number is set before its submodules are built
+            original(self, *args, **kwargs)
+
+    __init__.__wrapped__ = original
+    return __init__
+
+
 def patch() -> None:
     for cls in (ColumnParallelLinear, RowParallelLinear):
         if cls not in _original_init:
             _original_init[cls] = cls.__dict__["__init__"]
             cls.__init__ = _swapping_init(cls)
+    if TransformerLayer not in _original_init:
+        _original_init[TransformerLayer] = TransformerLayer.__dict__["__init__"]
+        TransformerLayer.__init__ = _numbering_init(_original_init[TransformerLayer])
 
 
 def unpatch() -> None:

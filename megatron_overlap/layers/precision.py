@@ -1,0 +1,152 @@
+"""The precision an overlapped linear runs in, decided once when it is built, from
+Megatron's own config fields (`fp8`, `fp8_recipe`, `fp8_wgrad`, `first_last_layers_bf16`
+and its counts), with Transformer Engine's meaning.
+
+Without TE, megatron-core's `get_fp8_context` is a null context: a model configured
+for FP8 trains in bf16 and nothing says so. Here a setting either runs as configured
+or is refused when the layer is built (`ConfigError` naming the layer, the setting
+and what does run); it is never replaced by bf16 in silence. A layer Megatron keeps
+in bf16 (`first_last_layers_bf16`) runs bf16 by that rule, said in its `why`.
+
+The layer number comes from the TransformerLayer being built around the linear
+(`building(layer)`, which the integration wraps around `TransformerLayer.__init__`),
+the same global 1-based number Megatron passes `get_fp8_context` (less one).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+
+from ..config import ConfigError
+
+RUNS = ("tensorwise",)  # the fp8_recipe values the overlapped linears run
+_NOT_RUN = {  # fp8_recipe -> why it is refused
+    "delayed": "delayed scaling (Megatron's default) keeps an amax history per tensor, "
+               "reduced across ranks and kept in the checkpoint; that is not implemented here",
+    "mxfp8": "MXFP8 needs block scales (32 values per scale, Blackwell GEMMs)",
+    "blockwise": "blockwise scaling needs 128-value block scales",
+    "custom": "a custom recipe is a Transformer Engine quantizer factory",
+}
+_FIX = ("set fp8_recipe='tensorwise' (--fp8-recipe tensorwise), or fp8=None to train in bf16 "
+        "(with tp_comm_overlap=False megatron-core's local linears also run bf16, "
+        "without saying so)")
+_enclosing: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_overlap_layer",
+                                                                  default=None)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What a layer's GEMMs run in. `recipe` None: the parameters' dtype (bf16)."""
+
+    recipe: Optional[str] = None
+    fwd: Optional[torch.dtype] = None  # the input's and the weight's FP8 type
+    grad: Optional[torch.dtype] = None  # the output gradient's (e5m2 under 'hybrid')
+    wgrad: bool = False  # the wgrad GEMM in FP8 too (fp8_wgrad)
+    why: str = ""  # for a bf16 layer of an FP8 model: the setting that keeps it in bf16
+
+    @property
+    def fp8(self) -> bool:
+        return self.recipe is not None
+
+    def describe(self) -> str:
+        if not self.fp8:
+            return "bf16" + (f" ({self.why})" if self.why else "")
+        name = lambda d: str(d).removeprefix("torch.float8_")  # noqa: E731
+        return (f"fp8 {self.recipe} ({name(self.fwd)} fprop, {name(self.grad)} grads, "
+                f"wgrad {'fp8' if self.wgrad else 'high precision'})")
+
+
+BF16 = Precision()
+
+
+@contextlib.contextmanager
+def building(layer: Any) -> Iterator[None]:
+    """Linears built inside are `layer`'s (a TransformerLayer: its `layer_number`)."""
+    token = _enclosing.set(layer)
+    try:
+        yield
+    finally:
+        _enclosing.reset(token)
+
+
+def enclosing_layer_number() -> Optional[int]:
+    """The global 1-based number of the TransformerLayer being built, or None."""
+    return getattr(_enclosing.get(), "layer_number", None)
+
+
+def _refuse(layer: str, key: str, value: Any, why: str, fix: str) -> ConfigError:
+    return ConfigError(f"megatron_overlap: layer {layer!r}: {key}={value!r}: {why}; {fix}",
+                       layer=layer, key=key, value=value)
+
+
+def _value(v: Any) -> Any:
+    return getattr(v, "value", v)  # megatron's Fp8Recipe is a str enum
+
+
+def _keeps_bf16(config: Any, layer_number: int) -> bool:
+    """Megatron's own rule (fp8_utils.is_first_last_bf16_layer, global 0-based index)."""
+    try:
+        from megatron.core.fp8_utils import is_first_last_bf16_layer
+    except ImportError:  # pragma: no cover - every supported megatron-core has it
+        start = config.num_layers_at_start_in_bf16
+        end = config.num_layers_at_end_in_bf16
+        n = layer_number - 1
+        return n < start or n >= config.num_layers - end
+    return is_first_last_bf16_layer(config, layer_number - 1)
+
+
+def layer_precision(config: Any, layer: str, layer_number: Optional[int] = None) -> Precision:
+    """The precision of the linear `layer` (its name, for messages) built from `config`,
+    inside transformer layer `layer_number` (global, 1-based; None: not known). Raises
+    ConfigError for a setting the overlapped linears cannot honour."""
+    if getattr(config, "fp4", None):
+        raise _refuse(layer, "fp4", config.fp4, "FP4 is not implemented in the overlapped "
+                      "linears (megatron-core runs it through Transformer Engine only)",
+                      "set fp4=None, or tp_comm_overlap=False with Transformer Engine's spec")
+    if getattr(config, "use_kitchen", False):
+        raise _refuse(layer, "use_kitchen", True, "the kitchen quantization extension replaces "
+                      "the linears itself", "set use_kitchen=False or tp_comm_overlap=False")
+    fmt = getattr(config, "fp8", None)
+    if not fmt:
+        return BF16
+    if fmt not in ("e4m3", "hybrid"):
+        raise _refuse(layer, "fp8", fmt, "the FP8 formats are 'e4m3' and 'hybrid'",
+                      "set fp8='e4m3' or fp8='hybrid'")
+    recipe = _value(getattr(config, "fp8_recipe", "delayed"))
+    if recipe not in RUNS:
+        why = _NOT_RUN.get(recipe, "not an FP8 recipe the overlapped linears know")
+        raise _refuse(layer, "fp8_recipe", recipe, f"{why}. The recipes that run: "
+                      f"{', '.join(RUNS)}", _FIX)
+    for key, default, why in (
+            ("fp8_param", False, "FP8 parameters are Transformer Engine's Float8Tensor weights; "
+                                 "the overlapped linears keep their weights in the params "
+                                 "dtype and quantize them at each forward"),
+            ("fp8_dot_product_attention", False, "the local spec's core attention runs in the "
+                                                 "params dtype"),
+            ("fp8_multi_head_attention", False, "the local spec's attention runs in the params "
+                                                "dtype"),
+            ("fp8_margin", 0, "only delayed scaling reads it (as in Transformer Engine); "
+                              "tensorwise takes each scale from the current amax"),
+            ("fp8_amax_history_len", 1, "only delayed scaling keeps an amax history"),
+            ("fp8_amax_compute_algo", "most_recent", "only delayed scaling reads it")):
+        value = getattr(config, key, default)
+        if value != default:
+            raise _refuse(layer, key, value, why, f"set {key}={default!r}")
+    if getattr(config, "first_last_layers_bf16", False):
+        if layer_number is None:
+            raise _refuse(layer, "first_last_layers_bf16", True,
+                          "this linear was built outside a TransformerLayer (or without "
+                          "megatron_overlap.install()), so its layer number is unknown",
+                          "build the model after install(), or set first_last_layers_bf16=False")
+        if _keeps_bf16(config, layer_number):
+            return Precision(why=f"first_last_layers_bf16: layer {layer_number} of "
+                             f"{config.num_layers} (the first "
+                             f"{config.num_layers_at_start_in_bf16} and last "
+                             f"{config.num_layers_at_end_in_bf16} run bf16)")
+    grad = torch.float8_e5m2 if fmt == "hybrid" else torch.float8_e4m3fn
+    return Precision(recipe, torch.float8_e4m3fn, grad, bool(getattr(config, "fp8_wgrad", True)))

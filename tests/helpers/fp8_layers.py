@@ -1,0 +1,180 @@
+"""Our layers in FP8 against the independent FP8 reference (helpers/fp8_ref.py): every
+rank builds the whole input, weight and upstream gradient, gives the layer its shard,
+and computes what each output, input grad, weight grad and bias grad must be from the
+whole tensors: quantize, then one whole-tensor _scaled_mm (the ranks' partial products
+summed in fp64 where the layer reduces)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+import torch
+
+from helpers import fp8_ref as ref
+from helpers.layers import VARIANTS
+
+K_COL, N_COL = 32, 64  # column: input_size, output_size (per rank N / TP: 32 or 16)
+SEQ, BATCH = 8, 2  # per rank under SP: 16 token rows, a multiple of 16
+COLUMN_VARIANTS = ("ring", "ring_aggregate", "no_bulk_bwd", "rs_dgrad_pipeline2", "rs_dgrad_ring",
+                   "ag_off")
+ROW_VARIANTS = ("pipeline1", "pipeline2", "ring", "ring_dgrad_aggregate", "rs_off")
+
+
+@dataclass(frozen=True)
+class Fp8Case:
+    kind: str  # column | row
+    variant: str  # helpers.layers.VARIANTS
+    sp: bool
+    dtype: str  # the params' (and the GEMM outputs')
+    fp8: str = "hybrid"
+    fp8_wgrad: bool = True
+    main_grad: bool = False  # gradient_accumulation_fusion: dW accumulated into an fp32 main_grad
+
+    @property
+    def id(self) -> str:
+        return "-".join(f"{k}={v}" for k, v in asdict(self).items())
+
+
+def cases() -> list[Fp8Case]:
+    out = [Fp8Case(kind, v, sp, dt) for kind, vs in (("column", COLUMN_VARIANTS),
+                                                      ("row", ROW_VARIANTS))
+           for v, sp, dt in itertools.product(vs, (True, False), ("bfloat16", "float32"))]
+    for kind, v in (("column", "ring"), ("row", "pipeline2")):
+        for sp in (True, False):
+            out += [Fp8Case(kind, v, sp, "bfloat16", fp8="e4m3"),
+                    Fp8Case(kind, v, sp, "bfloat16", fp8_wgrad=False),
+                    Fp8Case(kind, v, sp, "bfloat16", main_grad=True),
+                    Fp8Case(kind, v, sp, "bfloat16", fp8_wgrad=False, main_grad=True)]
+    return out
+
+
+def config(tp: int, sp: bool, dtype: torch.dtype, flags: dict | None = None, **fp8):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(num_layers=1, hidden_size=K_COL, num_attention_heads=4,
+                             tensor_model_parallel_size=tp, sequence_parallel=sp,
+                             tp_comm_overlap=True, use_cpu_initialization=True,
+                             params_dtype=dtype, **(flags or {}), **fp8)
+
+
+def build(kind: str, cfg, bias: bool = True):
+    from megatron_overlap.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+
+    init = lambda w: torch.nn.init.zeros_(w)  # noqa: E731  (the test sets every weight)
+    if kind == "column":
+        return OverlapColumnParallelLinear(K_COL, N_COL, config=cfg, init_method=init, bias=bias,
+                                           gather_output=False, tp_comm_buffer_name="qkv")
+    return OverlapRowParallelLinear(N_COL, K_COL, config=cfg, init_method=init, bias=bias,
+                                    input_is_parallel=True, skip_bias_add=False,
+                                    tp_comm_buffer_name="proj")
+
+
+def _whole(case: Fp8Case, tp: int, dtype: torch.dtype, seed: int = 0):
+    """The whole weight, bias, input and upstream gradient (every rank the same)."""
+    g = torch.Generator().manual_seed(seed)
+    seq = SEQ * tp if case.sp else SEQ
+    if case.kind == "column":
+        w = torch.randn(N_COL, K_COL, generator=g)
+        b = torch.randn(N_COL, generator=g)
+        x = torch.randn(seq, BATCH, K_COL, generator=g) * 3
+        dy = torch.randn(seq, BATCH, N_COL, generator=g)
+    else:
+        w = torch.randn(K_COL, N_COL, generator=g)
+        b = torch.randn(K_COL, generator=g)
+        x = torch.randn(seq, BATCH, N_COL, generator=g) * 3
+        dy = torch.randn(seq, BATCH, K_COL, generator=g)
+    return tuple(t.to(dtype) for t in (w, b, x, dy))
+
+
+def _shards(case: Fp8Case, rank: int, tp: int, w, b, x, dy):
+    """This rank's weight, bias, input and upstream gradient."""
+    if case.kind == "column":
+        x_r = x.chunk(tp)[rank] if case.sp else x
+        return w.chunk(tp)[rank], b.chunk(tp)[rank], x_r, dy.chunk(tp, dim=-1)[rank]
+    dy_r = dy.chunk(tp)[rank] if case.sp else dy
+    return w.chunk(tp, dim=1)[rank], b, x.chunk(tp, dim=-1)[rank], dy_r
+
+
+def reference(case: Fp8Case, rank: int, tp: int, w, b, x, dy) -> dict[str, torch.Tensor]:
+    """What this rank's output, input grad, weight grad and bias grad must be."""
+    dtype = w.dtype
+    wdt = torch.float32 if case.main_grad else dtype  # what the wgrad GEMM outputs
+    grad8 = ref.E5M2 if case.fp8 == "hybrid" else ref.E4M3
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    mine = lambda t: t.chunk(tp)[rank] if case.sp else t  # noqa: E731  (SP: this rank's rows)
+    if case.kind == "column":
+        x8, sx = ref.quantize(flat(x), ref.E4M3)  # the whole (gathered) input: one scale
+        out, dgrad_parts = None, []
+        for q in range(tp):
+            w8, sw = ref.quantize(w.chunk(tp)[q], ref.E4M3)
+            g_q = flat(dy.chunk(tp, dim=-1)[q])
+            g8, sg = ref.quantize(g_q, grad8)  # a column rank's gradient: its own scale
+            dgrad_parts.append(ref.mm(g8, sg, w8, sw, dtype).double())
+            if q == rank:
+                out = ref.mm(x8, sx, w8.t(), sw, dtype)
+                out.add_(b.chunk(tp)[q])
+                if case.fp8_wgrad:
+                    wgrad = ref.mm(g8.t(), sg, x8, sx, wdt)
+                else:
+                    wgrad = torch.mm(g_q.t().to(wdt), flat(x).to(wdt))
+                bgrad = g_q.sum(0)
+        return {"output": out, "input_grad": mine(sum(dgrad_parts)),
+                "weight_grad": wgrad, "bias_grad": bgrad}
+    g8, sg = ref.quantize(flat(dy), grad8)  # the whole (gathered) gradient: one scale
+    parts = []
+    for q in range(tp):
+        xq8, sxq = ref.quantize(flat(x.chunk(tp, dim=-1)[q]), ref.E4M3)  # a row rank's own
+        wq8, swq = ref.quantize(w.chunk(tp, dim=1)[q], ref.E4M3)
+        parts.append(ref.mm(xq8, sxq, wq8.t(), swq, dtype).double())
+        if q == rank:
+            dgrad = ref.mm(g8, sg, wq8, swq, dtype)
+            if case.fp8_wgrad:
+                wgrad = ref.mm(g8.t(), sg, xq8, sxq, wdt)
+            else:
+                wgrad = torch.mm(ref.dequantize(g8, sg, dtype).t().to(wdt),
+                                 flat(x.chunk(tp, dim=-1)[q]).to(wdt))
+    return {"output": mine(sum(parts)) + b.double(), "input_grad": dgrad, "weight_grad": wgrad,
+            "bias_grad": flat(mine(dy)).sum(0)}
+
+
+def run_case(case: Fp8Case, rank: int, tp: int) -> dict:
+    import megatron_overlap as mo
+
+    dtype = getattr(torch, case.dtype)
+    overrides, flags = VARIANTS[case.kind][case.variant]
+    mo.install(ub_cfgs=overrides)
+    try:
+        layer = build(case.kind, config(tp, case.sp, dtype, flags, fp8=case.fp8,
+                                        fp8_recipe="tensorwise", fp8_wgrad=case.fp8_wgrad,
+                                        gradient_accumulation_fusion=case.main_grad))
+    finally:
+        mo.uninstall()
+    whole = _whole(case, tp, dtype)
+    w_r, b_r, x_r, dy_r = _shards(case, rank, tp, *whole)
+    with torch.no_grad():
+        layer.weight.copy_(w_r)
+        layer.bias.copy_(b_r)
+    if case.main_grad:
+        layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32)
+    xi = x_r.clone().requires_grad_(True)
+    y, _ = layer(xi)
+    y.backward(dy_r)
+    got = {"output": y.detach().reshape(-1, y.shape[-1]), "input_grad": xi.grad,
+           "weight_grad": layer.weight.main_grad if case.main_grad else layer.weight.grad,
+           "bias_grad": layer.bias.grad}
+    want = reference(case, rank, tp, *whole)
+    out = {"megatron_forward": layer._use_megatron, "precision": layer.precision.describe()}
+    for k, v in got.items():
+        v, r = v.reshape(want[k].shape), want[k]
+        want_dtype = torch.float32 if case.main_grad and k == "weight_grad" else dtype
+        out[k] = {"dtype": v.dtype == want_dtype, "equal": torch.equal(v, r.to(v.dtype)),
+                  "rel": ref.rel(v, r)}
+    return out
+
+
+def run_cases(rank: int, world: int, cases_: list[Fp8Case]) -> dict:
+    from helpers.megatron_cpu import init
+
+    init(world)
+    return {c.id: run_case(c, rank, world) for c in cases_}

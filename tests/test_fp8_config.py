@@ -1,0 +1,156 @@
+"""Megatron's FP8 settings, read when an overlapped linear is built: each either runs as
+configured or is refused there, naming the layer, the setting and what runs; never run
+as bf16 in silence. And the layer's door: FP8 GEMM dimensions, token counts, the bytes
+each pass moves (halved for the FP8 gathers)."""
+
+import pytest
+import torch
+
+from helpers import dist
+
+from megatron_overlap.config import ConfigError
+from megatron_overlap.layers.precision import layer_precision
+
+
+def _config(**kw):
+    from megatron.core.transformer import TransformerConfig
+
+    base = dict(num_layers=4, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    return TransformerConfig(**{**base, **kw})
+
+
+def _refusal(cfg, layer_number=2) -> ConfigError:
+    with pytest.raises(ConfigError) as exc:
+        layer_precision(cfg, "qkv (column)", layer_number)
+    return exc.value
+
+
+def test_bf16_model_runs_bf16():
+    p = layer_precision(_config(), "qkv (column)", 1)
+    assert not p.fp8 and p.describe() == "bf16"
+
+
+@pytest.mark.parametrize("fmt,grad", [("hybrid", torch.float8_e5m2), ("e4m3", torch.float8_e4m3fn)])
+def test_tensorwise_runs_with_megatrons_formats(fmt, grad):
+    p = layer_precision(_config(fp8=fmt, fp8_recipe="tensorwise"), "qkv (column)", 2)
+    assert (p.recipe, p.fwd, p.grad, p.wgrad) == ("tensorwise", torch.float8_e4m3fn, grad, True)
+    off = layer_precision(_config(fp8=fmt, fp8_recipe="tensorwise", fp8_wgrad=False), "x", 2)
+    assert not off.wgrad and "wgrad high precision" in off.describe()
+
+
+def test_megatrons_default_recipe_delayed_is_refused_naming_what_runs():
+    cfg = _config(fp8="hybrid")  # fp8_recipe left at Megatron's default
+    assert cfg.fp8_recipe == "delayed"
+    err = _refusal(cfg)
+    msg = str(err)
+    assert (err.layer, err.key, err.value) == ("qkv (column)", "fp8_recipe", "delayed")
+    assert "'qkv (column)'" in msg and "amax history" in msg
+    assert "recipes that run: tensorwise" in msg and "fp8_recipe='tensorwise'" in msg
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise", "custom"])
+def test_other_recipes_are_refused(recipe):
+    kw = {"fp8_quantizer_factory": "x.y"} if recipe == "custom" else {}
+    err = _refusal(_config(fp8="e4m3", fp8_recipe=recipe, **kw))
+    assert err.key == "fp8_recipe" and err.value == recipe and "tensorwise" in str(err)
+
+
+@pytest.mark.parametrize("key,value", [("fp8_param", True), ("fp8_dot_product_attention", True),
+                                       ("fp8_multi_head_attention", True), ("fp8_margin", 1),
+                                       ("fp8_amax_history_len", 16),
+                                       ("fp8_amax_compute_algo", "max")])
+def test_settings_the_linears_cannot_honour_are_refused(key, value):
+    err = _refusal(_config(fp8="hybrid", fp8_recipe="tensorwise", **{key: value}))
+    assert (err.key, err.value) == (key, value) and f"set {key}=" in str(err)
+
+
+def test_fp4_is_refused():
+    err = _refusal(_config(fp4="e2m1"))
+    assert err.key == "fp4"
+
+
+def test_first_last_layers_bf16_follows_megatrons_rule():
+    cfg = _config(num_layers=6, fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True,
+                  num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=1)
+    got = {n: layer_precision(cfg, "fc1 (column)", n) for n in range(1, 7)}
+    assert [n for n, p in got.items() if not p.fp8] == [1, 2, 6]
+    assert got[1].why.startswith("first_last_layers_bf16: layer 1 of 6")
+    err = _refusal(cfg, layer_number=None)  # built where its layer is not known
+    assert err.key == "first_last_layers_bf16" and "layer number is unknown" in str(err)
+
+
+# -- built layers (TP 2): the door, the bytes, the number of the enclosing layer ---------------
+def _built(rank, world):
+    import megatron_overlap as mo
+    from helpers.fp8_layers import build, config
+    from helpers.megatron_cpu import init
+    from megatron_overlap.comm import stats
+    from megatron_overlap.layers.checks import LayerInputError
+
+    init(world)
+    fp8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
+    out = {}
+    mo.install()
+    try:
+        for name, kind, extra in (("odd_width", "column", dict(hidden_size=40)),
+                                  ("deferred", "row", dict(defer_embedding_wgrad_compute=True))):
+            cfg = config(world, True, torch.bfloat16, **fp8)
+            for k, v in extra.items():
+                setattr(cfg, k, v)
+            try:
+                if name == "odd_width":
+                    from megatron_overlap.layers import OverlapColumnParallelLinear
+                    OverlapColumnParallelLinear(40, 40, config=cfg, init_method=torch.nn.init.zeros_,
+                                                bias=False, gather_output=False,
+                                                tp_comm_buffer_name="fc1")
+                else:
+                    build(kind, cfg)
+                out[name] = "built"
+            except ConfigError as exc:
+                out[name] = str(exc)
+        layers = {p: {k: build(k, config(world, True, torch.bfloat16, **(fp8 if p == "fp8" else {})))
+                      for k in ("column", "row")} for p in ("fp8", "bf16")}
+    finally:
+        mo.uninstall()
+    col = layers["fp8"]["column"]
+    stats.snapshot()
+    try:  # 8 tokens per rank, 16 in all: 16 divides; 4 per rank, 8 in all: it does not
+        col(torch.randn(2, 2, 32, dtype=torch.bfloat16))
+        out["odd_tokens"] = "ran"
+    except LayerInputError as exc:
+        out["odd_tokens"] = str(exc)
+    out["moved_after_refusal"] = stats.snapshot()
+    for p, pair in layers.items():
+        for k, layer in pair.items():
+            x = torch.randn(8 if k == "column" else 8 * world, 2, 32, dtype=torch.bfloat16,
+                            requires_grad=True)
+            y, _ = layer(x)
+            y.float().sum().backward()
+            out[f"rows_{p}_{k}"] = {r["pass"]: (r["buffer_bytes"], r["precision"])
+                                    for r in layer.overlap_rows()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def built():
+    return dist.run(_built, 2, timeout=240)[0]
+
+
+def test_fp8_layer_refuses_what_its_gemm_cannot_take(built):
+    assert "multiples of 16" in built["odd_width"] and "40 x 40" not in built["odd_width"]
+    assert "20 x 40" in built["odd_width"]
+    assert "defer_embedding_wgrad_compute=True" in built["deferred"]
+    assert "runs bf16" in built["deferred"]
+    assert "8 tokens" in built["odd_tokens"] and "fp8_wgrad=False" in built["odd_tokens"]
+    assert built["moved_after_refusal"] == {}
+
+
+def test_fp8_gathers_move_half_the_bytes_in_the_settings_rows(built):
+    for k in ("column", "row"):
+        fp8, bf16 = built[f"rows_fp8_{k}"], built[f"rows_bf16_{k}"]
+        assert set(fp8) == set(bf16) and all(p.startswith("fp8 tensorwise") for _, p in fp8.values())
+        assert all(p == "bf16" for _, p in bf16.values())
+        halved = {"column": {"fprop", "dgrad"}, "row": {"dgrad"}}[k]
+        for name, (nbytes, _) in fp8.items():
+            want = bf16[name][0] // 2 if name in halved else bf16[name][0]
+            assert nbytes == want and (nbytes > 0 or name == "wgrad"), (k, name, fp8, bf16)
