@@ -1,0 +1,131 @@
+"""A megatron-core GPTModel (local spec, after install()) configured with Megatron's own
+FP8 fields (fp8='hybrid', fp8_recipe='tensorwise') trains in FP8 in its overlapped
+linears: 5 steps of Megatron's own training pieces (tests/helpers/gpt.py) against the
+same model without FP8, checkpoints moving both ways between the FP8 and the plain
+model, Megatron's per-layer bf16 rule honoured, and Megatron's default recipe
+(delayed) refused when the model is built.
+
+Tolerances of FP8 against the model without FP8 (fp32 parameters, so the difference is
+FP8's alone), measured here at loss <= 3e-4 relative and update 5-6%:
+- every step's loss within 5e-3 relative: the loss of this small untrained model is a
+  mean of log-softmaxes near log(64) = 4.2 whose logits move by FP8's rounding only;
+- the weights' total update over the 5 steps within 15% (norm) of the update without
+  FP8: an e5m2 gradient keeps 2 mantissa bits (rounding error up to 2^-3 relative), an
+  e4m3 input 3; the wgrad's sums over 32 tokens average that down to the measured 5-6%,
+  and a dequantization off by a factor (a wrong scale) moves the update by that factor.
+"""
+
+import pytest
+
+from helpers import dist
+
+LOSS_RTOL, UPDATE_RTOL = 5e-3, 0.15
+
+
+def _train(rank, world, variant, ckpt_dir):
+    import torch
+
+    import megatron_overlap as mo
+    from helpers.gpt import checkpoint_both_ways, make_config, make_model, train
+    from helpers.megatron_cpu import init
+    from megatron_overlap.comm import stats
+    from megatron_overlap.config import ConfigError
+
+    init(world)
+    fp8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
+    mo.install()
+    try:
+        plain, wrap_plain = make_model(make_config(world, variant, overlap=False))
+        ours, wrap_ours = make_model(make_config(world, variant, overlap=True, **fp8))
+        fresh_plain, _ = make_model(make_config(world, variant, overlap=False))
+        fresh_ours, _ = make_model(make_config(world, variant, overlap=True, **fp8))
+        bf16_end, _ = make_model(make_config(world, variant, overlap=True, **fp8,
+                                             first_last_layers_bf16=True,
+                                             num_layers_at_start_in_bf16=0,
+                                             num_layers_at_end_in_bf16=1))
+        try:
+            make_model(make_config(world, variant, overlap=True, fp8="hybrid"))
+            delayed = "built"
+        except ConfigError as exc:
+            delayed = str(exc)
+    finally:
+        mo.uninstall()
+    ours.load_state_dict(plain.state_dict())
+    initial = [p.detach().clone() for p in plain.parameters()]
+    precision = lambda m: {n: x.precision.describe() for n, x in m.named_modules()  # noqa: E731
+                           if hasattr(x, "precision")}
+    stats.snapshot()
+    losses_plain = train(wrap_plain(plain))
+    stats.snapshot()
+    losses_ours = train(wrap_ours(ours))
+    moved = stats.snapshot()
+    # how far FP8 moved the weights from where the model without FP8 moved them
+    delta = lambda m: torch.cat([(p.detach() - p0).flatten()  # noqa: E731
+                                 for p, p0 in zip(m.parameters(), initial)])
+    update_err = ((delta(ours) - delta(plain)).norm() / delta(plain).norm()).item()
+    ckpt_err = checkpoint_both_ways(rank, ckpt_dir, ours, plain, fresh_ours, fresh_plain)
+    # a plain checkpoint loaded into an FP8 model trains on in FP8 from the same weights
+    finite = all(torch.isfinite(torch.tensor(train(wrap_ours(fresh_ours), steps=1))))
+    return dict(losses=(losses_plain, losses_ours), update_err=update_err, precision=precision(ours),
+                bf16_end=precision(bf16_end), delayed=delayed, ckpt_err=ckpt_err,
+                moved={k: v["bytes"] for k, v in moved.items()}, finite=finite,
+                classes={n: type(x).__name__ for n, x in ours.named_modules()
+                         if n.endswith(("linear_qkv", "output_layer"))})
+
+
+CASES = [(2, "gelu_bias"), (4, "swiglu_gqa_rms")]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"tp{c[0]}-{c[1]}")
+def trained(request, tmp_path_factory):
+    tp, variant = request.param
+    return tp, dist.run(_train, tp, variant, str(tmp_path_factory.mktemp("ckpt")), timeout=400)
+
+
+def test_every_overlapped_linear_runs_fp8(trained):
+    _, per_rank = trained
+    r = per_rank[0]
+    assert len(r["precision"]) == 8  # 2 layers x qkv, proj, fc1, fc2; the output layer is Megatron's
+    assert all(p.startswith("fp8 tensorwise (e4m3fn fprop, e5m2 grads")
+               for p in r["precision"].values()), r["precision"]
+    assert r["classes"]["output_layer"] == "ColumnParallelLinear"
+
+
+def test_fp8_training_is_within_tolerance_of_the_model_without_fp8(trained):
+    _, per_rank = trained
+    for r in per_rank:
+        plain, ours = r["losses"]
+        assert ours == pytest.approx(plain, rel=LOSS_RTOL)
+        assert ours != plain  # FP8 ran: its rounding shows in the loss
+        assert 0.0 < r["update_err"] <= UPDATE_RTOL
+        assert r["finite"]
+
+
+def test_fp8_gathers_halve_against_bf16_bytes(trained):
+    """The forward gathers of qkv and fc1 moved one byte per value: a quarter of the
+    fp32 parameters' four, half of bf16's two (the model's activations are fp32)."""
+    tp, per_rank = trained
+    from helpers.gpt import BATCH, SEQ
+
+    moved = per_rank[0]["moved"]
+    tokens, hidden, steps, layers = SEQ * BATCH, 64, 5, 2
+    ring = tokens // tp * hidden * (tp - 1)  # the blocks a rank receives over a ring
+    assert moved["qkv_fprop"] == moved["fc1_fprop"] == steps * layers * ring
+    assert moved["proj_fprop"] > 0  # the reduce-scatters stay in the activations' dtype
+
+
+def test_checkpoints_move_both_ways_between_fp8_and_plain(trained):
+    _, per_rank = trained
+    for r in per_rank:
+        assert r["ckpt_err"] == {"ours_to_plain": 0.0, "plain_to_ours": 0.0}
+
+
+def test_megatrons_bf16_layers_and_default_recipe(trained):
+    _, per_rank = trained
+    r = per_rank[0]
+    last = {n: p for n, p in r["bf16_end"].items() if n.startswith("decoder.layers.1.")}
+    first = {n: p for n, p in r["bf16_end"].items() if n.startswith("decoder.layers.0.")}
+    assert len(last) == len(first) == 4
+    assert all(p.startswith("bf16 (first_last_layers_bf16: layer 2 of 2") for p in last.values())
+    assert all(p.startswith("fp8 tensorwise") for p in first.values())
+    assert "fp8_recipe='delayed'" in r["delayed"] and "tensorwise" in r["delayed"]
