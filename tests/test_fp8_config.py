@@ -48,7 +48,7 @@ def test_megatrons_default_recipe_delayed_is_refused_naming_what_runs():
     assert "recipes that run: tensorwise" in msg and "fp8_recipe='tensorwise'" in msg
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise", "custom"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "blockwise", "custom", "rowwise", "nonsense"])
 def test_other_recipes_are_refused(recipe):
     kw = {"fp8_quantizer_factory": "x.y"} if recipe == "custom" else {}
     err = _refusal(_config(fp8="e4m3", fp8_recipe=recipe, **kw))

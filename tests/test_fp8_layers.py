@@ -3,7 +3,8 @@
 grad into autograd or accumulated into an fp32 main_grad), every
 schedule variant of the bf16 tests, SP on and off, TP 2 and 4, bf16 and fp32
 parameters: output, input grad, weight grad and bias grad against the independent FP8
-reference (helpers/fp8_ref.py, helpers/fp8_layers.py).
+reference (helpers/fp8_ref.py, helpers/fp8_layers.py); and the ring cases at TP 4 over
+two emulated nodes, through per-peer transports and the hierarchical orders.
 
 Bounds, and why:
 - Bit-equal wherever no reduction over ranks is involved: the column layer's output
@@ -25,7 +26,7 @@ Bounds, and why:
 import pytest
 
 from helpers import dist
-from helpers.fp8_layers import cases, run_cases
+from helpers.fp8_layers import cases, per_peer_cases, run_cases
 
 TP_SIZES = (2, 4)
 _results: dict[int, dict] = {}
@@ -43,12 +44,10 @@ def _reduction_bound(kind: str, dtype: str, tp: int) -> float:
     return (tp + (1 if kind == "row" else 0)) * 2.0 ** -9
 
 
-@pytest.mark.parametrize("tp,case", [(tp, c) for tp in TP_SIZES for c in cases()],
-                         ids=lambda v: f"tp{v}" if isinstance(v, int) else v.id)
-def test_fp8_layer_matches_the_fp8_reference(tp, case):
+def _check(case, per_rank: list[dict], tp: int) -> None:
     reduced = "input_grad" if case.kind == "column" else "output"
     bound = _reduction_bound(case.kind, case.dtype, tp)
-    for rank, r in enumerate(_results_for(tp)):
+    for rank, r in enumerate(per_rank):
         got = r[case.id]
         assert not got["megatron_forward"] and got["precision"].startswith("fp8 tensorwise"), got
         for key in ("output", "input_grad", "weight_grad", "bias_grad"):
@@ -58,3 +57,23 @@ def test_fp8_layer_matches_the_fp8_reference(tp, case):
                 assert v["rel"] <= bound, (rank, key, v, bound)
             else:
                 assert v["equal"], (rank, key, v)
+
+
+@pytest.mark.parametrize("tp,case", [(tp, c) for tp in TP_SIZES for c in cases()],
+                         ids=lambda v: f"tp{v}" if isinstance(v, int) else v.id)
+def test_fp8_layer_matches_the_fp8_reference(tp, case):
+    _check(case, _results_for(tp), tp)
+
+
+@pytest.fixture(scope="module")
+def per_peer() -> list[dict]:
+    return dist.run(run_cases, 4, per_peer_cases(), env={"LOCAL_WORLD_SIZE": "2"}, timeout=400)
+
+
+@pytest.mark.parametrize("case", per_peer_cases(), ids=lambda c: c.id)
+def test_fp8_layer_through_per_peer_transports(per_peer, case):
+    _check(case, per_peer, 4)
+    for r in per_peer:
+        got = r[case.id]
+        assert got["transport"] == "hierarchical", got
+        assert got["orders"] and all(o == "hierarchical (2x2)" for o in got["orders"].values()), got

@@ -31,6 +31,9 @@ _NOT_RUN = {  # fp8_recipe -> why it is refused
     "mxfp8": "MXFP8 needs block scales (32 values per scale, Blackwell GEMMs)",
     "blockwise": "blockwise scaling needs 128-value block scales",
     "custom": "a custom recipe is a Transformer Engine quantizer factory",
+    "rowwise": "row-wise scaling (torchao's 'rowwise'; not a Megatron recipe) is not "
+               "implemented yet: gathered rows would carry their scales, and the wgrad needs "
+               "scales along the other axis",
 }
 _FIX = ("set fp8_recipe='tensorwise' (--fp8-recipe tensorwise), or fp8=None to train in bf16 "
         "(with tp_comm_overlap=False megatron-core's local linears also run bf16, "

@@ -36,6 +36,15 @@ class Fp8Case:
         return "-".join(f"{k}={v}" for k, v in asdict(self).items())
 
 
+def per_peer_cases() -> list[Fp8Case]:
+    """The cases whose passes run rings: on TP 4 over 2 emulated nodes they run the
+    hierarchical orders through per-peer transports."""
+    return [Fp8Case(kind, v, True, dt) for kind, v in (
+        ("column", "ring"), ("column", "rs_dgrad_ring"), ("column", "rs_dgrad_pipeline2"),
+        ("row", "pipeline2"), ("row", "ring"))
+        for dt in ("bfloat16", "float32")]
+
+
 def cases() -> list[Fp8Case]:
     out = [Fp8Case(kind, v, sp, dt) for kind, vs in (("column", COLUMN_VARIANTS),
                                                       ("row", ROW_VARIANTS))
@@ -164,7 +173,9 @@ def run_case(case: Fp8Case, rank: int, tp: int) -> dict:
            "weight_grad": layer.weight.main_grad if case.main_grad else layer.weight.grad,
            "bias_grad": layer.bias.grad}
     want = reference(case, rank, tp, *whole)
-    out = {"megatron_forward": layer._use_megatron, "precision": layer.precision.describe()}
+    out = {"megatron_forward": layer._use_megatron, "precision": layer.precision.describe(),
+           "transport": layer.transport.name,
+           "orders": {p: o.label for p, o in layer.ring_orders.items()}}
     for k, v in got.items():
         v, r = v.reshape(want[k].shape), want[k]
         want_dtype = torch.float32 if case.main_grad and k == "weight_grad" else dtype
