@@ -120,7 +120,11 @@ def _built(rank, world):
     except LayerInputError as exc:
         out["odd_tokens"] = str(exc)
     out["moved_after_refusal"] = stats.snapshot()
+    from megatron_overlap.telemetry.rows import layer_settings
+    from megatron_overlap.telemetry.table import settings_table
+
     for p, pair in layers.items():
+        stats.snapshot()
         for k, layer in pair.items():
             x = torch.randn(8 if k == "column" else 8 * world, 2, 32, dtype=torch.bfloat16,
                             requires_grad=True)
@@ -128,6 +132,8 @@ def _built(rank, world):
             y.float().sum().backward()
             out[f"rows_{p}_{k}"] = {r["pass"]: (r["buffer_bytes"], r["precision"])
                                     for r in layer.overlap_rows()}
+        out[f"moved_{p}"] = {op: s["bytes"] for op, s in stats.snapshot().items()}
+        out[f"table_{p}"] = settings_table(layer_settings(torch.nn.ModuleDict(pair)))
     return out
 
 
@@ -154,3 +160,20 @@ def test_fp8_gathers_move_half_the_bytes_in_the_settings_rows(built):
         for name, (nbytes, _) in fp8.items():
             want = bf16[name][0] // 2 if name in halved else bf16[name][0]
             assert nbytes == want and (nbytes > 0 or name == "wgrad"), (k, name, fp8, bf16)
+
+
+def test_the_amax_exchange_is_a_named_transfer_of_one_float_per_rank(built):
+    """Only what is gathered exchanges its amax: the column forward's input (SP) and
+    the row backward's gradient; 4 bytes from each of the 2 ranks' all-gather."""
+    fp8, bf16 = built["moved_fp8"], built["moved_bf16"]
+    assert {op for op in fp8 if op.endswith("_amax")} == {"qkv_fprop_amax", "proj_dgrad_amax"}
+    assert fp8["qkv_fprop_amax"] == fp8["proj_dgrad_amax"] == 4
+    assert not any(op.endswith("_amax") for op in bf16)
+    assert 2 * fp8["qkv_fprop"] == bf16["qkv_fprop"] and 2 * fp8["proj_dgrad"] == bf16["proj_dgrad"]
+    assert fp8["proj_fprop"] == bf16["proj_fprop"]  # the reduce-scatter stays bf16
+
+
+def test_the_settings_table_says_each_layers_precision(built):
+    assert "Precision:" in built["table_fp8"]
+    assert "fp8 tensorwise (e4m3fn fprop, e5m2 grads, wgrad fp8): 2 layers" in built["table_fp8"]
+    assert "Precision:" not in built["table_bf16"]

@@ -66,7 +66,7 @@ def _cases(rank, world):
             y_ref = ref.mm(x8_ref, sx_ref, w8_ref.t(), sw_ref, dtype)
             stats.snapshot()
             tp.begin_pass("ag")
-            sx = fp8.scale_for(fp8.shared_amax(x_local, tp, "ag amax"), ref.E4M3)
+            sx = fp8.scale_for(fp8.shared_amax(x_local, tp, "ag_amax"), ref.E4M3)
             x8 = fp8.quantize(x_local, sx, ref.E4M3)
             sw = fp8.scale_for(fp8.amax(w), ref.E4M3)
             w8 = fp8.quantize(w, sw, ref.E4M3)

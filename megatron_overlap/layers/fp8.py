@@ -35,8 +35,8 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
 def quantized(x: torch.Tensor, dtype: torch.dtype, tp: Optional[Transport] = None,
               op: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """(x in FP8, its scale); the amax is the TP group's when `tp` is given (a tensor the
-    pass gathers: `op`'s amax exchange, named '<op> amax')."""
-    a = shared_amax(x, tp, f"{op} amax") if tp is not None else amax(x)
+    pass gathers: `op`'s amax exchange, named '<op>_amax')."""
+    a = shared_amax(x, tp, f"{op}_amax") if tp is not None else amax(x)
     s = scale_for(a, dtype)
     return quantize(x, s, dtype), s
 
@@ -61,7 +61,7 @@ class Fp8Forward:
         """Quantize the input (with the group's amax when `gathered`) and the weight into
         this object's tensors; returns (x8, w8, the scaled GEMM of x8 @ w8^T)."""
         fwd = self.p.fwd
-        a = shared_amax(x2, tp, f"{op} amax") if gathered else amax(x2)
+        a = shared_amax(x2, tp, f"{op}_amax") if gathered else amax(x2)
         self.x_scale.copy_(scale_for(a, fwd))
         quantize(x2, self.x_scale, fwd, out=self.x8)
         self.w_scale.copy_(scale_for(amax(weight), fwd))

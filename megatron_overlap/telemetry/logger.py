@@ -19,7 +19,7 @@ from .table import settings_table
 # Columns of the wandb settings table, in order; the config keeps the tunable subset.
 TABLE_COLUMNS = ("layer_number", "module", "pass", "settings", "method", "num_splits", "num_sm",
                  "use_ce", "aggregate", "backend", "ring_order", "transport", "buffer_bytes",
-                 "no_effect", "notes", "layer")
+                 "no_effect", "notes", "layer", "precision")
 CONFIG_KEYS = ("method", "num_splits", "num_sm", "use_ce", "aggregate", "backend", "ring_order",
                "transport", "buffer_bytes")
 # wandb.Table refuses a column whose cells change type (TE's 0/1 flags next to bools)

@@ -57,6 +57,13 @@ def settings_table(rows: Sequence[dict[str, Any]]) -> str:
     links = {r["transport"]: None for r in rows if r.get("transport", r["backend"]) != r["backend"]}
     # per-peer transports: which link carries which TP peer
     below += [f"Transport per TP peer (this rank's view): {line}" for line in links]
+    # the layers' precision (bf16, an FP8 recipe): said when any layer is not plain bf16
+    precision: dict[str, dict[str, None]] = {}
+    for r in rows:
+        precision.setdefault(r.get("precision", "bf16"), {})[r["module"]] = None
+    if set(precision) != {"bf16"}:
+        below += ["Precision:"] + [f"  {p}: {len(m)} layer{'s' if len(m) > 1 else ''}"
+                                   for p, m in precision.items()]
     notes = {r["notes"]: None for r in rows if r.get("notes")}
     if notes:
         below += ["Notes:"] + wrapped(*notes)
