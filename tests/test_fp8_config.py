@@ -69,7 +69,12 @@ def test_fp4_is_refused():
     assert err.key == "fp4"
 
 
-def test_first_last_layers_bf16_follows_megatrons_rule():
+@pytest.mark.parametrize("megatron_has_the_rule", [True, False])
+def test_first_last_layers_bf16_follows_megatrons_rule(megatron_has_the_rule, monkeypatch):
+    import megatron.core.fp8_utils as fp8_utils
+
+    if not megatron_has_the_rule:  # megatron-core 0.14: the rule inline, no function
+        monkeypatch.delattr(fp8_utils, "is_first_last_bf16_layer")
     cfg = _config(num_layers=6, fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True,
                   num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=1)
     got = {n: layer_precision(cfg, "fc1 (column)", n) for n in range(1, 7)}

@@ -372,7 +372,9 @@ MODEL_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads
               "torch_p2p"]
 
 
-def _model(tree: Path, *extra: str, world: int = 2) -> list[dict]:
+def _model(tree: Path, *extra: str, world: int = 2, ok: bool = True) -> list:
+    """Every rank's probe result; with `ok=False`, every rank's output of a run that must
+    fail (returned, for the test to read the error)."""
     port = str(_free_port())
     procs = [_through_entry_point(tree, str(HELPERS / "megatron_lm_probe.py"), "model",
                                   *MODEL_ARGS, *extra, popen=True,
@@ -387,7 +389,9 @@ def _model(tree: Path, *extra: str, world: int = 2) -> list[dict]:
         for p in procs:
             p.kill() if p.poll() is None else None
     for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r}:\n{out[-8000:]}"
+        assert (p.returncode == 0) == ok, f"rank {r}:\n{out[-8000:]}"
+    if not ok:
+        return outs
     return [_result(out, f"model probe rank {r}") for r, out in enumerate(outs)]
 
 
@@ -396,7 +400,12 @@ def models(tree, tmp_path_factory) -> dict:
     cfg = tmp_path_factory.mktemp("ub") / "ub.yaml"
     cfg.write_text("fc2_fprop:\n  method: pipeline\n  num_sm: 8\n  num_splits: 2\n")
     return {"on": _model(tree, "--tp-comm-overlap", "--tp-comm-overlap-cfg", str(cfg)),
-            "off": _model(tree), "cfg": str(cfg)}
+            "off": _model(tree), "cfg": str(cfg),
+            "fp8": _model(tree, "--tp-comm-overlap", *FP8),
+            "fp8_delayed": _model(tree, "--tp-comm-overlap", "--fp8-format", "hybrid", ok=False)}
+
+
+FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
 
 
 def test_model_provider_builds_our_layers_with_the_overlap_on(models, tree):
@@ -429,6 +438,28 @@ def test_same_loss_and_grads_on_and_off(models):
     for on, off in zip(models["on"], models["off"]):
         assert on["loss"] == pytest.approx(off["loss"], rel=1e-5)
         assert on["grad_norm_sum"] == pytest.approx(off["grad_norm_sum"], rel=1e-5)
+
+
+def test_fp8_flags_run_fp8_in_our_linears(models):
+    """--fp8-format hybrid --fp8-recipe tensorwise --transformer-impl local through the
+    entry point: every overlapped linear runs FP8 (Megatron-LM builds the config from
+    its own flags); the loss within 5e-3 of the same model without FP8 (fp32 params:
+    the difference is FP8's rounding alone, see tests/test_fp8_model.py)."""
+    for fp8, off in zip(models["fp8"], models["off"]):
+        assert fp8["linears"] == models["on"][0]["linears"]
+        assert len(fp8["precision"]) == 8 and all(
+            p == "fp8 tensorwise (e4m3fn fprop, e5m2 grads, wgrad fp8)"
+            for p in fp8["precision"].values()), fp8["precision"]
+        assert fp8["loss"] == pytest.approx(off["loss"], rel=5e-3) and fp8["loss"] != off["loss"]
+        assert fp8["te_imported"] is False
+
+
+def test_fp8_with_megatron_lm_s_default_recipe_stops_at_start_up(models):
+    """--fp8-format alone leaves --fp8-recipe at delayed: refused when the model is
+    built, naming the layer, the setting and the recipe that runs."""
+    for out in models["fp8_delayed"]:
+        assert "ConfigError" in out and "fp8_recipe='delayed'" in out, out[-4000:]
+        assert "The recipes that run: tensorwise" in out
 
 
 # --- the GPU parity run's log check (benchmarks/megatron_lm_parity.py) ------------------------

@@ -92,10 +92,11 @@ def _value(v: Any) -> Any:
 
 
 def _keeps_bf16(config: Any, layer_number: int) -> bool:
-    """Megatron's own rule (fp8_utils.is_first_last_bf16_layer, global 0-based index)."""
+    """Megatron's own rule (fp8_utils.is_first_last_bf16_layer, global 0-based index;
+    megatron-core 0.14 has the same rule inline in get_fp8_context)."""
     try:
         from megatron.core.fp8_utils import is_first_last_bf16_layer
-    except ImportError:  # pragma: no cover - every supported megatron-core has it
+    except ImportError:
         start = config.num_layers_at_start_in_bf16
         end = config.num_layers_at_end_in_bf16
         n = layer_number - 1

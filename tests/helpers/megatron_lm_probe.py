@@ -211,7 +211,10 @@ def probe_model() -> dict:
     from megatron_overlap.config import state
 
     now = state.current()
+    precision = {n: m.precision.describe() for n, m in model.named_modules()
+                 if hasattr(m, "precision")}  # our linears' (none on Megatron's)
     return {"version": hooks.megatron_core_version(), "install": rec.calls, "linears": linears,
+            "precision": precision,
             "installed": {"backend": now.backend, "source": now.source,
                           "fc2_fprop_num_sm": now.settings["fc2_fprop"].num_sm},
             "norms": norms, "loss": loss.item(), "grad_norm_sum": grad,
