@@ -44,6 +44,7 @@ def add_megatron_arguments(parser):
     parser.add_argument("--tp-comm-overlap-cfg", default=None)
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--transformer-impl", default="transformer_engine")
+    parser.add_argument("--fp8-format", dest="fp8", default=None)
     return parser
 def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     parser = add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"))
@@ -155,6 +156,20 @@ def test_validation(fake_lm, installs):
     with pytest.raises(AssertionError, match="sequence parallelism"):  # Megatron-LM's own rule
         lm.initialize.initialize_megatron()
     assert installs == [] and lm.initialize.TE_CALLS == []
+
+
+def test_fp8_without_tp_comm_overlap_stops_at_validation(fake_lm, installs):
+    """Without --tp-comm-overlap Megatron's local linears would be built: bf16 in silence."""
+    lm = fake_lm(argv=["--tp-comm-overlap-impl", "megatron_overlap", "--sequence-parallel",
+                       "--fp8-format", "hybrid"])
+    hooks.install_hooks()
+    with pytest.raises(ValueError, match="--fp8-format hybrid with --tp-comm-overlap-impl "
+                                         "megatron_overlap needs --tp-comm-overlap"):
+        lm.initialize.initialize_megatron()
+    assert installs == [] and lm.initialize.TE_CALLS == []
+    lm.arguments.ARGV[:] = ["--fp8-format", "hybrid", "--sequence-parallel"]  # TE's path: theirs
+    lm.initialize.initialize_megatron()
+    assert installs == []
 
 
 def test_our_flags_parse_and_refuse_unknown_values():
@@ -402,7 +417,8 @@ def models(tree, tmp_path_factory) -> dict:
     return {"on": _model(tree, "--tp-comm-overlap", "--tp-comm-overlap-cfg", str(cfg)),
             "off": _model(tree), "cfg": str(cfg),
             "fp8": _model(tree, "--tp-comm-overlap", *FP8),
-            "fp8_delayed": _model(tree, "--tp-comm-overlap", "--fp8-format", "hybrid", ok=False)}
+            "fp8_delayed": _model(tree, "--tp-comm-overlap", "--fp8-format", "hybrid", ok=False),
+            "fp8_no_overlap": _model(tree, *FP8, ok=False)}
 
 
 FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
@@ -460,6 +476,9 @@ def test_fp8_with_megatron_lm_s_default_recipe_stops_at_start_up(models):
     for out in models["fp8_delayed"]:
         assert "ConfigError" in out and "fp8_recipe='delayed'" in out, out[-4000:]
         assert "The recipes that run: tensorwise" in out
+    for out in models["fp8_no_overlap"]:  # Megatron's linears would run it in bf16
+        assert "with --tp-comm-overlap-impl megatron_overlap needs --tp-comm-overlap" in out, \
+            out[-4000:]
 
 
 # --- the GPU parity run's log check (benchmarks/megatron_lm_parity.py) ------------------------

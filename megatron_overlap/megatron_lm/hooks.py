@@ -7,7 +7,8 @@ does by editing two files:
   also adds `--tp-comm-overlap-impl {te,megatron_overlap}` (default te: Megatron-LM's
   own Transformer Engine path) and `--tp-comm-overlap-backend`;
 - `validate_args` (wherever Megatron-LM's modules bound it) also requires
-  `--transformer-impl local` when `--tp-comm-overlap` runs on megatron_overlap;
+  `--transformer-impl local` when `--tp-comm-overlap` runs on megatron_overlap, and
+  `--tp-comm-overlap` with `--fp8-format` (FP8 runs in our linears only);
 - `megatron.training.initialize._initialize_tp_communicators` (which
   `initialize_megatron` calls for `--tp-comm-overlap`, before the model is built)
   calls `megatron_overlap.install(ub_cfgs=..., backend=...)` instead of building
@@ -159,6 +160,14 @@ def check_args(args: argparse.Namespace) -> None:
     if getattr(args, "tp_comm_overlap_impl", "te") != IMPL:
         return
     overlap = bool(getattr(args, "tp_comm_overlap", False))
+    fp8 = getattr(args, "fp8", None)
+    if fp8 and not overlap:
+        raise ValueError(
+            f"--fp8-format {fp8} with --tp-comm-overlap-impl megatron_overlap needs "
+            "--tp-comm-overlap: FP8 runs in megatron_overlap's linears, and without "
+            "--tp-comm-overlap Megatron-core's local linears are built, which run in the "
+            "params dtype without Transformer Engine (and do not say so); add "
+            "--tp-comm-overlap, or drop --fp8-format")
     if overlap and (getattr(args, "transformer_impl", "local") != "local"
                     or getattr(args, "use_legacy_models", False)):
         raise ValueError(
