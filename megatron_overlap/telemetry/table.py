@@ -62,3 +62,38 @@ def settings_table(rows: Sequence[dict[str, Any]]) -> str:
         below += ["Notes:"] + wrapped(*notes)
     title = f"TP comm+GEMM overlap: {len(modules)} layers, {len(rows)} passes"
     return table(title, columns, cells, rules_after=rules) + lines(*below)
+
+
+def _numbers(ns: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out, ns = [], sorted(ns)
+    start = prev = ns[0]
+    for n in ns[1:] + [None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        out.append(str(start) if start == prev else f"{start}-{prev}")
+        if n is not None:
+            start = prev = n
+    return ", ".join(out)
+
+
+ATTENTION_KEYS = ("impl", "mask", "window", "heads", "dropout", "ran", "reason")
+
+
+def attention_table(rows: Sequence[dict[str, Any]]) -> str:
+    """attention_settings rows as one line per distinct setting (layers that share it
+    folded into one cell): which core attention each layer runs, and why where it is
+    Megatron's."""
+    if not rows:
+        return lines("Core attention: no attention modules")
+    groups: dict[tuple, list[int]] = {}
+    for r in rows:
+        groups.setdefault(tuple(str(r.get(k) if r.get(k) is not None else "-") for k in ATTENTION_KEYS),
+                          []).append(r["layer_number"])
+    columns = [Column("layers"), Column("core attention"), Column("mask"), Column("window"),
+               Column("heads:groups"), Column("dropout", right=True), Column("ran"),
+               Column("why / notes", wrap=True)]
+    cells = [(_numbers(layers), "torch (fused)" if key[0] == "torch" else "Megatron's unfused", *key[1:])
+             for key, layers in groups.items()]
+    return table(f"Core attention: {len(rows)} layers", columns, cells)
