@@ -469,15 +469,16 @@ def test_megatron_overlap_attention_megatron_keeps_megatrons_attention_with_the_
 
 # --- the GPU parity run's log check (benchmarks/megatron_lm_parity.py) ------------------------
 
-def _log(path: Path, arm: str, losses: list[str]) -> Path:
+def _log(path: Path, arm: str, losses: list[str], attention: str = "torch") -> Path:
     why = "--tp-comm-overlap" if arm == "on" else "every overlap off (no --tp-comm-overlap)"
     lines = [f"megatron_overlap.megatron_lm: megatron_overlap.install(ub_cfgs=None, "
-             f"backend='symm'): {why} [Megatron-LM with megatron-core 0.16.1 (at /x)]"]
+             f"backend='symm', attention={attention!r}): {why} [Megatron-LM with megatron-core 0.16.1 (at /x)]"]
     lines += [f" [2026-12-03 15:00:00] iteration {i:8d}/{len(losses):8d} | consumed samples: "
               f"{2 * i:12d} | elapsed time per iteration (ms): 120.{i} | learning rate: "
               f"3.000000E-04 | lm loss: {loss} | loss scale: 1.0 | grad norm: 3.21{i} |"
               for i, loss in enumerate(losses, 1)]
     built = ', "OverlapColumnParallelLinear": 8, "OverlapRowParallelLinear": 8' if arm == "on" else ""
+    built += ', "TorchDotProductAttention": 4' if attention == "torch" else ""
     lines.append('MLM-PARITY-LAYERS {"rank": 0%s}' % built)
     if arm == "on":  # both ranks' notes on one line, as ranks sharing a terminal print them
         lines.append('MLM-REPLAYS {"rank": 1, "per_iter": [[32, 0, 0, 0], [32, 0, 16, 0], [32, 32, 0, 0]]}'
@@ -508,3 +509,25 @@ def test_parity_check_of_two_logs(tmp_path, capsys):
     assert parity.main([str(off), str(off), "--iters", "3", "--losses-only"]) == 0
     _log(on, "off", losses[:2] + ["8.800002E+00"])
     assert parity.main([str(on), str(off), "--iters", "3", "--losses-only"]) == 1
+
+
+def test_attention_parity_check_of_two_logs(tmp_path, capsys):
+    """--attention: torch's attention against Megatron's, both overlapped: losses within the
+    relative tolerance, our attention built in the first run only."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import megatron_lm_parity as parity
+    finally:
+        sys.path.pop(0)
+    ours = _log(tmp_path / "ours.log", "on", ["9.011234E+00", "8.912345E+00"])
+    theirs = _log(tmp_path / "theirs.log", "on", ["9.011300E+00", "8.910000E+00"], attention="megatron")
+    assert parity.main([str(ours), str(theirs), "--iters", "2", "--attention"]) == 0
+    assert "PARITY OK" in capsys.readouterr().out
+    assert parity.main([str(ours), str(theirs), "--iters", "2", "--attention", "--rel-tol", "1e-5"]) == 1
+    assert "beyond 1e-05 relative" in capsys.readouterr().out
+    assert parity.main([str(ours), str(ours), "--iters", "2", "--attention"]) == 1  # no Megatron arm
+    out = capsys.readouterr().out
+    assert "second: megatron_overlap.install was not called with attention='megatron'" in out
+    assert "second: 4 TorchDotProductAttention built" in out
+    _log(theirs, "on", ["9.5E+00", "8.910000E+00"], attention="megatron")
+    assert parity.main([str(ours), str(theirs), "--iters", "2", "--attention"]) == 1
