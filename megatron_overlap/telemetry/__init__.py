@@ -3,13 +3,16 @@ A tool: may import the runtime; wandb only through `extras.require` ([wandb]).
 
     tel = OverlapTelemetry(wandb.init(...))   # or OverlapTelemetry() for the console only
     tel.log_settings(model)                   # once: per-layer, per-pass settings
+    print(compact_table(layer_settings(model)))   # the same, folded to fit a screen
     tel.log_step(step, {"loss": loss})        # every step: bytes moved, host time blocked
 
 `read_offline_run` reads an offline wandb run back (after `wait_for_exit`) (tests, A/B reports)."""
 
+from .compact import compact_table
 from .logger import OverlapTelemetry
 from .offline import read_offline_run, wait_for_exit
 from .rows import layer_settings
 from .table import settings_table
 
-__all__ = ["OverlapTelemetry", "layer_settings", "settings_table", "read_offline_run", "wait_for_exit"]
+__all__ = ["OverlapTelemetry", "layer_settings", "settings_table", "compact_table",
+           "read_offline_run", "wait_for_exit"]
