@@ -10,7 +10,8 @@ MODULES = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.linear_pr
            "fc1": "mlp.linear_fc1", "fc2": "mlp.linear_fc2"}
 
 
-def _rows(config: OverlapConfig, layers: int, backend: str = "torch_p2p", tp: int = 2) -> list[dict]:
+def _rows(config: OverlapConfig, layers: int, backend: str = "torch_p2p",
+          tp: int = 2) -> list[dict]:
     rows = []
     for n in range(layers):
         for name in config:
@@ -28,7 +29,8 @@ def _rows(config: OverlapConfig, layers: int, backend: str = "torch_p2p", tp: in
                          "no_effect": {k: v for k, v in effects.items() if v != "active"},
                          "notes": f"{name}: bulk: hides under {pass_name}" if s.method == "bulk"
                          else ""})
-    rows.sort(key=lambda r: (r["layer_number"], r["module"], ("fprop", "dgrad", "wgrad").index(r["pass"])))
+    passes = ("fprop", "dgrad", "wgrad")
+    rows.sort(key=lambda r: (r["layer_number"], r["module"], passes.index(r["pass"])))
     return rows
 
 

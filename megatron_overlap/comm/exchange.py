@@ -76,10 +76,10 @@ def _fail(what: str, group: dist.ProcessGroup, ranks: list[int], waited_for: lis
     else:
         who = ("group ranks " + ", ".join(f"{r} (global {ranks[r]})" for r in missing)
                + " never arrived" if missing else f"it failed: {exc}")
-    context = _about.get()
+    prefix = f"{_about.get()}: " if _about.get() else ""
     return CommError(
-        f"megatron_overlap: {context + ': ' if context else ''}rank {me}/{world} waited for '{what}' chunk 0 (from all ranks) "
-        f"{timeout.total_seconds():g}s and {who}. A peer may have crashed or raised before "
+        f"megatron_overlap: {prefix}rank {me}/{world} waited for '{what}' chunk 0 (from all "
+        f"ranks) {timeout.total_seconds():g}s and {who}. A peer may have crashed or raised before "
         f"this point, or the ranks disagree on what they run (a rank without install(), a "
         f"different model or layer order); MEGATRON_OVERLAP_TIMEOUT_S bounds this wait.")
 
