@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+from megatron_overlap.ab.limits import RESULTS
 from megatron_overlap.telemetry import read_offline_run, wait_for_exit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,6 +34,7 @@ def test_ab_overlap_writes_report_and_wandb_runs(tmp_path):
     report = (out / "report.md").read_text()
     assert "## What this run can show" in report and "Not its speed. On CPU" in report, report
     assert "docs/results.md" in report and "megatron-overlap simulate" in report, report
+    assert os.path.exists(os.path.join(ROOT, RESULTS))  # where the report points
     rows = {line.split("|")[1].strip(): line.split("|") for line in report.splitlines()
             if line.startswith("| A_") or line.startswith("| B_")}
     assert set(rows) == {"A_megatron", "B_overlap"}

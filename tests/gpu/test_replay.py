@@ -125,7 +125,7 @@ def test_public_layers_replay_equal_eager(world):
         # Replays happen where a pass's tensors recur at the same addresses (steady
         # state): every case replays, and stored graphs are replayed again (more replays
         # than captures), except where the output feeds an eager bias add outside the
-        # pass, whose allocation makes the output's address alternate (BENCHMARKS.md).
+        # pass, whose allocation makes the output's address alternate (docs/results.md).
         for (kind, variant), passes in counts.items():
             assert sum(replays for replays, _ in passes.values()) >= 2, (variant, passes)
             bias_outside = kind == "row" and any(c[2] for c in CASES if c[:2] == (kind, variant))
