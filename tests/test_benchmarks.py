@@ -1,5 +1,5 @@
 """The benchmark suite runs end to end on CPU (2 gloo ranks, tiny shapes) and
-writes what BENCHMARKS.md is built from: JSON of the expected structure, with
+writes what docs/results.md is built from: JSON of the expected structure, with
 every output check / loss parity passed, and a PNG. Timings are never asserted."""
 
 import json

@@ -21,6 +21,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from .. import comm
+from ..comm.exchange import about
 from ..config import state
 from ..overlap.hierarchical import RingOrder
 from ..overlap.replay import PassGraphs
@@ -82,8 +83,9 @@ class _OverlapMixin:
     @property
     def transport(self) -> comm.Transport:
         if self._transport is None:
-            self._transport = comm.transport_for(self.tp_group, self.overlap_backend,
-                                                 self.weight.device)
+            with about(f"layer {self.overlap_plan.layer!r}"):  # may exchange the topology
+                self._transport = comm.transport_for(self.tp_group, self.overlap_backend,
+                                                     self.weight.device)
         return self._transport
 
     @property
@@ -94,7 +96,8 @@ class _OverlapMixin:
             tp, plan = self.transport, self.overlap_plan
             topo = getattr(tp, "topology", None)
             if topo is None and tp.world_size > 1:
-                topo = comm.topology(self.tp_group, self.weight.device)
+                with about(f"layer {plan.layer!r}"):
+                    topo = comm.topology(self.tp_group, self.weight.device)
             orders = {}
             for s in (plan.fprop, plan.dgrad, plan.wgrad):
                 order = None if s is None else ring_order(s, plan.sequence_parallel, topo)
