@@ -101,7 +101,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     from megatron_overlap.ab import TrainArm, write_report
     from megatron_overlap.ab.limits import what_it_shows
     from megatron_overlap.comm import stats
-    from megatron_overlap.telemetry import OverlapTelemetry
+    from megatron_overlap.telemetry import OverlapTelemetry, attention_settings, attention_summary
 
     mo.install(ub_cfgs=args.ub_cfgs, backend=args.backend)
     plain, wrap_a = build_gpt(_spec(args), world, overlap=False, dtype=dtype, device=device)
@@ -118,6 +118,10 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     cfg = args.ub_cfgs or "TE's default settings"
     model = (f"GPT, {args.layers} layers, hidden {args.hidden}, {args.heads} heads, seq {args.seq}, "
              f"micro-batch {args.micro_batch}, vocab {args.vocab}, {str(dtype).split('.')[-1]}")
+    # both arms are built under install(): the same core attention, so the A/B measures the overlap
+    attention = {n: attention_summary(attention_settings(m)) for n, m in (("A", plain), ("B", ours))}
+    attention = (f"A and B: {attention['A']}" if attention["A"] == attention["B"] else
+                 f"A: {attention['A']}; B: {attention['B']} (they differ: the A/B measures more than the overlap)")
     if lead:
         print(f"megatron_overlap A/B demo: one GPT trained twice, same weights, seed and batches\n"
               f"  model       {model}; {args.steps} steps\n"
@@ -126,7 +130,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
               f"{', sequence parallel' if world > 1 else ''}), its collectives over "
               f"{layout.dist_backend}\n"
               f"  B_overlap   the same after megatron_overlap.install(): the all-gathers and "
-              f"reduce-scatters of qkv, proj, fc1, fc2 under their GEMMs, on {transport}, {cfg}\n",
+              f"reduce-scatters of qkv, proj, fc1, fc2 under their GEMMs, on {transport}, {cfg}\n"
+              f"  attention   {attention}\n",
               flush=True)
     runs = {}
     if lead:
@@ -166,7 +171,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     md, png = write_report(
         {n: a.results for n, a in arms.items()}, args.out, baseline="A_megatron",
         title=f"A/B: Megatron TP vs megatron_overlap (TP={world}, {layout.note.split(':')[0]})",
-        details={"model": model, "transport": transport, "overlap settings": cfg,
+        details={"model": model, "transport": transport, "overlap settings": cfg, "core attention": attention,
                  "wandb runs": ", ".join(r.dir for r in runs.values())},
         sections=what_it_shows(layout))
     print(open(md).read())

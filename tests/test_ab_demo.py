@@ -25,6 +25,8 @@ def test_ab_overlap_writes_report_and_wandb_runs(tmp_path):
     assert len(printed) <= 120, "\n".join(printed)  # two screens, set-up excluded
     assert "report:" in proc.stdout and "wandb:" in proc.stdout
     assert "A_megatron" in proc.stdout and "B_overlap" in proc.stdout  # the arms, said up front
+    # which attention each arm ran: the same in both, so the A/B measures the overlap
+    assert "attention   A and B: torch's fused attention in 2 of 2 layers" in proc.stdout, proc.stdout
     # the compact settings table: one line per linear and pass, idle keys in one legend line
     assert sum("mlp.linear_fc1" in line for line in printed) == 1, proc.stdout
     assert sum(line.startswith("No effect on any pass here:") for line in printed) == 1

@@ -12,8 +12,8 @@ from .compact import compact_table
 from .logger import OverlapTelemetry
 from .offline import read_offline_run, wait_for_exit
 from .rows import attention_settings, layer_settings
-from .table import attention_table, settings_table
+from .table import attention_summary, attention_table, settings_table
 
 __all__ = ["OverlapTelemetry", "layer_settings", "settings_table", "compact_table",
-           "attention_settings", "attention_table",
+           "attention_settings", "attention_table", "attention_summary",
            "read_offline_run", "wait_for_exit"]

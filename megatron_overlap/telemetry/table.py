@@ -97,3 +97,17 @@ def attention_table(rows: Sequence[dict[str, Any]]) -> str:
     cells = [(_numbers(layers), "torch (fused)" if key[0] == "torch" else "Megatron's unfused", *key[1:])
              for key, layers in groups.items()]
     return table(f"Core attention: {len(rows)} layers", columns, cells)
+
+
+def attention_summary(rows: Sequence[dict[str, Any]]) -> str:
+    """One phrase for a model's core attention (an A/B arm's header): which runs in how many
+    layers, with Megatron's reasons."""
+    if not rows:
+        return "no core-attention modules"
+    torch_n = sum(r["impl"] == "torch" for r in rows)
+    parts = [f"torch's fused attention in {torch_n} of {len(rows)} layers"] if torch_n else []
+    reasons = sorted({r["reason"] for r in rows if r["impl"] != "torch"})
+    if len(rows) - torch_n:
+        parts.append(f"Megatron's DotProductAttention in {len(rows) - torch_n} of {len(rows)} layers"
+                     + (f" ({'; '.join(reasons)})" if reasons else ""))
+    return "; ".join(parts)
