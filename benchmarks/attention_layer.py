@@ -9,8 +9,12 @@ the same weights and input:
 - megatron: Megatron's local layer: its linears, its DotProductAttention (the score matrix);
 - sdpa_ref: the same with only its core attention replaced by a minimal causal SDPA call
   (`SDPAReference`, written here): the flash-attention reference;
+- ours_attention: the same with only its core attention replaced by install()'s
+  (`TorchDotProductAttention`; Megatron's linears): the attention's own cost in the layer;
 - ours: the layer install() builds: our overlapped linears (on the `null` transport, the
-  pass replay on) and `TorchDotProductAttention`.
+  pass replay on) and `TorchDotProductAttention`. On one GPU there is no communication for
+  the overlap to hide, so against sdpa_ref (whose linears' collectives do nothing either)
+  it measures the overlapped linears' compute-side cost on top of the attention's.
 On a GPU no arm gets a mask tensor (the causal mask type says it; Megatron's arm builds its
 own).
 
@@ -53,7 +57,7 @@ SHAPES = {"70b_tp8_s4096_b2": ("70b", 8, 4096, 2), "8b_tp4_s4096_b2": ("8b", 4, 
           "70b_tp8_s16384_b1": ("70b", 8, 16384, 1)}
 GOALS = {"70b_tp8_s4096_b2": 1.45, "8b_tp4_s4096_b2": 1.9, "70b_tp8_s16384_b1": 2.7}
 GOAL_REF, GOAL_MEM = 0.97, 1.05  # within 3% of the reference's time, 5% of its memory
-ARMS = ("megatron", "sdpa_ref", "ours")
+ARMS = ("megatron", "sdpa_ref", "ours_attention", "ours")  # ours last: attention_alone's packed case
 DOCS = 4  # documents per packed sequence
 
 
@@ -89,7 +93,7 @@ def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.devi
 
     import megatron_overlap as mo
 
-    mo.install(backend="torch_p2p", attention="torch" if arm == "ours" else "megatron")
+    mo.install(backend="torch_p2p", attention="torch" if arm.startswith("ours") else "megatron")
     try:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         if arm == "sdpa_ref":
@@ -227,11 +231,13 @@ def goals(name: str, row: dict) -> dict:
     t, mem, alone = row["arms"], row["peak_gib"], row["attention_alone_ms"]
     out = {}
     for mode in ("graph", "eager"):
-        ours, ref, meg = (t[a][f"{mode}_ms"] for a in ARMS[::-1])
-        out[f"{mode}: ours vs megatron >= {GOALS.get(name, 0)}"] = (meg / ours, meg / ours >= GOALS.get(name, 0))
-        out[f"{mode}: ours vs sdpa_ref >= {GOAL_REF}"] = (ref / ours, ref / ours >= GOAL_REF)
-    out[f"peak memory: ours / sdpa_ref <= {GOAL_MEM}"] = (mem["ours"] / mem["sdpa_ref"],
-                                                          mem["ours"] / mem["sdpa_ref"] <= GOAL_MEM)
+        ms = {a: t[a][f"{mode}_ms"] for a in ARMS}
+        out[f"{mode}: ours vs megatron >= {GOALS.get(name, 0)}"] = (
+            ms["megatron"] / ms["ours"], ms["megatron"] / ms["ours"] >= GOALS.get(name, 0))
+        for a in ("ours_attention", "ours"):
+            out[f"{mode}: {a} vs sdpa_ref >= {GOAL_REF}"] = (ms["sdpa_ref"] / ms[a], ms["sdpa_ref"] / ms[a] >= GOAL_REF)
+    for a in ("ours_attention", "ours"):
+        out[f"peak memory: {a} / sdpa_ref <= {GOAL_MEM}"] = (mem[a] / mem["sdpa_ref"], mem[a] / mem["sdpa_ref"] <= GOAL_MEM)
     packed = alone[f"ours_packed_{DOCS}_docs"] / alone["ours"]
     out[f"attention: ours packed ({DOCS} docs) / ours causal <= 1"] = (packed, packed <= 1.0)
     return out
@@ -242,19 +248,19 @@ def table(doc: dict) -> str:
     lines = [f"attention_layer: one TransformerLayer fwd+bwd per TP rank, {doc['dtype']}, "
              f"{m.get('gpu_name') or 'CPU'}, torch {m['torch']}, megatron-core {m.get('megatron_core')}, "
              f"{m['date']}; median of {doc['config']['repeat']} x {doc['config']['reps']} calls",
-             f"{'shape':18s} {'arm':9s} {'eager ms':>9s} {'x meg':>6s} {'graph ms':>9s} {'x meg':>6s} "
+             f"{'shape':18s} {'arm':14s} {'eager ms':>9s} {'x meg':>6s} {'graph ms':>9s} {'x meg':>6s} "
              f"{'peak GiB':>9s} {'attn ms':>8s}  check"]
     f = lambda v, p: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for r in doc["rows"]:
         c = r["check"]
         if "arms" not in r:
-            lines.append(f"{r['shape']:18s} {'-':9s} check {'ok' if c['passed'] else 'FAIL'} "
+            lines.append(f"{r['shape']:18s} {'-':14s} check {'ok' if c['passed'] else 'FAIL'} "
                          f"(max rel {max(c['max_rel_err'].values()):.1e} <= {c['tol_rel']:g}); {r['skipped']}")
             continue
         for a in ARMS:
             t = r["arms"][a]
             err = c["max_rel_err"].get(a)
-            lines.append(f"{r['shape']:18s} {a:9s} {f(t['eager_ms'], 2):>9s} {f(t['eager_ratio'], 2):>6s} "
+            lines.append(f"{r['shape']:18s} {a:14s} {f(t['eager_ms'], 2):>9s} {f(t['eager_ratio'], 2):>6s} "
                          f"{f(t['graph_ms'], 2):>9s} {f(t['graph_ratio'], 2):>6s} {f(r['peak_gib'][a], 2):>9s} "
                          f"{f(r['attention_alone_ms'][a], 2):>8s}  "
                          + ("" if err is None else f"rel {err:.1e}"))
