@@ -362,14 +362,41 @@ def test_install_chooses_the_attention_and_keeps_megatrons_where_it_must():
     assert shape == (10, 2, 8 * 16) and err <= TOL
 
 
-def test_unsupported_names_context_parallelism():
-    from types import SimpleNamespace
+def _refusals(rank, world):
+    """What neither attention can run is refused when the layer is built, naming it."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_overlap.attention import support
+    import megatron_overlap as mo
+    from helpers.attention import Case, config
+    from helpers.megatron_cpu import init
 
-    why = support.unsupported(SimpleNamespace(context_parallel_size=2))
-    assert why and "context parallelism" in why
-    assert support.unsupported(SimpleNamespace()) is None
+    init(world)
+    said = {}
+    mo.install()
+    try:
+        for what, extra, kw in (("context parallelism", {}, {}),
+                                ("MLA with sinks", {"softmax_type": "learnable"},
+                                 {"k_channels": 24, "v_channels": 16})):
+            cfg = config(Case("x", groups=2), **extra)
+            if what == "context parallelism":  # as a config with CP reaches the core attention
+                cfg.context_parallel_size = 2
+            try:
+                DotProductAttention(cfg, 3, AttnMaskType.causal, "self", **kw)
+                said[what] = None
+            except ValueError as e:
+                said[what] = str(e)
+    finally:
+        mo.uninstall()
+    return said
+
+
+def test_what_neither_attention_can_run_is_refused_when_built():
+    said = dist.run(_refusals, 1, timeout=120)[0]
+    cp, mla = said["context parallelism"], said["MLA with sinks"]
+    assert cp and cp.startswith("core attention of layer 3: context parallelism") and \
+        "asserts context_parallel_size == 1" in cp and "TEDotProductAttention" in cp, cp
+    assert mla and "softmax_type='learnable'" in mla and "k_channels / v_channels" in mla, mla
 
 
 def test_the_report_folds_layers_that_share_a_setting():
@@ -384,5 +411,5 @@ def test_the_report_folds_layers_that_share_a_setting():
     assert "Core attention: 5 layers" in text
     lines = [line for line in text.splitlines() if "causal" in line]
     assert len(lines) == 2, text
-    assert lines[0].split()[:4] == ["0-2,", "5", "torch", "(fused)"], lines[0]
+    assert lines[0].split()[:3] == ["0-2,5", "torch", "(fused)"], lines[0]
     assert "Megatron's unfused" in lines[1] and "learnable" in text

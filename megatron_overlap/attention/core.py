@@ -32,18 +32,13 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
+from ..config.console import say_once
 from . import masks, packed, support
 
-log = logging.getLogger("megatron_overlap")
-_said: set[str] = set()
-_CAUSAL = ("causal", "causal_bottom_right")  # mask types whose default (no mask tensor) is causal
-_PACKED_CAUSAL = _CAUSAL + ("padding_causal",)  # ... and, in a pack, per document
-
-
-def _say(level: int, msg: str) -> None:
-    if msg not in _said:  # every layer of a model would repeat it
-        _said.add(msg)
-        log.log(level, msg)
+_CAUSAL = ("causal",)  # the mask type whose default (no mask tensor) Megatron makes causal
+# in a pack, attention is causal per document for these (Megatron's own class runs no packs;
+# Transformer Engine's meaning)
+_PACKED_CAUSAL = ("causal", "padding_causal", "causal_bottom_right")
 
 
 def _tp_size(groups: Any) -> int:
@@ -63,6 +58,7 @@ class TorchDotProductAttention(DotProductAttention):
                  pg_collection: Any = None, model_comm_pgs: Any = None) -> None:
         why = support.unsupported(config)
         if why is not None:  # Megatron's own, built by its constructor (as this version takes it)
+            support.check_megatron_runs(config, k_channels, v_channels, layer_number, why)
             self.__class__ = DotProductAttention
             kwargs = {"attention_dropout": attention_dropout, "softmax_scale": softmax_scale,
                       "cp_comm_type": cp_comm_type}
@@ -74,7 +70,7 @@ class TorchDotProductAttention(DotProductAttention):
             build = getattr(DotProductAttention.__init__, "__wrapped__", DotProductAttention.__init__)
             build(self, config, layer_number, attn_mask_type, attention_type, **kwargs)
             self.megatron_overlap_attention = why
-            _say(logging.WARNING, f"megatron_overlap: core attention keeps Megatron's DotProductAttention "
+            say_once(logging.WARNING, f"megatron_overlap: core attention keeps Megatron's DotProductAttention "
                  f"(from layer {max(1, layer_number)}): {why}")
             return
         MegatronModule.__init__(self, config=config)
@@ -93,13 +89,13 @@ class TorchDotProductAttention(DotProductAttention):
         # the product Megatron's scores get (layer scaling divides, then its softmax multiplies back)
         self.softmax_scale = (1.0 / math.sqrt(self.k_channels)) if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        self.window = masks.layer_window(config, self.layer_number)
+        self.window = masks.layer_window(config, layer_number)  # (Megatron decides on the raw number)
         self.softmax_offset = None
         self.name = f"layer {self.layer_number} core attention"
         self.ran: set[str] = set()  # the kernel paths this layer has taken (the report's "ran")
-        self.notes = [n for n in (support.backend_note(config), _fp8_note(config)) if n]
+        self.notes = support.notes(config, self.window)
         for note in self.notes:
-            _say(logging.WARNING, f"megatron_overlap: core attention: {note}")
+            say_once(logging.WARNING, f"megatron_overlap: core attention: {note}")
 
     # -- forward ---------------------------------------------------------------------------
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -128,10 +124,11 @@ class TorchDotProductAttention(DotProductAttention):
         sq, b, heads = query.shape[:3]
         sk = key.shape[0]
         gqa = heads != key.shape[2]
-        if self.window is not None and p == 0.0 and packed.varlen_available(query.device):
+        if (self.window is not None and p == 0.0 and packed.flash_takes(query, key, value)
+                and not masks.empty_window_rows(sq, sk, self.window)):
             self._note("varlen window")  # flash with window bounds: no [sq, sk] mask in memory
             out = packed.varlen_batch(query, key, value, self.window, self.softmax_scale, gqa)
-            return out.view(b, sq, -1).transpose(0, 1)
+            return out.view(b, sq, -1).transpose(0, 1).contiguous()
         plan = masks.plan(attention_mask, self.attn_mask_type.name in _CAUSAL, self.window, sq, sk,
                           query.device)
         self._note("sdpa" if plan.attn_mask is None else "sdpa masked")
@@ -159,13 +156,6 @@ def _divide(n: int, tp: int, what: str) -> int:
     if n % tp:
         raise ValueError(f"core attention: {what}={n} is not divisible by the tensor-parallel size {tp}")
     return n // tp
-
-
-def _fp8_note(config: Any) -> str:
-    if getattr(config, "fp8_dot_product_attention", False) or getattr(config, "fp8_multi_head_attention", False):
-        return ("fp8_dot_product_attention is not honoured: attention runs in the inputs' dtype "
-                "(Megatron's DotProductAttention does the same)")
-    return ""
 
 
 def attention_row(module: torch.nn.Module) -> Optional[dict[str, Any]]:

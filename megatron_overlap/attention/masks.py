@@ -1,7 +1,11 @@
 """Megatron's attention masks, as torch's fused attention takes them.
 
-Megatron's DotProductAttention (its unfused softmax path, the one every device runs) decides
-the mask in this order, and so do we:
+Megatron's DotProductAttention has two softmax paths: a fused CUDA kernel (with
+`masked_softmax_fusion`, where its kernels are installed and the shapes fit), which applies
+the causal mask itself and ignores a causal layer's mask tensor and any window, and the
+unfused torch path, which every other case runs. We compute what the unfused path computes
+(for a causal layer given its causal mask, both paths agree). It decides the mask in this
+order, and so do we:
 1. a layer with a sliding window (`config.window_size`, `window_attn_skip_freq`) masks
    outside the window, whatever else it is given: key j is seen by query i when
    i + (sk - sq) - left <= j <= i + (sk - sq) + right (aligned at the bottom right);
@@ -43,11 +47,25 @@ def layer_window(config, layer_number: int) -> Optional[Window]:
                                                                   layer_number) else None
 
 
-@functools.lru_cache(maxsize=8)
 def window_mask(sq: int, sk: int, window: Window, device: torch.device) -> torch.Tensor:
     """[sq, sk] bool, True where query i sees key j (SDPA's sense); a negative bound is
-    unbounded (Transformer Engine's convention, e.g. (-1, 0) is plain causal). Cached:
-    every windowed layer of a model shares it."""
+    unbounded (Transformer Engine's convention, e.g. (-1, 0) is plain causal; Megatron's
+    unfused mask reads -1 literally, `support.notes` says so). Cached, every windowed layer of
+    a model sharing it, except while a CUDA graph is captured (a tensor made then holds its
+    values only once the graph replays)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _window_mask(sq, sk, window, device)
+    return _cached_window_mask(sq, sk, window, device)
+
+
+def empty_window_rows(sq: int, sk: int, window: Window) -> int:
+    """How many leading queries see no key at all through the window (sq > sk + right):
+    Megatron's softmax spreads them uniformly (module docstring)."""
+    right = window[1]
+    return max(0, sq - sk - right) if right >= 0 else 0
+
+
+def _window_mask(sq: int, sk: int, window: Window, device: torch.device) -> torch.Tensor:
     left, right = window
     rel = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None] - (sk - sq)
     seen = torch.ones(sq, sk, dtype=torch.bool, device=device)
@@ -56,6 +74,9 @@ def window_mask(sq: int, sk: int, window: Window, device: torch.device) -> torch
     if right >= 0:
         seen &= rel <= right
     return seen
+
+
+_cached_window_mask = functools.lru_cache(maxsize=8)(_window_mask)
 
 
 class MaskPlan(NamedTuple):
@@ -71,7 +92,11 @@ def plan(attention_mask: Optional[torch.Tensor], causal: bool, window: Optional[
          sq: int, sk: int, device: torch.device) -> MaskPlan:
     """The mask of one call, in Megatron's order (module docstring)."""
     if window is not None:
-        return MaskPlan(window_mask(sq, sk, window, device), False, None)
+        seen, empty = window_mask(sq, sk, window, device), empty_window_rows(sq, sk, window)
+        if not empty:
+            return MaskPlan(seen, False, None)
+        full = (torch.arange(sq, device=device) < empty)[:, None]
+        return MaskPlan(seen | full, False, full)
     if attention_mask is not None:
         full = attention_mask.all(dim=-1, keepdim=True)  # rows with no key left
         return MaskPlan(~attention_mask | full, False, full)

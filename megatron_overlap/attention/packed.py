@@ -43,10 +43,15 @@ except (ImportError, AttributeError):  # pragma: no cover - older torch
     _varlen, _VARLEN_ARGS = None, set()
 
 
-def varlen_available(device: torch.device) -> bool:
-    """Whether torch's varlen flash attention takes what we need here: CUDA and window
-    bounds (torch 2.11 has them; GQA is native there, 2.13 asks for `enable_gqa`)."""
-    return device.type == "cuda" and "window_size" in _VARLEN_ARGS
+def flash_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's varlen flash attention runs these tensors: CUDA on an Ampere or newer
+    GPU, fp16 or bf16, one head dim for queries, keys and values (MLA's differ), a multiple
+    of 8 up to 256, and a torch whose varlen takes window bounds (2.11 does; GQA is native
+    there, 2.13 asks for `enable_gqa`). Anything else takes the SDPA paths."""
+    d = q.shape[-1]
+    return (q.is_cuda and "window_size" in _VARLEN_ARGS and q.dtype in (torch.float16, torch.bfloat16)
+            and k.shape[-1] == d == v.shape[-1] and d % 8 == 0 and d <= 256
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
 
 
 def _varlen_call(q, k, v, cu_q, cu_k, max_q: int, max_k: int, bounds: Window, scale: float,
@@ -77,6 +82,8 @@ def boundaries(params: Any, causal: bool, tokens: int, layer: str
             valid = _valid(cu_q, padded_q, tokens)
             cu_q = padded_q
         cu_kv = padded_kv if padded_kv is not None else cu_kv
+        # the given maxima may be the unpadded ones: bound the padded documents without a sync
+        return cu_q, cu_kv, tokens, tokens, valid
     max_q, max_kv = params.max_seqlen_q, params.max_seqlen_kv
     if max_q is None:
         max_q = int((cu_q[1:] - cu_q[:-1]).max())
@@ -125,7 +132,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: Any, *, ca
     ([tq, np, hv], the way it ran: 'varlen' or 'masked')."""
     cu_q, cu_kv, max_q, max_kv, valid = boundaries(params, causal, q.shape[0], layer)
     gqa = q.shape[1] != k.shape[1]
-    if varlen_available(q.device) and dropout_p == 0.0:
+    if flash_takes(q, k, v) and dropout_p == 0.0:
         bounds = window if window is not None else ((-1, 0) if causal else (-1, -1))
         out = _varlen_call(q, k, v, cu_q.to(torch.int32), cu_kv.to(torch.int32), max_q, max_kv, bounds,
                            scale, gqa)

@@ -32,8 +32,35 @@ def unsupported(config: Any) -> Optional[str]:
     return None
 
 
-def backend_note(config: Any) -> str:
-    """How Megatron's `attention_backend` reads here: auto, flash and fused (Transformer
-    Engine's names) all mean torch's fused kernels, torch choosing one per call."""
+def check_megatron_runs(config: Any, k_channels: Any, v_channels: Any, layer_number: int, why: str) -> None:
+    """Before keeping Megatron's class for `why`: refuse, naming the layer, what Megatron's
+    DotProductAttention cannot build or run either (it asserts context parallelism away; it
+    has no slot for MLA's key / value head dims, and would fail at the first forward)."""
+    cp = getattr(config, "context_parallel_size", 1) > 1
+    if cp or k_channels is not None or v_channels is not None:
+        cannot = ("it asserts context_parallel_size == 1" if cp else
+                  "it takes no k_channels / v_channels (multi-latent attention)")
+        raise ValueError(f"core attention of layer {max(1, layer_number)}: {why}; Megatron's "
+                         f"DotProductAttention cannot run this layer either ({cannot}): use "
+                         "Transformer Engine's spec (TEDotProductAttention) for it")
+
+
+def notes(config: Any, window: Optional[tuple]) -> list[str]:
+    """Where torch's attention reads a setting otherwise than Megatron's unfused path, said
+    in the report and logged once: the attention backend's TE names, a negative window bound,
+    a softmax Megatron would run in half precision, FP8 attention."""
+    out = []
     backend = _backend_name(config)
-    return "" if backend == "auto" else f"attention_backend={backend}: torch chooses among its fused kernels"
+    if backend != "auto":
+        out.append(f"attention_backend={backend}: torch chooses among its fused kernels")
+    if window is not None and min(window) < 0:
+        out.append(f"window_size={tuple(window)}: a negative bound is unbounded here (Transformer "
+                   "Engine's meaning and the config's); Megatron's unfused mask reads it literally")
+    if (getattr(config, "fp16", False) or getattr(config, "bf16", False)) and \
+            not getattr(config, "attention_softmax_in_fp32", True):
+        out.append("attention_softmax_in_fp32=False: the fused kernels keep the softmax in fp32 "
+                   "(Megatron's unfused path would run it in half precision)")
+    if getattr(config, "fp8_dot_product_attention", False) or getattr(config, "fp8_multi_head_attention", False):
+        out.append("fp8_dot_product_attention is not honoured: attention runs in the inputs' dtype "
+                   "(Megatron's DotProductAttention does the same)")
+    return out

@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from .. import comm
 from ..comm.exchange import about
 from ..config import state
+from ..config.console import say_once
 from ..overlap.hierarchical import RingOrder
 from ..overlap.replay import PassGraphs
 from . import agree, checks
@@ -31,16 +32,6 @@ from .functions import (ColumnParallelMatmul, GatherLastDim, RowParallelMatmul, 
                         token_rows)
 from .plan import LayerPlan, build_plan, ring_order
 from .wgrad import HAVE_APEX_WGRAD
-
-log = logging.getLogger("megatron_overlap")
-_said: set[str] = set()  # log lines already written (every layer of a model repeats them)
-
-
-def _say(level: int, msg: str) -> None:
-    if msg not in _said:
-        _said.add(msg)
-        log.log(level, msg)
-
 
 @contextlib.contextmanager
 def _without_fusion_check(config: Any):
@@ -104,10 +95,10 @@ class _OverlapMixin:
                 if order is not None:
                     orders[s.pass_name] = order
                     if order.note:  # the order asked for (or auto's) could not run
-                        _say(logging.WARNING, f"megatron_overlap: {s.name}: {order.note}")
+                        say_once(logging.WARNING, f"megatron_overlap: {s.name}: {order.note}")
             self._orders = orders
             if topo is not None and topo.is_hierarchical:
-                _say(logging.INFO, f"megatron_overlap: {plan.layer}: TP group over "
+                say_once(logging.INFO, f"megatron_overlap: {plan.layer}: TP group over "
                      f"{topo.describe()}; ring order "
                      + ", ".join(f"{p} {o.label}" for p, o in orders.items())
                      + f"; transport per peer: {comm.describe_peers(tp)}")

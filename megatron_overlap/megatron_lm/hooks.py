@@ -19,9 +19,9 @@ package with every overlap off: Megatron's own linears, and torch norms that acc
 
 Either way the local spec's core attention becomes torch's fused attention
 (`--megatron-overlap-attention torch`, the default; `megatron` keeps Megatron's
-DotProductAttention, and so do `--attention-backend unfused` and `local`, which name
-Megatron's unfused attention; auto, flash and fused, Transformer Engine's names, run
-torch's fused kernels). With it, a dataloader's plain causal masks
+DotProductAttention, and so does `--attention-backend unfused`, which names Megatron's
+unfused attention (`local` too, which Megatron-LM takes only with `--spec local`); auto,
+flash and fused, Transformer Engine's names, run torch's fused kernels). With it, a dataloader's plain causal masks
 (`--create-attention-mask-in-dataloader`, Megatron-LM's default, without
 `--reset-attention-mask`) are not made: Megatron's causal mask type says the same, and
 without a mask tensor the attention runs the causal flash / cuDNN kernels instead of a
@@ -147,7 +147,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Our two flags, beside Megatron-LM's --tp-comm-overlap (skipped when present,
     e.g. in a tree patched with patches/)."""
     have = parser._option_string_actions  # noqa: SLF001 - argparse has no public lookup
-    if "--tp-comm-overlap-impl" in have and "--tp-comm-overlap-backend" in have:
+    if all(flag in have for flag in ("--tp-comm-overlap-impl", "--tp-comm-overlap-backend",
+                                     "--megatron-overlap-attention")):
         return parser
     group = parser.add_argument_group("megatron_overlap", "tensor-parallel comm/GEMM overlap "
                                       "of Megatron-core's own linears (--transformer-impl local)")
@@ -167,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                            help="Core attention of the local spec's layers under --tp-comm-overlap-impl "
                            "megatron_overlap: torch (torch's fused attention: flash / cuDNN / "
                            "memory-efficient SDPA, varlen flash for packed sequences) or megatron "
-                           "(Megatron's DotProductAttention; so do --attention-backend unfused or local).")
+                           "(Megatron's DotProductAttention; so does --attention-backend unfused).")
     return parser
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any, Sequence
 
-from ..config.console import Column, lines, table, wrapped
+from ..config.console import Column, lines, ranges, table, wrapped
 from ..config.names import BUFFER_NAMES, KEYS
 from .rows import PASS_ORDER
 from .table import _short_order, _yes, human_bytes
@@ -23,17 +23,6 @@ _NO_EFFECT = "no effect"
 def _linear(module: str) -> str:
     """'decoder.layers.3.mlp.linear_fc1' -> 'mlp.linear_fc1': the same linear in every layer."""
     return _LAYER.split(module)[-1]
-
-
-def _ranges(numbers: Sequence[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2,5'; [-1] (no layer index) -> '-'."""
-    out: list[tuple[int, int]] = []
-    for n in sorted(set(numbers)):
-        if out and out[-1][1] == n - 1:
-            out[-1] = (out[-1][0], n)
-        else:
-            out.append((n, n))
-    return ",".join("-" if a < 0 else str(a) if a == b else f"{a}-{b}" for a, b in out) or "-"
 
 
 def _order_in_layer(linear: str) -> int:
@@ -69,7 +58,7 @@ def compact_table(rows: Sequence[dict[str, Any]]) -> str:
         first = i == 0 or order[i - 1][0] != linear
         if i + 1 < len(order) and order[i + 1][0] != linear:
             rules.add(i)
-        layers = _ranges(groups[(linear, row)])
+        layers = ranges(groups[(linear, row)])
         cells.append((layers if first or layers != above else "", linear if first else "", *row))
         above = layers
     columns = [Column("layers"), Column("linear"), Column("pass"), Column("method"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..config.console import Column, lines, table, wrapped
+from ..config.console import Column, lines, ranges, table, wrapped
 
 
 def human_bytes(n: float) -> str:
@@ -64,20 +64,6 @@ def settings_table(rows: Sequence[dict[str, Any]]) -> str:
     return table(title, columns, cells, rules_after=rules) + lines(*below)
 
 
-def _numbers(ns: Sequence[int]) -> str:
-    """[0, 1, 2, 5] -> '0-2, 5'."""
-    out, ns = [], sorted(ns)
-    start = prev = ns[0]
-    for n in ns[1:] + [None]:
-        if n is not None and n == prev + 1:
-            prev = n
-            continue
-        out.append(str(start) if start == prev else f"{start}-{prev}")
-        if n is not None:
-            start = prev = n
-    return ", ".join(out)
-
-
 ATTENTION_KEYS = ("impl", "mask", "window", "heads", "dropout", "ran", "reason")
 
 
@@ -94,7 +80,7 @@ def attention_table(rows: Sequence[dict[str, Any]]) -> str:
     columns = [Column("layers"), Column("core attention"), Column("mask"), Column("window"),
                Column("heads:groups"), Column("dropout", right=True), Column("ran"),
                Column("why / notes", wrap=True)]
-    cells = [(_numbers(layers), "torch (fused)" if key[0] == "torch" else "Megatron's unfused", *key[1:])
+    cells = [(ranges(layers), "torch (fused)" if key[0] == "torch" else "Megatron's unfused", *key[1:])
              for key, layers in groups.items()]
     return table(f"Core attention: {len(rows)} layers", columns, cells)
 

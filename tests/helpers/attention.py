@@ -20,6 +20,7 @@ class Case:
     kv_channels: int = 16
     mask_type: str = "causal"
     mask: Optional[str] = None  # None | "causal" | "bottom_right" | "random" | "random_full_row"
+    ref_mask: Optional[str] = None  # Megatron's mask where it differs (it asserts sq == sk causal)
     sq: int = 24
     sk: Optional[int] = None
     batch: int = 2
@@ -46,10 +47,13 @@ CASES = [
     Case("head_dim_256", kv_channels=256, heads=4, groups=2, sq=16),
     Case("sq_lt_sk_bottom_right_mask", sq=8, sk=20, mask="bottom_right", groups=2),
     Case("decode_one_query", sq=1, sk=20, groups=2),
+    # causal with sq != sk and no mask: Megatron's alignment, given to Megatron as a mask
+    Case("causal_sq_lt_sk_no_mask", sq=8, sk=20, groups=2, ref_mask="bottom_right"),
     Case("cross_no_mask_sq_ne_sk", mask_type="no_mask", sq=12, sk=20),
     Case("window_causal", window=(5, 0), groups=2),
     Case("window_sq_lt_sk", window=(6, 0), sq=10, sk=20),
     Case("window_two_sided", window=(3, 2), mask_type="no_mask"),
+    Case("window_queries_without_keys", window=(4, 0), sq=20, sk=8),  # the first 12 see none
 ]
 
 
@@ -66,22 +70,23 @@ def config(case: Case, dtype: torch.dtype = torch.float32, tp: int = 1, **extra)
     return TransformerConfig(**{**kwargs, **case.extra, **extra})
 
 
-def inputs(case: Case, dtype: torch.dtype, device: str, tp: int = 1, seed: int = 0):
-    """query [sq, b, np, hn], key / value [sk, b, ng, hn] and Megatron's mask (True = masked)."""
+def inputs(case: Case, dtype: torch.dtype, device: str, tp: int = 1, seed: int = 0, which=None):
+    """query [sq, b, np, hn], key / value [sk, b, ng, hn] and Megatron's mask (True = masked):
+    `which` (default the case's `mask`) names it."""
     g = torch.Generator().manual_seed(seed)
     sk = case.sk or case.sq
     np_, ng = case.heads // tp, case.groups // tp
     q = torch.randn(case.sq, case.batch, np_, case.kv_channels, generator=g)
     k = torch.randn(sk, case.batch, ng, case.kv_channels, generator=g)
     v = torch.randn(sk, case.batch, ng, case.kv_channels, generator=g)
-    mask = None
-    if case.mask == "causal":
+    mask, which = None, case.mask if which is None else which
+    if which == "causal":
         mask = torch.triu(torch.ones(case.sq, sk), diagonal=1).bool()[None, None]
-    elif case.mask == "bottom_right":
+    elif which == "bottom_right":
         mask = torch.triu(torch.ones(case.sq, sk), diagonal=1 + sk - case.sq).bool()[None, None]
-    elif case.mask in ("random", "random_full_row"):
+    elif which in ("random", "random_full_row"):
         mask = torch.rand(case.batch, 1, case.sq, sk, generator=g) < 0.4
-        if case.mask == "random_full_row":
+        if which == "random_full_row":
             mask[0, 0, 3] = True  # a query with no key left (padding)
             mask[1, 0, -1] = True
     out = [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)]
@@ -122,6 +127,7 @@ def compare(case: Case, dtype: torch.dtype, device: str, tp: int = 1) -> dict[st
     ours = TorchDotProductAttention(cfg, case.layer_number, mt, "self", softmax_scale=case.softmax_scale)
     assert type(ours) is TorchDotProductAttention, getattr(ours, "megatron_overlap_attention", "")
     q, k, v, mask = inputs(case, dtype, device, tp)
-    want = run(ref, q, k, v, mask)
+    ref_mask = mask if case.ref_mask is None else inputs(case, dtype, device, tp, which=case.ref_mask)[3]
+    want = run(ref, q, k, v, ref_mask)
     got = run(ours, q, k, v, mask)
     return {name: rel(a, b) for name, a, b in zip(("out", "dq", "dk", "dv"), got, want)}
