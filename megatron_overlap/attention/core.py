@@ -70,8 +70,8 @@ class TorchDotProductAttention(DotProductAttention):
             build = getattr(DotProductAttention.__init__, "__wrapped__", DotProductAttention.__init__)
             build(self, config, layer_number, attn_mask_type, attention_type, **kwargs)
             self.megatron_overlap_attention = why
-            say_once(logging.WARNING, f"megatron_overlap: core attention keeps Megatron's DotProductAttention "
-                 f"(from layer {max(1, layer_number)}): {why}")
+            say_once(logging.WARNING, f"megatron_overlap: layer {max(1, layer_number)} keeps Megatron's "
+                     f"DotProductAttention: {why}")
             return
         MegatronModule.__init__(self, config=config)
         groups = pg_collection if pg_collection is not None else model_comm_pgs
@@ -80,18 +80,18 @@ class TorchDotProductAttention(DotProductAttention):
         self.tp_group = tp_group if tp_group is not None else parallel_state.get_tensor_model_parallel_group()
         tp = _tp_size(groups)
         self.layer_number = max(1, layer_number)
+        self.name = f"layer {self.layer_number} core attention"
         self.attn_mask_type, self.attention_type, self.cp_comm_type = attn_mask_type, attention_type, cp_comm_type
         self.k_channels = k_channels or config.kv_channels
         self.v_channels = v_channels or config.kv_channels
-        self.num_attention_heads_per_partition = _divide(config.num_attention_heads, tp, "num_attention_heads")
-        self.num_query_groups_per_partition = _divide(config.num_query_groups, tp, "num_query_groups")
+        self.num_attention_heads_per_partition = self._divide(config.num_attention_heads, tp, "num_attention_heads")
+        self.num_query_groups_per_partition = self._divide(config.num_query_groups, tp, "num_query_groups")
         self.hidden_size_per_partition = self.num_attention_heads_per_partition * self.v_channels
         # the product Megatron's scores get (layer scaling divides, then its softmax multiplies back)
         self.softmax_scale = (1.0 / math.sqrt(self.k_channels)) if softmax_scale is None else softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.window = masks.layer_window(config, layer_number)  # (Megatron decides on the raw number)
         self.softmax_offset = None
-        self.name = f"layer {self.layer_number} core attention"
         self.ran: set[str] = set()  # the kernel paths this layer has taken (the report's "ran")
         self.notes = support.notes(config, self.window)
         for note in self.notes:
@@ -116,7 +116,7 @@ class TorchDotProductAttention(DotProductAttention):
                                          causal=self.attn_mask_type.name in _PACKED_CAUSAL,
                                          window=self.window, scale=self.softmax_scale, dropout_p=p,
                                          layer=self.name)
-                self._note(how)
+                self.ran.add(how)
                 return out.reshape(out.shape[0], -1)
             return self._dense(query, key, value, attention_mask, p)
 
@@ -126,12 +126,12 @@ class TorchDotProductAttention(DotProductAttention):
         gqa = heads != key.shape[2]
         if (self.window is not None and p == 0.0 and packed.flash_takes(query, key, value)
                 and not masks.empty_window_rows(sq, sk, self.window)):
-            self._note("varlen window")  # flash with window bounds: no [sq, sk] mask in memory
+            self.ran.add("varlen window")  # flash with window bounds: no [sq, sk] mask in memory
             out = packed.varlen_batch(query, key, value, self.window, self.softmax_scale, gqa)
             return out.view(b, sq, -1).transpose(0, 1).contiguous()
         plan = masks.plan(attention_mask, self.attn_mask_type.name in _CAUSAL, self.window, sq, sk,
                           query.device)
-        self._note("sdpa" if plan.attn_mask is None else "sdpa masked")
+        self.ran.add("sdpa" if plan.attn_mask is None else "sdpa masked")
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, dim]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.attn_mask, dropout_p=p,
                                              is_causal=plan.is_causal, scale=self.softmax_scale,
@@ -147,15 +147,10 @@ class TorchDotProductAttention(DotProductAttention):
             return tensor_parallel.get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
 
-    def _note(self, how: str) -> None:
-        if how not in self.ran:
-            self.ran.add(how)
-
-
-def _divide(n: int, tp: int, what: str) -> int:
-    if n % tp:
-        raise ValueError(f"core attention: {what}={n} is not divisible by the tensor-parallel size {tp}")
-    return n // tp
+    def _divide(self, n: int, tp: int, what: str) -> int:
+        if n % tp:
+            raise ValueError(f"{self.name}: {what}={n} is not divisible by the tensor-parallel size {tp}")
+        return n // tp
 
 
 def attention_row(module: torch.nn.Module) -> Optional[dict[str, Any]]:
