@@ -6,7 +6,7 @@ ratio. This times one shape in each operand layout with three operand sets (rand
 normal, random x 0.02, zeros), in `--rounds` turns (each a median of `--reps` graphed
 calls, `tune.measure`'s timers), and prints each turn: what stays with one set of
 tensors from turn to turn, and what differs between sets. On the H200 the sets differed
-by up to ~16% while each repeated within 1-9% (BENCHMARKS.md), in an order that another
+by up to ~16% while each repeated within 1-9% (docs/results.md), in an order that another
 run did not reproduce.
 
     python benchmarks/gemm_drift.py --m 8192 --k 7168 --n 8192 --rounds 3 --out benchmarks/results/gemm_drift_h200.json

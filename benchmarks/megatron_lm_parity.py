@@ -7,6 +7,11 @@ and megatron_lm_shared_gpu.py's layer counts, prints a table, and exits 1 unless
 logs have every iteration 1..iters, the losses are equal at every iteration (as Megatron
 prints them), the ON arm went through megatron_overlap.install for --tp-comm-overlap and
 built overlapped layers, and the OFF arm built none.
+
+`--attention`: the two logs are the overlap on with torch's attention (the default) and with
+Megatron's (--megatron-overlap-attention megatron); their losses must agree within --rel-tol
+(bf16: different attention kernels round differently), the first built our attention in
+every layer and the second none.
 """
 
 from __future__ import annotations
@@ -38,19 +43,36 @@ def read(path: Path) -> dict:
             "version": version.group(1) if version else "?"}
 
 
+def _built(log: dict, prefix: str) -> int:
+    return sum(v for r in log["built"] for k, v in r.items() if k.startswith(prefix))
+
+
+def _attention(on: dict, off: dict) -> list[str]:
+    """The --attention arms: torch's attention in every layer of the first, none in the second."""
+    errors = []
+    for label, log, want, built in (("first", on, "'torch'", True), ("second", off, "'megatron'", False)):
+        if not any(f"attention={want}" in args for args, _ in log["installed"]):
+            errors.append(f"{label}: megatron_overlap.install was not called with attention={want}")
+        if bool(_built(log, "TorchDotProductAttention")) != built:
+            errors.append(f"{label}: {_built(log, 'TorchDotProductAttention')} TorchDotProductAttention built")
+    return errors
+
+
 def compare(on: dict, off: dict, iters: int, off_overlapped: bool = False,
-            losses_only: bool = False) -> tuple[list[list[str]], list[str]]:
+            losses_only: bool = False, rel_tol: float = 0.0) -> tuple[list[list[str]], list[str]]:
     """Rows and errors; `off_overlapped`: the second log is an overlapped run too (the
     eager one that a CUDA-graphed run is compared with); `losses_only`: two runs of any
-    kind, their losses alone (Megatron's linears graphed against eager)."""
+    kind, their losses alone (Megatron's linears graphed against eager); `rel_tol`: how far
+    the losses may differ, relative (0: equal as printed)."""
     rows, errors = [], []
     for i in range(1, iters + 1):
         a, b = on["iters"].get(i, {}), off["iters"].get(i, {})
         la, lb = a.get("lm loss"), b.get("lm loss")
         if la is None or lb is None:
             errors.append(f"iteration {i}: no lm loss in the {'on' if la is None else 'off'} log")
-        elif float(la) != float(lb):
-            errors.append(f"iteration {i}: lm loss {la} (on) != {lb} (off)")
+        elif abs(float(la) - float(lb)) > rel_tol * abs(float(lb)):
+            errors.append(f"iteration {i}: lm loss {la} (on) != {lb} (off)"
+                          + (f" beyond {rel_tol:g} relative" if rel_tol else ""))
         rows.append([str(i), la or "-", lb or "-", "=" if la == lb and la else "DIFF",
                      a.get("grad norm", "-"), b.get("grad norm", "-"),
                      a.get("elapsed time per iteration (ms)", "-"),
@@ -59,8 +81,7 @@ def compare(on: dict, off: dict, iters: int, off_overlapped: bool = False,
         return rows, errors
     if not any(why == "--tp-comm-overlap" for _, why in on["installed"]):
         errors.append("on: megatron_overlap.install was not called for --tp-comm-overlap")
-    n_on = sum(v for r in on["built"] for k, v in r.items() if k != "rank")
-    n_off = sum(v for r in off["built"] for k, v in r.items() if k != "rank")
+    n_on, n_off = _built(on, "Overlap"), _built(off, "Overlap")
     if not on["built"] or n_on == 0:
         errors.append(f"on: no overlapped layer was built ({on['built']})")
     if off_overlapped:
@@ -86,9 +107,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="the second log is an overlapped run too (CUDA graphs vs eager)")
     ap.add_argument("--losses-only", action="store_true",
                     help="compare the losses alone (two runs of Megatron's linears)")
+    ap.add_argument("--attention", action="store_true",
+                    help="the logs: torch's attention, then Megatron's (both overlapped)")
+    ap.add_argument("--rel-tol", type=float, default=None,
+                    help="relative loss difference allowed (default 0; 1e-2 with --attention)")
     a = ap.parse_args(argv)
     on, off = read(a.on), read(a.off)
-    rows, errors = compare(on, off, a.iters, a.second_overlapped, a.losses_only)
+    tol = a.rel_tol if a.rel_tol is not None else (1e-2 if a.attention else 0.0)
+    rows, errors = compare(on, off, a.iters, a.second_overlapped or a.attention, a.losses_only, tol)
+    if a.attention:
+        errors += _attention(on, off)
     head = ["iter", "loss on", "loss off", "", "grad norm on", "grad norm off", "ms on", "ms off"]
     widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
     print(f"== {a.label} (megatron-core {on['version']}): overlap on vs every overlap off; "

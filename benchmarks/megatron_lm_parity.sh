@@ -18,7 +18,9 @@
 #     typing-inspection==0.4.5 typing-extensions==4.16.0 six regex psutil
 # Env: OUT (logs, default /tmp/out), ITERS (20), GRAPHS (1: two more runs under Megatron's own
 # CUDA graphs, overlap on and off, whose losses must be equal; each also compared with its eager
-# run, reported), ARMS (the runs to make, default "on off" plus those two), RUN_TIMEOUT (s per
+# run, reported), ARMS (the runs to make, default "on off" plus those two; attn_megatron: the
+# overlap on with --megatron-overlap-attention megatron, whose losses must agree with "on"
+# within bf16 tolerance: torch's attention against Megatron's), RUN_TIMEOUT (s per
 # run, 240), EXTRA_ARGS (appended to every run's flags: the last of a flag wins), MODEL_ARGS
 # (replaces the model size flags). Exit code: the number of trees that failed.
 set -uo pipefail
@@ -47,7 +49,8 @@ for tree in "$@"; do
     && echo "--cuda-graph-impl local" || echo "--enable-cuda-graph")
   for arm in ${ARMS:-on off ${GRAPHS:+graphs graphs_off}}; do
     case $arm in on) flag=--tp-comm-overlap;; off) flag=;; graphs) flag="--tp-comm-overlap $graph_flag";;
-      graphs_off) flag="$graph_flag";; esac
+      graphs_off) flag="$graph_flag";; attn_megatron) flag="--tp-comm-overlap --megatron-overlap-attention megatron";;
+    esac
     PYTHONPATH="$tree:$PWD:/tmp/site_mlm:${PYTHONPATH:-}" timeout "${RUN_TIMEOUT:-240}" \
       python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
       benchmarks/megatron_lm_shared_gpu.py "$tree/pretrain_gpt.py" $ARGS $flag ${EXTRA_ARGS:-} \
@@ -55,8 +58,13 @@ for tree in "$@"; do
     rc=$?; echo "== $tag $arm: rc=$rc ($(grep -c ' iteration ' "$OUT/mlm_${tag}_$arm.log") iteration lines)"
     [ $rc = 0 ] || grep -E "Error|error:|Traceback" "$OUT/mlm_${tag}_$arm.log" | grep -v Warning | tail -6
   done
-  python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_on.log" "$OUT/mlm_${tag}_off.log" \
-    --iters "$ITERS" --label "$tag" --json "$OUT/mlm_${tag}_parity.json" || failed=$((failed + 1))
+  case " ${ARMS:-on off} " in *" off "*)
+    python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_on.log" "$OUT/mlm_${tag}_off.log" \
+      --iters "$ITERS" --label "$tag" --json "$OUT/mlm_${tag}_parity.json" || failed=$((failed + 1));; esac
+  case " ${ARMS:-} " in *" attn_megatron "*)  # torch's attention against Megatron's, both overlapped
+    python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_on.log" "$OUT/mlm_${tag}_attn_megatron.log" \
+      --iters "$ITERS" --label "$tag attention: torch vs Megatron's" --attention \
+      --json "$OUT/mlm_${tag}_attention.json" || failed=$((failed + 1));; esac
   if [ -n "${GRAPHS:-}" ]; then  # the overlap under Megatron's graphs against Megatron's linears under them
     python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_graphs.log" "$OUT/mlm_${tag}_graphs_off.log" \
       --iters "$ITERS" --label "$tag graphs: overlap on vs off" --json "$OUT/mlm_${tag}_graphs_parity.json" \

@@ -14,7 +14,7 @@ library must not do:
   of the megatron-core wheel), which is imported instead.
 - Where there is no CUDA toolkit (pip's torch has none), core_v0.14-0.16's
   `fused_kernels.load`, which builds nothing but asks nvcc for its version, is skipped.
-- At exit, each rank prints `MLM-PARITY-LAYERS {json}`: how many of our overlapped
+- At exit, each rank prints `MLM-PARITY-LAYERS {json}`: how many of our attention modules and overlapped
   layers were built (benchmarks/megatron_lm_parity.py checks each arm's count), and
   `MLM-REPLAYS {json}`: per training iteration, how many layer passes ran, how many of
   them replayed a CUDA graph captured earlier, how many were captured, how many graphs
@@ -66,17 +66,19 @@ def _prebuilt_helpers() -> None:
 
 
 def _count_builds() -> None:
+    from megatron_overlap.attention import TorchDotProductAttention
     from megatron_overlap.layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
 
     def counting(cls: type) -> Any:
         init = cls.__dict__["__init__"]
 
         def __init__(self, *args, **kwargs):
-            BUILT[cls.__name__] += 1
-            return init(self, *args, **kwargs)
+            init(self, *args, **kwargs)
+            if isinstance(self, cls):  # (our attention turns back into Megatron's where it must)
+                BUILT[cls.__name__] += 1
         return __init__
 
-    for cls in (OverlapColumnParallelLinear, OverlapRowParallelLinear):
+    for cls in (OverlapColumnParallelLinear, OverlapRowParallelLinear, TorchDotProductAttention):
         cls.__init__ = counting(cls)
     atexit.register(lambda: print("MLM-PARITY-LAYERS " + json.dumps(
         {"rank": int(os.environ.get("RANK", 0)), **BUILT}), flush=True))

@@ -15,24 +15,16 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from megatron_overlap.tune.measure import time_ms
+
 
 def timed(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    """Median ms per call (CUDA events), after three calls."""
+    return time_ms(fn, reps, warmup=3)
 
 
 def fwd_bwd(run, *tensors):

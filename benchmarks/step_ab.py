@@ -69,13 +69,15 @@ def _cpu_init(tp: int, seed: int) -> None:
 
 def build_arms(args: argparse.Namespace, spec, world: int, rank: int, dtype: torch.dtype,
                device: torch.device, backends: list[str]) -> dict[str, tuple]:
-    """name -> (TrainArm, kind, backend); every model starts from the Megatron arm's weights.
+    """name -> (TrainArm, kind, backend, its core attention as attention_summary says); every
+    model starts from the Megatron arm's weights.
     compute_only: an overlap model whose layers get the null transport in place of the one
     they would build lazily (their cached `_transport`), so every TP-linear transfer is skipped."""
     import megatron_overlap as mo
     from megatron_overlap.ab import TrainArm
     from megatron_overlap.comm import NullTransport
     from megatron_overlap.ab.model import build_gpt, gpt_loss
+    from megatron_overlap.telemetry import attention_settings, attention_summary
 
     def build(backend: str, overlap: bool):
         # install() also lets torch norms take sequence parallelism: Megatron's arm needs it too
@@ -100,7 +102,9 @@ def build_arms(args: argparse.Namespace, spec, world: int, rank: int, dtype: tor
                     m._transport = floor
         models[name] = (model, w, kind, "null" if kind == "compute_only" else backend)
     optim = lambda ps: torch.optim.AdamW(ps, lr=args.lr)  # noqa: E731
-    return {n: (TrainArm(n, w(m), gpt_loss, optim), kind, b) for n, (m, w, kind, b) in models.items()}
+    # every arm is built under install(): the same core attention (named per arm in the results)
+    return {n: (TrainArm(n, w(m), gpt_loss, optim), kind, b, attention_summary(attention_settings(m)))
+            for n, (m, w, kind, b) in models.items()}
 
 
 def parity(losses: list[float], ref: list[float], tol: float) -> dict:
@@ -119,9 +123,9 @@ def summarize(arms: dict, worst: dict[str, list[float]], per_rank: list[dict], w
 
     ref = [r.loss for r in arms["megatron"][0].results]
     out = {}
-    for n, (arm, kind, backend) in arms.items():
+    for n, (arm, kind, backend, attention) in arms.items():
         losses = [r.loss for r in arm.results]
-        out[n] = {"kind": kind, "backend": backend, "losses": losses,
+        out[n] = {"kind": kind, "backend": backend, "losses": losses, "attention": attention,
                   "step_time_s": summary(worst[n][warmup:] or worst[n]), "step_times_s": worst[n],
                   "per_rank_step_times_s": [p[n] for p in per_rank],
                   "parity": parity(losses, ref, tol) if kind == "overlap" else None}
@@ -163,7 +167,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         for name in rotated(list(arms), i):  # side by side, each arm first in turn
             barrier(device)
             arms[name][0].step(data[i])
-    worst, per_rank = gather_max({n: [r.step_time_s for r in a.results] for n, (a, _, _) in arms.items()})
+    worst, per_rank = gather_max({n: [r.step_time_s for r in a.results] for n, (a, *_) in arms.items()})
     if lead:
         tol = args.loss_tol or (1e-5 if dtype == torch.float32 else 1e-2)
         out = summarize(arms, worst, per_rank, args.warmup, tol)
@@ -205,8 +209,12 @@ def _table(doc: dict) -> None:
                      if p else ("reference" if a["kind"] == "megatron" else "n/a (compute-only)")))
     if m["functional_only"]:
         print(m["note"])
+    kinds = {a.get("attention") for a in doc["arms"].values()}
+    attention = (f"core attention, every arm: {kinds.pop()}" if len(kinds) == 1 else
+                 "core attention differs between arms: " + "; ".join(
+                     f"{n}: {a.get('attention')}" for n, a in doc["arms"].items()))
     print(table(title, columns, rows, width=150)
-          + lines(*(f"skipped {b}: {why}" for b, why in m["skipped_backends"].items())), end="")
+          + lines(attention, *(f"skipped {b}: {why}" for b, why in m["skipped_backends"].items())), end="")
 
 
 def _write(doc: dict, args, layout) -> None:

@@ -1,5 +1,5 @@
 """The benchmark suite runs end to end on CPU (2 gloo ranks, tiny shapes) and
-writes what BENCHMARKS.md is built from: JSON of the expected structure, with
+writes what docs/results.md is built from: JSON of the expected structure, with
 every output check / loss parity passed, and a PNG. Timings are never asserted."""
 
 import json
@@ -97,6 +97,8 @@ def test_step_ab_cpu(tmp_path):
         assert len(a["losses"]) == 3 and len(a["step_times_s"]) == 3
         assert a["step_time_s"]["n"] == 2  # warmup left out of the medians
     assert "hidden_fraction" in arms["overlap_torch_p2p"]
+    # every arm runs the same core attention, named in its results
+    assert {a["attention"] for a in arms.values()} == {"torch's fused attention in 1 of 1 layers"}
 
 
 # -- the pieces, in process -------------------------------------------------------------------

@@ -45,6 +45,10 @@ def add_megatron_arguments(parser):
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--transformer-impl", default="transformer_engine")
     parser.add_argument("--fp8-format", dest="fp8", default=None)
+    parser.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                        dest="create_attention_mask_in_dataloader")
+    parser.add_argument("--reset-attention-mask", action="store_true")
+    parser.add_argument("--attention-backend", default="auto")
     return parser
 def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     parser = add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"))
@@ -124,7 +128,7 @@ def test_hooks_turn_tp_comm_init_into_install(fake_lm, installs):
                       (lm.initialize, "validate_args"), (lm.initialize, "_initialize_tp_communicators")]:
         assert hasattr(getattr(mod, name), "__wrapped__"), f"{mod.__name__}.{name} not hooked"
     lm.initialize.initialize_megatron()
-    assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm"}]
+    assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch"}]
     assert lm.initialize.TE_CALLS == []
     args = lm.training.ARGS
     assert (args.tp_comm_overlap_impl, args.tp_comm_overlap_backend) == ("megatron_overlap", "symm")
@@ -143,8 +147,23 @@ def test_impl_without_tp_comm_overlap_installs_with_everything_off(fake_lm, inst
                        "--tp-comm-overlap-backend", "torch_p2p"])
     hooks.install_hooks()
     lm.initialize.initialize_megatron()
-    assert installs == [{"ub_cfgs": None, "backend": "torch_p2p"}]  # at validation: SP norms
+    assert installs == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch"}]  # at validation: SP norms
     assert lm.initialize.TE_CALLS == []
+
+
+@pytest.mark.parametrize("extra,attention,masks", [
+    ([], "torch", False),  # plain causal masks: the causal mask type says the same, not made
+    (["--reset-attention-mask"], "torch", True),  # document masks: made and used as given
+    (["--megatron-overlap-attention", "megatron"], "megatron", True),  # Megatron's attention
+    (["--attention-backend", "unfused"], "torch", True),  # Megatron's unfused attention by name
+    (["--no-create-attention-mask-in-dataloader"], "torch", False),
+])
+def test_attention_choice_and_the_dataloaders_causal_masks(fake_lm, installs, extra, attention, masks):
+    lm = fake_lm(argv=OURS + extra)
+    hooks.install_hooks()
+    lm.initialize.initialize_megatron()
+    assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": attention}]
+    assert lm.training.ARGS.create_attention_mask_in_dataloader is masks
 
 
 def test_validation(fake_lm, installs):
@@ -181,6 +200,9 @@ def test_our_flags_parse_and_refuse_unknown_values():
     text = parser.format_help()
     assert "--tp-comm-overlap-impl {te,megatron_overlap}" in text
     assert "--tp-comm-overlap-backend {auto,torch_p2p,symm,nvshmem}" in text
+    assert "--megatron-overlap-attention {torch,megatron}" in text
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--megatron-overlap-attention", "flash"])
     # a tree patched with patches/ already has them: no argparse conflict
     hooks.add_arguments(parser)
 
@@ -264,7 +286,7 @@ def test_entry_point_runs_the_script_with_the_hooks(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(run.stdout.split("RESULT ", 1)[1])
-    assert result == {"calls": [{"ub_cfgs": "ub.yaml", "backend": "symm"}], "te": [],
+    assert result == {"calls": [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch"}], "te": [],
                       "argv0": str(script), "path0": str(tmp_path)}
     run = subprocess.run([sys.executable, "-m", "megatron_overlap.megatron_lm", str(script),
                           "--help"], capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -363,13 +385,13 @@ def test_validation_in_that_tree(probe):
     assert probe["ours_valid"] is None and probe["te_valid"] is None and probe["off_valid"] is None
     assert "use --transformer-impl local" in probe["with_te_layers"]
     assert "sequence parallelism" in probe["no_sp"]  # Megatron-LM's own rule, kept
-    assert probe["off_install"] == [{"ub_cfgs": None, "backend": "torch_p2p"}]
+    assert probe["off_install"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch"}]
 
 
 def test_tp_communicator_init_calls_install_not_te(probe):
-    assert probe["ours_init"] == {"calls": [{"ub_cfgs": "x.yaml", "backend": "auto"}],
+    assert probe["ours_init"] == {"calls": [{"ub_cfgs": "x.yaml", "backend": "auto", "attention": "torch"}],
                                   "error": None, "te_imported": False}
-    assert probe["no_cfg_init"]["calls"] == [{"ub_cfgs": None, "backend": "torch_p2p"}]
+    assert probe["no_cfg_init"]["calls"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch"}]
     # te: Megatron-LM's own function, which needs Transformer Engine (absent on CPU)
     assert probe["te_init"]["calls"] == []
     if probe["te_init"]["error"] is not None:
@@ -416,6 +438,8 @@ def models(tree, tmp_path_factory) -> dict:
     cfg.write_text("fc2_fprop:\n  method: pipeline\n  num_sm: 8\n  num_splits: 2\n")
     return {"on": _model(tree, "--tp-comm-overlap", "--tp-comm-overlap-cfg", str(cfg)),
             "off": _model(tree), "cfg": str(cfg),
+            "megatron_attention": _model(tree, "--tp-comm-overlap", "--megatron-overlap-attention",
+                                         "megatron"),
             "fp8": _model(tree, "--tp-comm-overlap", *FP8),
             "fp8_delayed": _model(tree, "--tp-comm-overlap", "--fp8-format", "hybrid", ok=False),
             "fp8_no_overlap": _model(tree, *FP8, ok=False)}
@@ -428,7 +452,7 @@ def test_model_provider_builds_our_layers_with_the_overlap_on(models, tree):
     for rank in models["on"]:
         assert Path(rank["pretrain_gpt"]).resolve() == tree / "pretrain_gpt.py"
         assert Path(rank["megatron_core"]).resolve().is_relative_to(tree)
-        assert rank["install"] == [{"ub_cfgs": models["cfg"], "backend": "torch_p2p"}]
+        assert rank["install"] == [{"ub_cfgs": models["cfg"], "backend": "torch_p2p", "attention": "torch"}]
         assert rank["installed"] == {"backend": "torch_p2p", "source": models["cfg"],
                                      "fc2_fprop_num_sm": 8}
         assert rank["linears"] == {
@@ -438,11 +462,14 @@ def test_model_provider_builds_our_layers_with_the_overlap_on(models, tree):
             "linear_fc2": ["OverlapRowParallelLinear"] * 2}
         assert all(all(flags) for flags in rank["norms"].values())  # SP torch norms
         assert rank["te_imported"] is False
+        # the core attention is torch's, and the dataloader's plain causal masks are not made
+        assert rank["attention"] == ["TorchDotProductAttention"] * 2
+        assert rank["dataloader_masks"] is False
 
 
 def test_model_provider_builds_megatron_s_layers_with_the_overlap_off(models):
     for rank in models["off"]:
-        assert rank["install"] == [{"ub_cfgs": None, "backend": "torch_p2p"}]
+        assert rank["install"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch"}]
         assert rank["linears"] == {"linear_qkv": ["ColumnParallelLinear"] * 2,
                                    "linear_proj": ["RowParallelLinear"] * 2,
                                    "linear_fc1": ["ColumnParallelLinear"] * 2,
@@ -481,17 +508,27 @@ def test_fp8_with_megatron_lm_s_default_recipe_stops_at_start_up(models):
             out[-4000:]
 
 
+def test_megatron_overlap_attention_megatron_keeps_megatrons_attention_with_the_same_loss(models):
+    for torch_attn, megatron_attn in zip(models["on"], models["megatron_attention"]):
+        assert megatron_attn["install"][0]["attention"] == "megatron"
+        assert megatron_attn["attention"] == ["DotProductAttention"] * 2
+        assert megatron_attn["dataloader_masks"] is True  # Megatron-LM's default, untouched
+        assert torch_attn["loss"] == pytest.approx(megatron_attn["loss"], rel=1e-5)
+        assert torch_attn["grad_norm_sum"] == pytest.approx(megatron_attn["grad_norm_sum"], rel=1e-5)
+
+
 # --- the GPU parity run's log check (benchmarks/megatron_lm_parity.py) ------------------------
 
-def _log(path: Path, arm: str, losses: list[str]) -> Path:
+def _log(path: Path, arm: str, losses: list[str], attention: str = "torch") -> Path:
     why = "--tp-comm-overlap" if arm == "on" else "every overlap off (no --tp-comm-overlap)"
     lines = [f"megatron_overlap.megatron_lm: megatron_overlap.install(ub_cfgs=None, "
-             f"backend='symm'): {why} [Megatron-LM with megatron-core 0.16.1 (at /x)]"]
+             f"backend='symm', attention={attention!r}): {why} [Megatron-LM with megatron-core 0.16.1 (at /x)]"]
     lines += [f" [2026-12-03 15:00:00] iteration {i:8d}/{len(losses):8d} | consumed samples: "
               f"{2 * i:12d} | elapsed time per iteration (ms): 120.{i} | learning rate: "
               f"3.000000E-04 | lm loss: {loss} | loss scale: 1.0 | grad norm: 3.21{i} |"
               for i, loss in enumerate(losses, 1)]
     built = ', "OverlapColumnParallelLinear": 8, "OverlapRowParallelLinear": 8' if arm == "on" else ""
+    built += ', "TorchDotProductAttention": 4' if attention == "torch" else ""
     lines.append('MLM-PARITY-LAYERS {"rank": 0%s}' % built)
     if arm == "on":  # both ranks' notes on one line, as ranks sharing a terminal print them
         lines.append('MLM-REPLAYS {"rank": 1, "per_iter": [[32, 0, 0, 0], [32, 0, 16, 0], [32, 32, 0, 0]]}'
@@ -522,3 +559,25 @@ def test_parity_check_of_two_logs(tmp_path, capsys):
     assert parity.main([str(off), str(off), "--iters", "3", "--losses-only"]) == 0
     _log(on, "off", losses[:2] + ["8.800002E+00"])
     assert parity.main([str(on), str(off), "--iters", "3", "--losses-only"]) == 1
+
+
+def test_attention_parity_check_of_two_logs(tmp_path, capsys):
+    """--attention: torch's attention against Megatron's, both overlapped: losses within the
+    relative tolerance, our attention built in the first run only."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import megatron_lm_parity as parity
+    finally:
+        sys.path.pop(0)
+    ours = _log(tmp_path / "ours.log", "on", ["9.011234E+00", "8.912345E+00"])
+    theirs = _log(tmp_path / "theirs.log", "on", ["9.011300E+00", "8.910000E+00"], attention="megatron")
+    assert parity.main([str(ours), str(theirs), "--iters", "2", "--attention"]) == 0
+    assert "PARITY OK" in capsys.readouterr().out
+    assert parity.main([str(ours), str(theirs), "--iters", "2", "--attention", "--rel-tol", "1e-5"]) == 1
+    assert "beyond 1e-05 relative" in capsys.readouterr().out
+    assert parity.main([str(ours), str(ours), "--iters", "2", "--attention"]) == 1  # no Megatron arm
+    out = capsys.readouterr().out
+    assert "second: megatron_overlap.install was not called with attention='megatron'" in out
+    assert "second: 4 TorchDotProductAttention built" in out
+    _log(theirs, "on", ["9.5E+00", "8.910000E+00"], attention="megatron")
+    assert parity.main([str(ours), str(theirs), "--iters", "2", "--attention"]) == 1

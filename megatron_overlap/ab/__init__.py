@@ -2,7 +2,8 @@
 inputs) on Megatron's plain TP path, on the overlap per backend and on the
 compute-only floor, run side by side, with loss / output parity and medians.
 
-- `train`, `report`: the A/B main job's training arm and report.
+- `train`, `report`, `limits`: the A/B main job's training arm, its report, and what
+  a run on this machine can show (said in the report).
 - `launch`, `machine`: ranks on any machine (GPUs, a shared GPU, CPU) and what ran.
 - `model`: the GPT of the end-to-end runs; `shapes`, `layer_arms`, `async_tp`: the
   per-layer benchmark's arms (their floor: the schedule on `comm.NullTransport`);

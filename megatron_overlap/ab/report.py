@@ -17,10 +17,12 @@ def _median_time(results: Sequence[StepResult], skip: int) -> float:
 
 def write_report(arms: Mapping[str, Sequence[StepResult]], out_dir: str, *, title: str,
                  baseline: str, details: Mapping[str, object] | None = None,
+                 sections: Mapping[str, Sequence[str]] | None = None,
                  warmup: int = 2) -> tuple[str, str]:
     """Write report.md and report.png under out_dir; return their paths. Step
     times are medians over the steps after `warmup`; the speedup is baseline
-    median over each arm's median, from steps run side by side."""
+    median over each arm's median, from steps run side by side. `sections`:
+    heading -> bullet lines, after the table (what the run can show, say)."""
     from ..extras import require
 
     matplotlib = require("matplotlib", "the A/B report's plot")
@@ -41,6 +43,8 @@ def write_report(arms: Mapping[str, Sequence[StepResult]], out_dir: str, *, titl
         t = _median_time(res, warmup)
         lines.append(f"| {name} | {len(res)} | {res[-1].loss:.6f} | {diff:.2e} | {t * 1e3:.2f} | "
                      f"{base_t / t:.3f} |")
+    for heading, bullets in (sections or {}).items():
+        lines += ["", f"## {heading}", ""] + [f"- {b}" for b in bullets]
     md = os.path.join(out_dir, "report.md")
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..config.backends import AUTO, BACKENDS, COMPOSITE, INTER_BACKENDS, REGISTRY
 from ..config import env as envvars
+from ..config.console import ranges
 from . import topology as _topology
 from .hierarchical import PerPeerTransport
 from .null import NullTransport
@@ -109,17 +110,7 @@ def describe_peers(tp: Transport) -> str:
     by: dict[str, list[int]] = {}
     for p, label in tp.peer_map().items():
         by.setdefault(label, []).append(p)
-    return "; ".join(f"{label} {_ranges(ps)}" for label, ps in by.items()) or tp.name
-
-
-def _ranges(ps: list[int]) -> str:
-    out, start = [], None
-    for i, p in enumerate(ps):
-        start = p if start is None else start
-        if i + 1 == len(ps) or ps[i + 1] != p + 1:
-            out.append(str(start) if start == p else f"{start}-{p}")
-            start = None
-    return ",".join(out)
+    return "; ".join(f"{label} {ranges(ps)}" for label, ps in by.items()) or tp.name
 
 
 def reset() -> None:

@@ -5,15 +5,19 @@ that died before the first forward would hang the others in the topology
 exchange. These go through the c10d store instead (TCP, whatever the backend,
 no device tensors): every rank posts its object under a key of its own and
 waits, at most MEGATRON_OVERLAP_TIMEOUT_S, for the peers' keys. A timeout is a
-`CommError` that names the ranks whose keys never came.
+`CommError` that names the ranks whose keys never came, and, inside `about(...)`,
+what the exchange was for (a layer at its first forward: the exchange's own name,
+'layer agreement' or 'topology', does not say which layer).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import datetime
 import pickle
 import weakref
-from typing import Any
+from typing import Any, Iterator
 
 import torch.distributed as dist
 
@@ -23,6 +27,23 @@ from .transport import CommError, default_timeout
 # the n-th exchange has the same key everywhere. Keyed on the group object: a new
 # process group (after a failure, or a new init) starts afresh.
 _rounds: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, int]]" = weakref.WeakKeyDictionary()
+
+
+# What the exchanges in progress are for ("layer 'fc1 (column)'"), for their messages only:
+# store keys never include it, so ranks that call different layers still meet and a
+# fingerprint that differs is diagnosed as such.
+_about: contextvars.ContextVar[str | None] = contextvars.ContextVar("megatron_overlap_about",
+                                                                     default=None)
+
+
+@contextlib.contextmanager
+def about(what: str) -> Iterator[None]:
+    """Name, in a timeout's message, what the exchanges inside are for."""
+    token = _about.set(what)
+    try:
+        yield
+    finally:
+        _about.reset(token)
 
 
 def _store() -> dist.Store:
@@ -55,9 +76,10 @@ def _fail(what: str, group: dist.ProcessGroup, ranks: list[int], waited_for: lis
     else:
         who = ("group ranks " + ", ".join(f"{r} (global {ranks[r]})" for r in missing)
                + " never arrived" if missing else f"it failed: {exc}")
+    prefix = f"{_about.get()}: " if _about.get() else ""
     return CommError(
-        f"megatron_overlap: rank {me}/{world} waited for '{what}' chunk 0 (from all ranks) "
-        f"{timeout.total_seconds():g}s and {who}. A peer may have crashed or raised before "
+        f"megatron_overlap: {prefix}rank {me}/{world} waited for '{what}' chunk 0 (from all "
+        f"ranks) {timeout.total_seconds():g}s and {who}. A peer may have crashed or raised before "
         f"this point, or the ranks disagree on what they run (a rank without install(), a "
         f"different model or layer order); MEGATRON_OVERLAP_TIMEOUT_S bounds this wait.")
 

@@ -12,6 +12,7 @@ the widest others; a cell wider than its column continues on the next lines.
 
 from __future__ import annotations
 
+import logging
 import textwrap
 from dataclasses import dataclass
 from typing import Collection, Sequence
@@ -84,3 +85,25 @@ def wrapped(*texts: str, indent: str = "  ", width: int = WIDTH) -> list[str]:
     return [line for t in texts for line in textwrap.wrap(
         t, width, initial_indent=indent, subsequent_indent=indent + "  ",
         break_on_hyphens=False) or [indent]]
+
+
+def ranges(numbers: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' (layers or ranks that share a line); [-1] (no index) -> '-'."""
+    out: list[tuple[int, int]] = []
+    for n in sorted(set(numbers)):
+        if out and out[-1][1] == n - 1:
+            out[-1] = (out[-1][0], n)
+        else:
+            out.append((n, n))
+    return ",".join("-" if a < 0 else str(a) if a == b else f"{a}-{b}" for a, b in out) or "-"
+
+
+_said: set[str] = set()
+
+
+def say_once(level: int, msg: str) -> None:
+    """Log `msg` on the package's logger the first time only: every layer of a model would
+    repeat it."""
+    if msg not in _said:
+        _said.add(msg)
+        logging.getLogger("megatron_overlap").log(level, msg)

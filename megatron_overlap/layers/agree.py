@@ -6,7 +6,7 @@ through the bounded store exchange; once per layer and shape, cached after.
 Different fingerprints raise `DisagreementError` on every rank, naming which
 ranks differ on what, before any transfer (so the next agreeing call works).
 A rank that never comes (it crashed, or runs Megatron's layer without install())
-makes the exchange time out with a diagnosis that names it.
+makes the exchange time out with a diagnosis that names it and the layer.
 
 The transport contract is checked the same way, once per layer, shape and pass
 (`PassAudit`): the first run of each pass (fprop, bwd) for a new shape records
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..comm.exchange import all_gather_object
+from ..comm.exchange import about, all_gather_object
 from ..comm.transport import OPEN_PASS_FIRST, CommError, ContractError, Transport
 
 
@@ -86,10 +86,11 @@ class PassAudit:
                 f"reused while peers still read them). {OPEN_PASS_FIRST}")
         mine = [c.key for c in calls]
         digest = hashlib.sha256(repr(mine).encode()).hexdigest()[:16]
-        if len(set(all_gather_object(digest, self.group, "workspace calls (hash)"))) == 1:
-            self.todo.discard(key)
-            return
-        everyone = all_gather_object(list(calls), self.group, "workspace calls (sequences)")
+        with about(what):
+            if len(set(all_gather_object(digest, self.group, "workspace calls (hash)"))) == 1:
+                self.todo.discard(key)
+                return
+            everyone = all_gather_object(list(calls), self.group, "workspace calls (sequences)")
         n = next(i for i in range(max(map(len, everyone)))
                  if len({repr(seq[i].key) if i < len(seq) else None for seq in everyone}) > 1)
         at = _describe(f"call {n + 1}", [seq[n] if n < len(seq) else None for seq in everyone],
@@ -120,7 +121,8 @@ def check(layer: Any, x: torch.Tensor, modes: dict[str, Any] | None = None) -> P
             agreed[key] = audit = None
         return audit
     mine = fingerprint(layer, x, modes)
-    everyone = all_gather_object(mine, layer.tp_group, "layer agreement (shape and settings)")
+    with about(f"layer {layer.overlap_plan.layer!r}"):  # a timeout names the layer too
+        everyone = all_gather_object(mine, layer.tp_group, "layer agreement (shape and settings)")
     keys = list(dict.fromkeys(k for fp in everyone for k in fp))
     diffs = [_describe(k, [fp.get(k) for fp in everyone]) for k in keys
              if len({repr(fp.get(k)) for fp in everyone}) > 1]

@@ -21,7 +21,9 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from .. import comm
+from ..comm.exchange import about
 from ..config import state
+from ..config.console import say_once
 from ..overlap.hierarchical import RingOrder
 from ..overlap.replay import PassGraphs
 from . import agree, checks
@@ -31,16 +33,6 @@ from .functions import (ColumnParallelMatmul, GatherLastDim, RowParallelMatmul, 
                         token_rows)
 from .plan import LayerPlan, build_plan, ring_order
 from .wgrad import HAVE_APEX_WGRAD
-
-log = logging.getLogger("megatron_overlap")
-_said: set[str] = set()  # log lines already written (every layer of a model repeats them)
-
-
-def _say(level: int, msg: str) -> None:
-    if msg not in _said:
-        _said.add(msg)
-        log.log(level, msg)
-
 
 @contextlib.contextmanager
 def _without_fusion_check(config: Any):
@@ -88,8 +80,9 @@ class _OverlapMixin:
     @property
     def transport(self) -> comm.Transport:
         if self._transport is None:
-            self._transport = comm.transport_for(self.tp_group, self.overlap_backend,
-                                                 self.weight.device)
+            with about(f"layer {self.overlap_plan.layer!r}"):  # may exchange the topology
+                self._transport = comm.transport_for(self.tp_group, self.overlap_backend,
+                                                     self.weight.device)
         return self._transport
 
     @property
@@ -100,17 +93,18 @@ class _OverlapMixin:
             tp, plan = self.transport, self.overlap_plan
             topo = getattr(tp, "topology", None)
             if topo is None and tp.world_size > 1:
-                topo = comm.topology(self.tp_group, self.weight.device)
+                with about(f"layer {plan.layer!r}"):
+                    topo = comm.topology(self.tp_group, self.weight.device)
             orders = {}
             for s in (plan.fprop, plan.dgrad, plan.wgrad):
                 order = None if s is None else ring_order(s, plan.sequence_parallel, topo)
                 if order is not None:
                     orders[s.pass_name] = order
                     if order.note:  # the order asked for (or auto's) could not run
-                        _say(logging.WARNING, f"megatron_overlap: {s.name}: {order.note}")
+                        say_once(logging.WARNING, f"megatron_overlap: {s.name}: {order.note}")
             self._orders = orders
             if topo is not None and topo.is_hierarchical:
-                _say(logging.INFO, f"megatron_overlap: {plan.layer}: TP group over "
+                say_once(logging.INFO, f"megatron_overlap: {plan.layer}: TP group over "
                      f"{topo.describe()}; ring order "
                      + ", ".join(f"{p} {o.label}" for p, o in orders.items())
                      + f"; transport per peer: {comm.describe_peers(tp)}")

@@ -8,6 +8,7 @@ from .. import comm
 from ..config import env as envvars
 from ..config import OverlapConfig, state
 from ..overlap import replay, streams
+from . import attention as core_attention
 from . import norms, swap
 
 log = logging.getLogger("megatron_overlap")
@@ -29,16 +30,17 @@ def _check_knobs(graphs, gemm_streams, inter, timeout_s) -> None:
 
 
 def _set_knobs(knobs: tuple) -> tuple:
-    """(graphs, gemm_streams, inter_backend, timeout_s) overrides in force; returns the
-    previous ones."""
-    graphs, gemm_streams, inter, timeout_s = knobs
+    """(graphs, gemm_streams, inter_backend, timeout_s, attention) overrides in force;
+    returns the previous ones."""
+    graphs, gemm_streams, inter, timeout_s, attention = knobs
     return (replay.set_enabled(graphs), streams.set_default_gemm_streams(gemm_streams),
-            comm.set_inter_backend(inter), envvars.set_timeout_s(timeout_s))
+            comm.set_inter_backend(inter), envvars.set_timeout_s(timeout_s),
+            core_attention.set_mode(attention))
 
 
 def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool | None = None,
             gemm_streams: int | None = None, inter_backend: str | None = None,
-            timeout_s: float | None = None) -> OverlapConfig:
+            timeout_s: float | None = None, attention: str = "torch") -> OverlapConfig:
     """Turn the overlap on for layers built from now on: Megatron's TP linears
     built for the 'qkv' / 'proj' / 'fc1' / 'fc2' buffers of a config with
     `tp_comm_overlap=True` become overlapped, and torch norms accept sequence
@@ -55,22 +57,30 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool
     (MEGATRON_OVERLAP_GEMM_STREAMS, 1); inter_backend: the transport between nodes of a
     TP group that spans them (MEGATRON_OVERLAP_INTER_BACKEND, torch_p2p); timeout_s: how
     long one wait may block before it is a diagnosed CommError, in seconds, > 0 and at
-    most a week (MEGATRON_OVERLAP_TIMEOUT_S, 300; transports made before keep theirs)."""
+    most a week (MEGATRON_OVERLAP_TIMEOUT_S, 300; transports made before keep theirs).
+
+    attention: the core attention of every transformer layer built while installed,
+    whatever its tp_comm_overlap: "torch" (torch's fused attention,
+    `attention.TorchDotProductAttention`; a config it cannot run keeps Megatron's, with
+    the reason reported) or "megatron" (Megatron's DotProductAttention)."""
     envvars.check_all()  # a bad MEGATRON_OVERLAP_* value fails here, naming it
     if backend != "auto":
         comm.resolve_backend(backend)  # fail now, not at the first forward
     _check_knobs(graphs, gemm_streams, inter_backend, timeout_s)
+    core_attention.check(attention)
     new = state.make(ub_cfgs, backend)
-    previous_knobs = _set_knobs((graphs, gemm_streams, inter_backend, timeout_s))
+    previous_knobs = _set_knobs((graphs, gemm_streams, inter_backend, timeout_s, attention))
     if not _previous:
         swap.patch()
         norms.patch()
+        core_attention.patch()
     _previous.append((state.set_state(new), previous_knobs))
     if log.isEnabledFor(logging.INFO):
         # per-peer transports: the table shows what the inter-node link honours
         shown = comm.resolve_backend(backend)
         shown = comm.inter_backend() if shown in comm.COMPOSITE else shown
-        log.info("megatron_overlap installed (backend=%s)\n%s", backend, new.settings.table(shown))
+        log.info("megatron_overlap installed (backend=%s, core attention: %s)\n%s", backend, attention,
+                 new.settings.table(shown))
     return new.settings
 
 
@@ -84,4 +94,5 @@ def uninstall() -> None:
     if not _previous:
         swap.unpatch()
         norms.unpatch()
+        core_attention.unpatch()
         comm.reset()

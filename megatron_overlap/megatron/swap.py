@@ -88,13 +88,23 @@ def unpatch() -> None:
     _original_init.clear()
 
 
-def overlap_layer_spec(spec: Any) -> Any:
+def overlap_layer_spec(spec: Any, attention: str = "torch") -> Any:
     """A copy of a transformer-layer (or block) ModuleSpec whose linear_qkv /
     linear_proj / linear_fc1 / linear_fc2 are our layers wherever they were
-    Megatron's ColumnParallelLinear / RowParallelLinear."""
-    from ..layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+    Megatron's ColumnParallelLinear / RowParallelLinear, and whose core_attention is
+    `attention.TorchDotProductAttention` where it was Megatron's DotProductAttention
+    (attention="torch", as install() does; "megatron" leaves it)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+    from ..attention import TorchDotProductAttention
+    from ..layers import OverlapColumnParallelLinear, OverlapRowParallelLinear
+    from .attention import check
+
+    slots = dict(_SLOTS)
     ours = {ColumnParallelLinear: OverlapColumnParallelLinear, RowParallelLinear: OverlapRowParallelLinear}
+    if check(attention) == "torch":
+        slots["core_attention"] = "attention"
+        ours[DotProductAttention] = TorchDotProductAttention
 
     def walk(node: Any) -> Any:
         if isinstance(node, (list, tuple)):
@@ -114,9 +124,9 @@ def overlap_layer_spec(spec: Any) -> Any:
             return sub
         sub = copy.copy(sub)
         for field, value in vars(sub).items():
-            if field in _SLOTS and value in ours:
+            if field in slots and value in ours:
                 setattr(sub, field, ours[value])
-            elif field in _SLOTS and getattr(value, "module", None) in ours:
+            elif field in slots and getattr(value, "module", None) in ours:
                 setattr(sub, field, copy.copy(value))
                 getattr(sub, field).module = ours[value.module]
             else:

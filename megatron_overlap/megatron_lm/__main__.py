@@ -11,13 +11,16 @@ USAGE = """usage: python -m megatron_overlap.megatron_lm SCRIPT [Megatron-LM arg
   (or: torchrun [torchrun args] -m megatron_overlap.megatron_lm SCRIPT [...])
 
 Runs SCRIPT (e.g. Megatron-LM's pretrain_gpt.py) as `python SCRIPT ...` would, with
-two more flags in Megatron-LM's parser:
+three more flags in Megatron-LM's parser:
   --tp-comm-overlap-impl {te,megatron_overlap}   default te (Transformer Engine)
   --tp-comm-overlap-backend {auto,torch_p2p,symm,nvshmem}
+  --megatron-overlap-attention {torch,megatron}  default torch (torch's fused attention)
 With --tp-comm-overlap --tp-comm-overlap-impl megatron_overlap (needs
 --transformer-impl local and --sequence-parallel), megatron_overlap.install() replaces
-TE's Userbuffers; --tp-comm-overlap-cfg is read as its ub_cfgs. `SCRIPT --help` lists
-every flag."""
+TE's Userbuffers; --tp-comm-overlap-cfg is read as its ub_cfgs. Under
+--tp-comm-overlap-impl megatron_overlap the local spec's core attention is torch's fused
+attention unless --megatron-overlap-attention megatron (or --attention-backend unfused).
+`SCRIPT --help` lists every flag."""
 
 
 def main(argv: list[str] | None = None) -> None:

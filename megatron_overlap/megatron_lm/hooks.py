@@ -18,6 +18,16 @@ does by editing two files:
 package with every overlap off: Megatron's own linears, and torch norms that accept
 `--sequence-parallel` on the local spec without apex.
 
+Either way the local spec's core attention becomes torch's fused attention
+(`--megatron-overlap-attention torch`, the default; `megatron` keeps Megatron's
+DotProductAttention, and so does `--attention-backend unfused`, which names Megatron's
+unfused attention (`local` too, which Megatron-LM takes only with `--spec local`); auto,
+flash and fused, Transformer Engine's names, run torch's fused kernels). With it, a dataloader's plain causal masks
+(`--create-attention-mask-in-dataloader`, Megatron-LM's default, without
+`--reset-attention-mask`) are not made: Megatron's causal mask type says the same, and
+without a mask tensor the attention runs the causal flash / cuDNN kernels instead of a
+masked one (2-4x slower on an H200).
+
 `install_hooks()` checks every target first (present, expected parameters, called
 where expected) and raises `UnsupportedMegatronLM`, naming the megatron-core
 version and what is missing, before anything is changed.
@@ -38,6 +48,7 @@ from ..config.backends import AUTO, BACKENDS as _TRANSPORTS
 
 IMPL = "megatron_overlap"
 IMPLS = ("te", IMPL)
+ATTENTION = ("torch", "megatron")  # --megatron-overlap-attention: install(attention=...)
 BACKENDS = (AUTO,) + _TRANSPORTS  # --tp-comm-overlap-backend: the registry's transports
 ARGS_MODULE = "megatron.training.arguments"
 INIT_MODULE = "megatron.training.initialize"
@@ -137,7 +148,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Our two flags, beside Megatron-LM's --tp-comm-overlap (skipped when present,
     e.g. in a tree patched with patches/)."""
     have = parser._option_string_actions  # noqa: SLF001 - argparse has no public lookup
-    if "--tp-comm-overlap-impl" in have and "--tp-comm-overlap-backend" in have:
+    if all(flag in have for flag in ("--tp-comm-overlap-impl", "--tp-comm-overlap-backend",
+                                     "--megatron-overlap-attention")):
         return parser
     group = parser.add_argument_group("megatron_overlap", "tensor-parallel comm/GEMM overlap "
                                       "of Megatron-core's own linears (--transformer-impl local)")
@@ -151,6 +163,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         group.add_argument("--tp-comm-overlap-backend", type=str, default="auto",
                            choices=BACKENDS,
                            help="Transport for --tp-comm-overlap-impl megatron_overlap.")
+    if "--megatron-overlap-attention" not in have:
+        group.add_argument("--megatron-overlap-attention", type=str, default="torch",
+                           choices=ATTENTION,
+                           help="Core attention of the local spec's layers under --tp-comm-overlap-impl "
+                           "megatron_overlap: torch (torch's fused attention: flash / cuDNN / "
+                           "memory-efficient SDPA, varlen flash for packed sequences) or megatron "
+                           "(Megatron's DotProductAttention; so does --attention-backend unfused).")
     return parser
 
 
@@ -175,9 +194,26 @@ def check_args(args: argparse.Namespace) -> None:
             "use --transformer-impl local (TE layers need --tp-comm-overlap-impl te); got "
             f"--transformer-impl {args.transformer_impl}"
             + (" with --use-legacy-models" if getattr(args, "use_legacy_models", False) else ""))
+    if _torch_attention(args) and getattr(args, "create_attention_mask_in_dataloader", False) \
+            and not getattr(args, "reset_attention_mask", False):
+        args.create_attention_mask_in_dataloader = False
+        _say(args, "the dataloader's causal attention masks are not made (--no-create-attention-"
+             "mask-in-dataloader): the causal mask type says the same, and torch's attention runs its "
+             "causal kernels without them")
     if not overlap and not _off_installed:
         _install(args, ub_cfgs=None, why="every overlap off (no --tp-comm-overlap)")
         _off_installed.append(True)  # once, however often validate_args runs
+
+
+def _torch_attention(args: argparse.Namespace) -> bool:
+    """Whether the local spec's layers get torch's attention: the default flag, the local
+    transformer, and an --attention-backend that does not name Megatron's own."""
+    from ..attention.support import MEGATRON_BACKENDS
+
+    backend = getattr(args, "attention_backend", None)
+    return (getattr(args, "megatron_overlap_attention", "torch") == "torch"
+            and getattr(args, "transformer_impl", "local") == "local"
+            and getattr(backend, "name", str(backend)) not in MEGATRON_BACKENDS)
 
 
 def initialize_tp_communicators() -> None:
@@ -200,9 +236,10 @@ def initialize_tp_communicators() -> None:
 def _install(args: argparse.Namespace, ub_cfgs: str | None, why: str) -> None:
     import megatron_overlap
 
+    attention = getattr(args, "megatron_overlap_attention", "torch")
     _say(args, f"megatron_overlap.install(ub_cfgs={ub_cfgs!r}, "
-         f"backend={args.tp_comm_overlap_backend!r}): {why}")
-    megatron_overlap.install(ub_cfgs=ub_cfgs, backend=args.tp_comm_overlap_backend)
+         f"backend={args.tp_comm_overlap_backend!r}, attention={attention!r}): {why}")
+    megatron_overlap.install(ub_cfgs=ub_cfgs, backend=args.tp_comm_overlap_backend, attention=attention)
 
 
 def _say(args: argparse.Namespace, what: str) -> None:

@@ -21,7 +21,7 @@ from ..config.names import COLUMN_BUFFERS as COLUMN
 # [k, n]); T: a transposed view of a contiguous tensor (A = [k, m].t(), B = [n, k].t()).
 # cuBLAS may pick another kernel per layout, so a measured GEMM time is kept as one layout's
 # (`tune.measure.gemm_operands` builds them; calibrations key by (m, k, n, layout)). On the
-# H200 the fc1-size GEMM ran NT, NN and TN within its own run-to-run spread (BENCHMARKS.md,
+# H200 the fc1-size GEMM ran NT, NN and TN within its own run-to-run spread (docs/results.md,
 # benchmarks/gemm_drift.py).
 GEMM_LAYOUTS = {
     "fprop": "NT",  # x @ weight.t(): weight [n, k]

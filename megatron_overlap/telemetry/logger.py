@@ -13,8 +13,8 @@ from ..comm import stats
 from ..extras import require
 from ..config import state
 from ..overlap import replay
-from .rows import layer_settings
-from .table import settings_table
+from .rows import attention_settings, layer_settings
+from .table import ATTENTION_KEYS, attention_table, settings_table
 
 # Columns of the wandb settings table, in order; the config keeps the tunable subset.
 TABLE_COLUMNS = ("layer_number", "module", "pass", "settings", "method", "num_splits", "num_sm",
@@ -60,11 +60,13 @@ class OverlapTelemetry:
         self._replay_seen = replay.totals()
 
     def log_settings(self, model: torch.nn.Module) -> list[dict[str, Any]]:
-        """Print the per-pass table; to wandb, a table `<prefix>/settings` and the
-        settings under config["megatron_overlap"]. Returns layer_settings(model)."""
-        rows = layer_settings(model)
+        """Print the per-pass table and the core-attention table; to wandb, tables
+        `<prefix>/settings` and `<prefix>/attention`, and the settings under
+        config["megatron_overlap"]. Returns layer_settings(model)."""
+        rows, attention = layer_settings(model), attention_settings(model)
         if self.console:
             print(settings_table(rows), file=sys.stdout, flush=True)
+            print(attention_table(attention), file=sys.stdout, flush=True)
         if self.run is not None:
             wandb = require("wandb", "OverlapTelemetry(run)")
 
@@ -72,7 +74,11 @@ class OverlapTelemetry:
                                 data=[[_cell(r, c) for c in TABLE_COLUMNS] for r in rows])
             # commit=False: joins the pending step instead of taking one, so the
             # caller's own step numbers (from 0) stay valid for log_step.
-            self.run.log({f"{self.prefix}/settings": table}, commit=False)
+            columns = ("module", "layer_number") + ATTENTION_KEYS
+            attn = wandb.Table(columns=list(columns),
+                               data=[[None if r.get(c) is None else str(r[c]) for c in columns]
+                                     for r in attention])
+            self.run.log({f"{self.prefix}/settings": table, f"{self.prefix}/attention": attn}, commit=False)
             st = state.current()
             ran = sorted({r["backend"] for r in rows}) or [comm.resolve_backend(st.backend)]
             self.run.config.update({"megatron_overlap": {
@@ -80,6 +86,8 @@ class OverlapTelemetry:
                 "ub_cfgs": st.settings.to_dict(),
                 "backend": ", ".join(ran),
                 "backend_requested": st.backend,
+                "attention": {r["module"]: r["impl"] + (f" ({r['reason']})" if r["reason"] else "")
+                              for r in attention},
             }}, allow_val_change=True)
         return rows
 

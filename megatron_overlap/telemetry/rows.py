@@ -45,3 +45,19 @@ def layer_settings(model: torch.nn.Module) -> list[dict[str, Any]]:
             rows.append({"module": path, "layer_number": layer_number(path), **row})
     rows.sort(key=lambda r: (r["layer_number"], r["module"], PASS_ORDER.get(r["pass"], len(PASS_ORDER))))
     return rows
+
+
+def attention_settings(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """One row per core-attention module of `model` (`attention.attention_row`: which
+    implementation runs, torch's fused attention or Megatron's, and why), with "module"
+    and "layer_number" added, in layer order."""
+    from ..attention import attention_row  # megatron-core: imported only when asked
+
+    rows = []
+    for name, module in model.named_modules():
+        row = attention_row(module)
+        if row is not None:
+            path = module_path(name)
+            rows.append({"module": path, "layer_number": layer_number(path), **row})
+    rows.sort(key=lambda r: (r["layer_number"], r["module"]))
+    return rows

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from ..config.console import Column, lines, table, wrapped
+from ..config.console import Column, lines, ranges, table, wrapped
 
 
 def human_bytes(n: float) -> str:
@@ -69,3 +69,38 @@ def settings_table(rows: Sequence[dict[str, Any]]) -> str:
         below += ["Notes:"] + wrapped(*notes)
     title = f"TP comm+GEMM overlap: {len(modules)} layers, {len(rows)} passes"
     return table(title, columns, cells, rules_after=rules) + lines(*below)
+
+
+ATTENTION_KEYS = ("impl", "mask", "window", "heads", "dropout", "ran", "reason")
+
+
+def attention_table(rows: Sequence[dict[str, Any]]) -> str:
+    """attention_settings rows as one line per distinct setting (layers that share it
+    folded into one cell): which core attention each layer runs, and why where it is
+    Megatron's."""
+    if not rows:
+        return lines("Core attention: no attention modules")
+    groups: dict[tuple, list[int]] = {}
+    for r in rows:
+        groups.setdefault(tuple(str(r.get(k) if r.get(k) is not None else "-") for k in ATTENTION_KEYS),
+                          []).append(r["layer_number"])
+    columns = [Column("layers"), Column("core attention"), Column("mask"), Column("window"),
+               Column("heads:groups"), Column("dropout", right=True), Column("ran"),
+               Column("why / notes", wrap=True)]
+    cells = [(ranges(layers), "torch (fused)" if key[0] == "torch" else "Megatron's unfused", *key[1:])
+             for key, layers in groups.items()]
+    return table(f"Core attention: {len(rows)} layers", columns, cells)
+
+
+def attention_summary(rows: Sequence[dict[str, Any]]) -> str:
+    """One phrase for a model's core attention (an A/B arm's header): which runs in how many
+    layers, with Megatron's reasons."""
+    if not rows:
+        return "no core-attention modules"
+    torch_n = sum(r["impl"] == "torch" for r in rows)
+    parts = [f"torch's fused attention in {torch_n} of {len(rows)} layers"] if torch_n else []
+    reasons = sorted({r["reason"] for r in rows if r["impl"] != "torch"})
+    if len(rows) - torch_n:
+        parts.append(f"Megatron's DotProductAttention in {len(rows) - torch_n} of {len(rows)} layers"
+                     + (f" ({'; '.join(reasons)})" if reasons else ""))
+    return "; ".join(parts)

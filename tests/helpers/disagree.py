@@ -88,9 +88,9 @@ def check(what: str, per_rank: list, t: float, slack: float = 4.0) -> None:
         survivor, plain = results
         assert plain["result"] == "no error"  # Megatron's own column forward moves nothing
         assert survivor["result"].startswith(
-            f"CommError: megatron_overlap: rank 0/2 waited for 'layer agreement (shape and "
-            f"settings)' chunk 0 (from all ranks) {t:g}s and group ranks 1 (global 1) never "
-            f"arrived"), survivor
+            f"CommError: megatron_overlap: layer 'qkv (column)': rank 0/2 waited for 'layer "
+            f"agreement (shape and settings)' chunk 0 (from all ranks) {t:g}s and group ranks 1 "
+            f"(global 1) never arrived"), survivor
         assert "a rank without install()" in survivor["result"]
         assert t * 0.9 <= survivor["elapsed"] <= t + slack
         return

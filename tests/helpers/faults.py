@@ -339,8 +339,15 @@ def _check_pass_error(rank: int, world: int, got: dict, kind: str, point: str,
         assert m.group("pass") == "gather_output", got["result"]
 
 
-def _first_forward_error(rank: int, world: int, victim: int, t: float, what: str) -> str:
-    return (f"CommError: megatron_overlap: rank {rank}/{world} waited for '{what}' chunk 0 "
+# The layer each case's first forward goes through (helpers.robust.pair names them so)
+LAYER = {"column": "qkv (column)", "row": "proj (row)"}
+
+
+def _first_forward_error(rank: int, world: int, victim: int, t: float, what: str,
+                         layer: str | None) -> str:
+    """The survivor's message; an exchange a layer makes names that layer first."""
+    about = f"layer '{layer}': " if layer else ""
+    return (f"CommError: megatron_overlap: {about}rank {rank}/{world} waited for '{what}' chunk 0 "
             f"(from all ranks) {t:g}s and group ranks {victim} (global {victim}) never arrived")
 
 
@@ -355,10 +362,11 @@ def check_raised(per_rank: list, case: tuple, transport: str, t: float, slack: f
     for rank, got in _survivors(per_rank, victim):
         if got["result"] != "no error":  # only its own timeout can have told it
             assert t * 0.9 <= got["elapsed"] <= t + slack, got
-        if point in ("first_forward", "topology"):
-            what = {"first_forward": "layer agreement (shape and settings)",
-                    "topology": "topology exchange before the first forward"}[point]
-            assert got["result"].startswith(_first_forward_error(rank, world, victim, t, what)), got
+        if point in ("first_forward", "topology"):  # the topology exchange, outside a layer
+            what, layer = {"first_forward": ("layer agreement (shape and settings)", LAYER[kind]),
+                           "topology": ("topology exchange before the first forward", None)}[point]
+            assert got["result"].startswith(
+                _first_forward_error(rank, world, victim, t, what, layer)), got
             assert "a rank without install()" in got["result"]
         else:
             _check_pass_error(rank, world, got, kind, point, transport, t, variant=variant)
@@ -375,10 +383,11 @@ def check_exited(per_rank: list, case: tuple, victim: int, transport: str, t: fl
         if point != "first_forward":
             _check_pass_error(rank, world, got, kind, point, transport, t, exited=True)
         elif victim != 0:
-            assert _first_forward_error(rank, world, victim, t, "layer agreement (shape and "
-                                        "settings)").split(" waited for ")[1] in got["result"], got
+            assert got["result"].startswith(_first_forward_error(
+                rank, world, victim, t, "layer agreement (shape and settings)", LAYER[kind])), got
         else:
             assert got["result"].startswith(
-                f"CommError: megatron_overlap: rank {rank}/{world} waited for 'layer agreement "
+                f"CommError: megatron_overlap: layer '{LAYER[kind]}': rank {rank}/{world} "
+                f"waited for 'layer agreement "
                 f"(shape and settings)' chunk 0 (from all ranks) {t:g}s and the rendezvous store "
                 f"(hosted by global rank 0) is unreachable"), got

@@ -81,6 +81,16 @@ def cuda_tensors_on_cpu() -> Iterator[None]:
         yield
 
 
+def rng_states_on_cpu() -> None:
+    """Megatron's activation checkpointing saves and restores the CUDA generator's state
+    beside the CPU's and the tracker's; on CPU there is no CUDA generator (the CPU one and
+    the CPU tracker above carry every random draw), so that part is skipped."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: None
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
 def init(tp: int, seed: int = 1234) -> None:
     """gloo process group (env:// from helpers.dist) + Megatron's TP groups."""
     install_cpu_shims()

@@ -197,6 +197,7 @@ def probe_model() -> dict:
                       [layer.self_attention if name in ("linear_qkv", "linear_proj") else layer.mlp
                        for layer in layers]]
                for name in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")}
+    attention = [type(layer.self_attention.core_attention).__name__ for layer in layers]
     norms = {type(layers[0].input_layernorm).__name__:
              [bool(getattr(p, "sequence_parallel", False)) for p in layers[0].input_layernorm.parameters()]}
 
@@ -215,6 +216,7 @@ def probe_model() -> dict:
                  if hasattr(m, "precision")}  # our linears' (none on Megatron's)
     return {"version": hooks.megatron_core_version(), "install": rec.calls, "linears": linears,
             "precision": precision,
+            "attention": attention, "dataloader_masks": args.create_attention_mask_in_dataloader,
             "installed": {"backend": now.backend, "source": now.source,
                           "fc2_fprop_num_sm": now.settings["fc2_fprop"].num_sm},
             "norms": norms, "loss": loss.item(), "grad_norm_sum": grad,

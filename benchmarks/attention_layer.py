@@ -1,0 +1,316 @@
+"""A whole transformer layer with the core attention install() gives it, against Megatron's
+local layer and against the flash-attention reference, at one TP rank's dimensions on one
+GPU, side by side in one run.
+
+One process plays the last rank of a TP group (`ab.emulated_tp`, as benchmarks/
+layer_compute.py does): a megatron-core TransformerLayer from the local spec (RMSNorm,
+SwiGLU, GQA, RoPE, causal, no biases, sequence parallel), forward + backward. Arms, from
+the same weights and input:
+- megatron: Megatron's local layer: its linears, its DotProductAttention (the score matrix);
+- sdpa_ref: the same with only its core attention replaced by a minimal causal SDPA call
+  (`SDPAReference`, written here): the flash-attention reference;
+- ours_attention: the same with only its core attention replaced by install()'s
+  (`TorchDotProductAttention`; Megatron's linears): the attention's own cost in the layer;
+- ours: the layer install() builds: our overlapped linears (on the `null` transport, the
+  pass replay on) and `TorchDotProductAttention`. On one GPU there is no communication for
+  the overlap to hide, so against sdpa_ref (whose linears' collectives do nothing either)
+  it measures the overlapped linears' compute-side cost on top of the attention's.
+On a GPU no arm gets a mask tensor (the causal mask type says it; Megatron's arm builds its
+own).
+
+Measured: eager back to back and graphed (layer_compute's `time_shape`: arms interleaved,
+medians of --repeat samples of --reps calls; ratio = megatron ms / arm ms); peak memory
+per arm (the most the arm allocated beyond the weights during its first steps: its
+activations, temporaries and whatever buffers it keeps); before timing, every arm against
+Megatron's on the mirror transport (output, input and parameter grads, max |diff| /
+max |megatron|: 2e-2 in bf16). Then the core attention alone (forward + backward, graphed):
+each arm's, and ours on packed sequences (4 documents per sequence, THD) against ours causal
+over the whole sequence.
+
+    python benchmarks/attention_layer.py [--shapes all] [--reps 10] [--repeat 5]
+    python benchmarks/attention_layer.py --shapes tiny --device cpu      # the check only
+
+Writes <out>/attention_layer_<tag>.json and prints a table; exit status 2 when a check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import layer_compute as lc  # noqa: E402  (the layer set-up and timing of the linears' benchmark)
+from megatron_overlap.simulate.shapes import PRESETS, ModelDims  # noqa: E402
+
+# name: (preset, TP, sequence, micro batch); the goals: ours / megatron, at least
+SHAPES = {"70b_tp8_s4096_b2": ("70b", 8, 4096, 2), "8b_tp4_s4096_b2": ("8b", 4, 4096, 2),
+          "70b_tp8_s16384_b1": ("70b", 8, 16384, 1)}
+GOALS = {"70b_tp8_s4096_b2": 1.45, "8b_tp4_s4096_b2": 1.9, "70b_tp8_s16384_b1": 2.7}
+GOAL_REF, GOAL_MEM = 0.97, 1.05  # within 3% of the reference's time, 5% of its memory
+ARMS = ("megatron", "sdpa_ref", "ours_attention", "ours")  # ours last: attention_alone's packed case
+DOCS = 4  # documents per packed sequence
+
+
+def shape_of(name: str) -> lc.LayerShape:
+    if name == "tiny":
+        return lc.LayerShape("tiny", "tiny", ModelDims(hidden=64, ffn_hidden=96, heads=8, query_groups=4,
+                                                       seq_length=32, layers=1, micro_batch=2), 2)
+    preset, tp, seq, mb = SHAPES[name]
+    return lc.LayerShape(name, preset.upper(), replace(PRESETS[preset], seq_length=seq, micro_batch=mb,
+                                                      layers=1), tp)
+
+
+class SDPAReference(torch.nn.Module):
+    """The flash-attention reference: causal SDPA on Megatron's [s, b, heads, dim] tensors,
+    GQA through `enable_gqa`, nothing else (no mask tensor, no dropout, no packing)."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type, **_):
+        super().__init__()
+        self.scale = 1.0 / math.sqrt(config.kv_channels)
+
+    def forward(self, query, key, value, attention_mask, **_):
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+
+
+def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.device):
+    """One arm's layer: built under install() (torch norms take SP in every arm), with
+    Megatron's attention for megatron and sdpa_ref, ours for ours."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import build_module
+
+    import megatron_overlap as mo
+
+    mo.install(backend="torch_p2p", attention="torch" if arm.startswith("ours") else "megatron")
+    try:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        if arm == "sdpa_ref":
+            spec.submodules.self_attention.submodules.core_attention = SDPAReference
+        config = lc.layer_config(shape, arm == "ours", dtype, device)
+        layer = build_module(spec, config=config, layer_number=1)
+    finally:
+        mo.uninstall()
+    return layer.to(device=device, dtype=dtype).train()
+
+
+def build_arms(shape: lc.LayerShape, args, dtype, device):
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    d = shape.dims
+    layers = {a: build(shape, a, dtype, device) for a in ARMS}
+    for a in ARMS[1:]:
+        got = layers[a].load_state_dict(layers["megatron"].state_dict(), strict=True)
+        assert not got.missing_keys and not got.unexpected_keys, got
+    gen = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(d.seq_length // shape.tp, d.micro_batch, d.hidden, generator=gen).to(device, dtype)
+    g = torch.randn(x.shape, generator=gen).to(device, dtype)
+    rope = RotaryEmbedding(kv_channels=d.hidden // d.heads, rotary_percent=1.0,
+                           rotary_base=500000)(d.seq_length).to(device)
+    arms = [lc.Arm(a, layers[a], x.clone().requires_grad_(True), True if a == "ours" else None)
+            for a in ARMS]
+    # no mask tensor on a GPU; on CPU Megatron's arm could not make its own (it makes it on
+    # 'cuda'), so every arm gets the causal one there (the check's meaning is the same)
+    mask = None if device.type == "cuda" else torch.ones(d.seq_length, d.seq_length).triu(1).bool()[None, None]
+    return arms, lc.Extras(g, rope, mask)
+
+
+def check(emu, arms, e, tol: float) -> dict:
+    """Every arm against Megatron's on the mirror transport (layer_compute's measure)."""
+    from megatron_overlap.ab.emulated_tp import MirrorTransport
+
+    emu.use(MirrorTransport(emu.world, emu.rank), [a.layer for a in arms])
+    got = {}
+    for arm in arms:
+        lc._zero_grads(arm)
+        out = arm.step(e).detach()
+        got[arm.name] = {"output": out, "input grad": arm.x.grad.detach().clone(),
+                         **{f"grad {n}": p.grad.detach().clone() for n, p in arm.layer.named_parameters()}}
+        lc._zero_grads(arm)
+    errs = {a: {k: lc._rel(got[a][k], v) for k, v in got["megatron"].items()} for a in ARMS[1:]}
+    worst = {a: max(e.values()) for a, e in errs.items()}
+    return {"tol_rel": tol, "max_rel_err": worst, "rel_err": errs,
+            "passed": all(w <= tol for w in worst.values())}
+
+
+def peak_memory(emu, arms, e) -> dict:
+    """Per arm, the most it allocated beyond what was resident before its first steps
+    (three fwd+bwd: buffers it keeps, pass graphs, activations), in GiB."""
+    from megatron_overlap.comm import NullTransport
+
+    emu.use(NullTransport(emu.world, emu.rank), [a.layer for a in arms])
+    out = {}
+    for arm in arms:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        for _ in range(3):
+            lc._zero_grads(arm)
+            arm.step(e)
+        torch.cuda.synchronize()
+        out[arm.name] = (torch.cuda.max_memory_allocated() - before) / 2**30
+        lc._zero_grads(arm)
+    return out
+
+
+def attention_alone(shape: lc.LayerShape, arms, dtype, device, reps: int) -> dict:
+    """Each arm's core attention alone, fwd+bwd graphed, ms; and ours on DOCS packed
+    documents per sequence (THD) against ours causal over the whole sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_overlap.tune.measure import graphed, time_ms
+
+    d = shape.dims
+    heads, groups, hd = d.heads // shape.tp, d.query_groups // shape.tp, d.hidden // d.heads
+    s, b = d.seq_length, d.micro_batch
+    gen = torch.Generator().manual_seed(3)
+    mk = lambda *sh: torch.randn(*sh, generator=gen).to(device, dtype).requires_grad_(True)  # noqa: E731
+    q, k, v = mk(s, b, heads, hd), mk(s, b, groups, hd), mk(s, b, groups, hd)
+    dy = torch.randn(s, b, heads * hd, generator=gen).to(device, dtype)
+
+    def fwd_bwd(fn, *ts):
+        def step():
+            for t in ts:
+                t.grad = None
+            out = fn()
+            out.backward(dy.reshape(out.shape))
+        return step
+    out = {}
+    for arm in arms:
+        core = arm.layer.self_attention.core_attention
+        step = fwd_bwd(lambda core=core: core(q, k, v, None), q, k, v)
+        out[arm.name] = time_ms(graphed(step), reps, warmup=2)
+    ours = arms[-1].layer.self_attention.core_attention
+    t = s * b  # the batch's sequences back to back: b * DOCS documents in one pack
+    qt, kt, vt = mk(t, heads, hd), mk(t, groups, hd), mk(t, groups, hd)
+    cu = torch.arange(0, t + 1, s // DOCS, dtype=torch.int32, device=device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=s // DOCS, max_seqlen_kv=s // DOCS)
+    step = fwd_bwd(lambda: ours(qt, kt, vt, None, packed_seq_params=params), qt, kt, vt)
+    out[f"ours_packed_{DOCS}_docs"] = time_ms(graphed(step), reps, warmup=2)
+    out["packed_ran"] = ", ".join(sorted(ours.ran))
+    return out
+
+
+def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
+    from megatron_overlap.ab.emulated_tp import EmulatedTP
+
+    with EmulatedTP(shape.tp, rank=shape.tp - 1) as emu:
+        lc.seed_rng(device, args.seed)
+        arms, extras = build_arms(shape, args, dtype, device)
+        row = {"shape": shape.name, "model": shape.model, "tp": shape.tp, "dims": shape.dims.__dict__,
+               "check": check(emu, arms, extras, 1e-5 if dtype == torch.float32 else 2e-2),
+               "attention": {a.name: type(a.layer.self_attention.core_attention).__name__ for a in arms}}
+        if device.type == "cuda":
+            row["peak_gib"] = peak_memory(emu, arms, extras)
+            row["arms"] = lc.time_shape(emu, arms, extras, args)
+            row["attention_alone_ms"] = attention_alone(shape, arms, dtype, device, args.reps)
+            row["goals"] = goals(shape.name, row)
+        else:
+            row["skipped"] = "timing and memory: CPU (the check ran; times and peaks need a GPU)"
+        del arms
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def goals(name: str, row: dict) -> dict:
+    """Each goal with what was measured (graphed and eager times; peak memory)."""
+    t, mem, alone = row["arms"], row["peak_gib"], row["attention_alone_ms"]
+    out = {}
+    for mode in ("graph", "eager"):
+        ms = {a: t[a][f"{mode}_ms"] for a in ARMS}
+        out[f"{mode}: ours vs megatron >= {GOALS.get(name, 0)}"] = (
+            ms["megatron"] / ms["ours"], ms["megatron"] / ms["ours"] >= GOALS.get(name, 0))
+        for a in ("ours_attention", "ours"):
+            out[f"{mode}: {a} vs sdpa_ref >= {GOAL_REF}"] = (ms["sdpa_ref"] / ms[a], ms["sdpa_ref"] / ms[a] >= GOAL_REF)
+    for a in ("ours_attention", "ours"):
+        out[f"peak memory: {a} / sdpa_ref <= {GOAL_MEM}"] = (mem[a] / mem["sdpa_ref"], mem[a] / mem["sdpa_ref"] <= GOAL_MEM)
+    packed = alone[f"ours_packed_{DOCS}_docs"] / alone["ours"]
+    out[f"attention: ours packed ({DOCS} docs) / ours causal <= 1"] = (packed, packed <= 1.0)
+    return out
+
+
+def table(doc: dict) -> str:
+    m = doc["meta"]
+    lines = [f"attention_layer: one TransformerLayer fwd+bwd per TP rank, {doc['dtype']}, "
+             f"{m.get('gpu_name') or 'CPU'}, torch {m['torch']}, megatron-core {m.get('megatron_core')}, "
+             f"{m['date']}; median of {doc['config']['repeat']} x {doc['config']['reps']} calls",
+             f"{'shape':18s} {'arm':14s} {'eager ms':>9s} {'x meg':>6s} {'graph ms':>9s} {'x meg':>6s} "
+             f"{'peak GiB':>9s} {'attn ms':>8s}  check"]
+    f = lambda v, p: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    for r in doc["rows"]:
+        c = r["check"]
+        if "arms" not in r:
+            lines.append(f"{r['shape']:18s} {'-':14s} check {'ok' if c['passed'] else 'FAIL'} "
+                         f"(max rel {max(c['max_rel_err'].values()):.1e} <= {c['tol_rel']:g}); {r['skipped']}")
+            continue
+        for a in ARMS:
+            t = r["arms"][a]
+            err = c["max_rel_err"].get(a)
+            lines.append(f"{r['shape']:18s} {a:14s} {f(t['eager_ms'], 2):>9s} {f(t['eager_ratio'], 2):>6s} "
+                         f"{f(t['graph_ms'], 2):>9s} {f(t['graph_ratio'], 2):>6s} {f(r['peak_gib'][a], 2):>9s} "
+                         f"{f(r['attention_alone_ms'][a], 2):>8s}  "
+                         + ("" if err is None else f"rel {err:.1e}"))
+        packed = r["attention_alone_ms"][f"ours_packed_{DOCS}_docs"]
+        lines.append(f"{'':18s} ours, attention alone on {DOCS} packed documents per sequence: "
+                     f"{packed:.2f} ms ({r['attention_alone_ms']['packed_ran']})")
+        for goal, (value, met) in r["goals"].items():
+            lines.append(f"{'':18s}   {goal}: {value:.3f} {'met' if met else 'NOT MET'}")
+    lines.append("x meg = megatron ms / arm ms, same mode. eager: calls queued back to back; graph: the "
+                 "layer's fwd+bwd in one CUDA graph. peak: beyond the weights, during the first steps. "
+                 "attn ms: the arm's core attention alone, fwd+bwd, graphed.")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    from megatron_overlap.ab.launch import plan_layout
+    from megatron_overlap.ab.machine import machine_info
+    from megatron_overlap.ab.results import write_json
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="all", help="all | comma list of " + ", ".join([*SHAPES, "tiny"]))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args(argv)
+    names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
+    bad = [n for n in names if n not in SHAPES and n != "tiny"]
+    if bad:
+        raise SystemExit(f"unknown shape(s) {bad}: use all or a comma list of {[*SHAPES, 'tiny']}")
+    layout = plan_layout(1, args.device)
+    device = torch.device("cpu") if layout.mode == "cpu" else torch.device("cuda", 0)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    lc.init_process(device, args.seed)
+    t0 = time.perf_counter()
+    rows = [run_shape(shape_of(n), args, dtype, device) for n in names]
+    meta = machine_info(layout, device)
+    meta.update(note="one GPU, one process playing the last TP rank" if device.type == "cuda" else
+                "CPU: FUNCTIONAL ONLY (the check ran, nothing was timed)", wall_s=time.perf_counter() - t0)
+    doc = {"benchmark": "attention_layer", "command": " ".join([sys.executable, *sys.argv]),
+           "config": vars(args), "dtype": str(dtype).removeprefix("torch."), "meta": meta, "rows": rows,
+           "checks_passed": all(r["check"]["passed"] for r in rows)}
+    path = os.path.join(args.out, f"attention_layer_{args.tag or device.type}.json")
+    write_json(path, doc)
+    print(table(doc))
+    print(f"results: {path}")
+    return 0 if doc["checks_passed"] else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
