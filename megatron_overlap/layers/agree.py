@@ -1,7 +1,7 @@
 """Ranks that disagree are diagnosed, not crashed.
 
 Before a layer's first transfer for a new input shape, the TP ranks exchange a
-small fingerprint (layer, input shape and dtype, per-pass settings, backend)
+small fingerprint (layer, input shape and dtype, per-pass settings, backend, precision)
 through the bounded store exchange; once per layer and shape, cached after.
 Different fingerprints raise `DisagreementError` on every rank, naming which
 ranks differ on what, before any transfer (so the next agreeing call works).
@@ -43,7 +43,7 @@ def fingerprint(layer: Any, x: torch.Tensor, modes: dict[str, Any] | None = None
     fp: dict[str, Any] = {"layer": plan.layer, "input shape": tuple(x.shape),
                           "input dtype": str(x.dtype), "sequence_parallel": plan.sequence_parallel,
                           "backend": layer.overlap_backend, "rs_dgrad": plan.rs_dgrad,
-                          **(modes or {})}
+                          "precision": layer.precision.describe(), **(modes or {})}
     tp = layer.tp_group.size()
     for s in (plan.fprop, plan.dgrad, plan.wgrad):
         if s is not None:
