@@ -27,7 +27,10 @@ if ! "$PY" -c "import xdist, torch; assert torch.cuda.is_available()" 2>/dev/nul
   echo "tests/gpu/suite.sh: needs a CUDA GPU and pytest-xdist under $PY" >&2
   exit 2
 fi
-git log -1 --format='HEAD %h %cd' --date=iso 2>/dev/null | tee "$OUT/gpu_suite.log"
+# what ran: a fingerprint of the package's and the tests' sources (the git metadata a copy of
+# the tree carries may be older than the files), comparable with the same command anywhere
+echo "sources $(find megatron_overlap tests -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)" \
+  | tee "$OUT/gpu_suite.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/gpu_suite.log"
 start=$(date +%s)
 timeout "${GPU_SUITE_TIMEOUT:-540}" "$PY" -m pytest -q -p no:cacheprovider -n "${GPU_WORKERS:-4}" \

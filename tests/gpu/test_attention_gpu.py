@@ -14,6 +14,16 @@ from helpers.attention import CASES
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def _megatron_tp1():
+    """Megatron at TP=1, with its CUDA RNG tracker seeded (its attention forks it)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(0)
+
+
 def mask_for_megatron(case, dtype):
     from helpers.attention import inputs
 
@@ -28,10 +38,8 @@ def _cases(rank, world, dtype_name):
     from megatron_overlap.attention import TorchDotProductAttention
 
     gpu.init()
-    from megatron.core import parallel_state
 
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    _megatron_tp1()
     dtype = DTYPES[dtype_name]
     out = {}
     for case in CASES:
@@ -71,7 +79,6 @@ def test_equals_megatron_in_low_precision_and_is_no_less_accurate(low_precision,
 
 
 def _packed(rank, world):
-    from megatron.core import parallel_state
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.transformer.enums import AttnMaskType
 
@@ -79,8 +86,7 @@ def _packed(rank, world):
     from megatron_overlap.attention import TorchDotProductAttention
 
     gpu.init()
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    _megatron_tp1()
     lengths, out = [64, 200, 8, 240], {}
     for name, groups, window in (("causal_gqa", 2, None), ("causal_mqa_window", 1, (32, 0))):
         cfg = config(Case(name, groups=groups, window=window, kv_channels=128), torch.bfloat16)
@@ -110,15 +116,13 @@ def _packed(rank, world):
 def _mla(rank, world):
     """MLA's core attention (query/key head dim 192, value head dim 128: flash cannot take
     them) against an fp64 reference, causal and windowed."""
-    from megatron.core import parallel_state
     from megatron.core.transformer.enums import AttnMaskType
 
     from helpers.attention import Case, config
     from megatron_overlap.attention import TorchDotProductAttention
 
     gpu.init()
-    parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    _megatron_tp1()
     out = {}
     for window in (None, (16, 0)):
         cfg = config(Case("mla", groups=8, window=window), torch.bfloat16)
