@@ -465,6 +465,11 @@ def test_model_provider_builds_our_layers_with_the_overlap_on(models, tree):
         # the core attention is torch's, and the dataloader's plain causal masks are not made
         assert rank["attention"] == ["TorchDotProductAttention"] * 2
         assert rank["dataloader_masks"] is False
+        # packed sequences (THD, as the SFT path gives them) through that model: each token's
+        # loss as with its document alone
+        packed = rank["packed"]
+        assert packed["shape"] == [1, 32] and packed["max_abs_diff"] <= 1e-5, packed
+        assert "masked" in packed["ran"], packed  # (on CPU: SDPA with the document mask)
 
 
 def test_model_provider_builds_megatron_s_layers_with_the_overlap_off(models):

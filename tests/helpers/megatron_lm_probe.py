@@ -155,6 +155,33 @@ def probe_args() -> dict:
     return out
 
 
+def packed_vs_alone(model, args) -> dict:
+    """The model the tree's model_provider built, fed a packed batch as Megatron-LM's SFT
+    get_batch gives it (THD PackedSeqParams from cu_seqlens, positions restarting per
+    document, no mask): each token's loss against its document run alone."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths = [8, 16, 8]  # each divides by TP=2 (sequence parallelism) x 4 (proj's pipeline chunks)
+    g = torch.Generator().manual_seed(11)
+    docs = [torch.randint(0, args.padded_vocab_size, (1, n), generator=g) for n in lengths]
+    pos = [torch.arange(n).unsqueeze(0) for n in lengths]
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    training = model.training
+    model.eval()  # Megatron-LM's default dropouts (0.1) would draw differently in each run
+    with torch.no_grad():
+        tokens = torch.cat(docs, 1)
+        packed = model(tokens, torch.cat(pos, 1), None, labels=torch.roll(tokens, -1, 1),
+                       packed_seq_params=params).float()
+        alone = torch.cat([model(d, p, None, labels=torch.roll(tokens, -1, 1)[:, a:a + n]).float()
+                           for d, p, a, n in zip(docs, pos, cu[:-1].tolist(), lengths)], 1)
+    model.train(training)
+    ran = sorted({r for m in model.modules() for r in getattr(m, "ran", ())})
+    return {"max_abs_diff": float((packed - alone).abs().max()), "ran": ran,
+            "shape": list(packed.shape)}
+
+
 def probe_model() -> dict:
     from helpers.megatron_cpu import install_cpu_shims
     from megatron.core.tensor_parallel import random as mrandom
@@ -214,12 +241,15 @@ def probe_model() -> dict:
     now = state.current()
     precision = {n: m.precision.describe() for n, m in model.named_modules()
                  if hasattr(m, "precision")}  # our linears' (none on Megatron's)
+    # (FP8 GEMMs take 16-token multiples: the documents below are shorter)
+    fp8 = any("fp8" in p for p in precision.values())
+    packed = packed_vs_alone(model, args) if "TorchDotProductAttention" in attention and not fp8 else None
     return {"version": hooks.megatron_core_version(), "install": rec.calls, "linears": linears,
             "precision": precision,
             "attention": attention, "dataloader_masks": args.create_attention_mask_in_dataloader,
             "installed": {"backend": now.backend, "source": now.source,
                           "fc2_fprop_num_sm": now.settings["fc2_fprop"].num_sm},
-            "norms": norms, "loss": loss.item(), "grad_norm_sum": grad,
+            "norms": norms, "loss": loss.item(), "grad_norm_sum": grad, "packed": packed,
             "te_imported": "transformer_engine" in sys.modules,
             "pretrain_gpt": pretrain_gpt.__file__, "megatron_core": sys.modules["megatron.core"].__file__}
 
