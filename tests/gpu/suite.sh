@@ -7,6 +7,8 @@
 #   make test-gpu                      # or: bash tests/gpu/suite.sh [pytest args]
 #
 # PYTHON: the interpreter (default python3); GPU_WORKERS: xdist workers (default 4);
+# GPU_DIST: how xdist spreads the tests (default loadgroup: like load, except that tests
+# marked with one xdist_group share a worker, so a module fixture they share runs once);
 # GPU_SUITE_TIMEOUT: seconds for the whole run (default 540); OUT: where the log goes.
 # Wheels in .whl/ (../shared/device/wheels.sh: megatron-core, nvshmem4py, ...) are
 # installed into /tmp/site first, for a machine that has no megatron-core of its own.
@@ -34,7 +36,7 @@ echo "sources $(find megatron_overlap tests -name '*.py' | sort | xargs cat | sh
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/gpu_suite.log"
 start=$(date +%s)
 timeout "${GPU_SUITE_TIMEOUT:-540}" "$PY" -m pytest -q -p no:cacheprovider -n "${GPU_WORKERS:-4}" \
-  --dist load -rfEs --durations=12 tests/gpu "$@" 2>&1 | tee -a "$OUT/gpu_suite.log"
+  --dist "${GPU_DIST:-loadgroup}" -rfEs --durations=12 tests/gpu "$@" 2>&1 | tee -a "$OUT/gpu_suite.log"
 rc=${PIPESTATUS[0]}
 echo "tests/gpu/suite.sh: rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_suite.log"
 exit "$rc"

@@ -30,16 +30,20 @@ def mask_for_megatron(case, dtype):
     return inputs(case, dtype, "cuda", which=case.ref_mask)[3]
 
 
-def _cases(rank, world, dtype_name):
+def _cases(rank, world):
+    """Every case in every dtype, in one process (one CUDA and Megatron start-up for all)."""
+    gpu.init()
+    _megatron_tp1()
+    return {name: _cases_in(name) for name in DTYPES}
+
+
+def _cases_in(dtype_name):
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
 
     from helpers.attention import config, inputs, rel, run
     from megatron_overlap.attention import TorchDotProductAttention
 
-    gpu.init()
-
-    _megatron_tp1()
     dtype = DTYPES[dtype_name]
     out = {}
     for case in CASES:
@@ -60,15 +64,17 @@ def _cases(rank, world, dtype_name):
     return out
 
 
-@pytest.fixture(scope="module", params=list(DTYPES))
-def low_precision(request):
-    return request.param, dist.run(_cases, 1, request.param, env=gpu.ENV, timeout=300)[0]
+@pytest.fixture(scope="module")
+def every_dtype():
+    return dist.run(_cases, 1, env=gpu.ENV, timeout=400)[0]
 
 
+# one xdist worker takes them all (`--dist loadgroup`): the fixture then runs once
+@pytest.mark.xdist_group("attention")
+@pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", [c.name for c in CASES])
-def test_equals_megatron_in_low_precision_and_is_no_less_accurate(low_precision, case):
-    dtype, results = low_precision
-    r = results[case]
+def test_equals_megatron_in_low_precision_and_is_no_less_accurate(every_dtype, dtype, case):
+    r = every_dtype[dtype][case]
     assert all(e <= 2e-2 for e in r["vs_megatron"].values()), (dtype, r)
     for name, err in r["ours_vs_fp32"].items():
         assert err <= 1.25 * r["megatron_vs_fp32"][name] + 2e-3, (dtype, name, r)
