@@ -11,21 +11,23 @@ the same weights and input:
   (`SDPAReference`, written here): the flash-attention reference;
 - ours_attention: the same with only its core attention replaced by install()'s
   (`TorchDotProductAttention`; Megatron's linears): the attention's own cost in the layer;
-- ours: the layer install() builds: our overlapped linears (on the `null` transport, the
-  pass replay on) and `TorchDotProductAttention`. On one GPU there is no communication for
-  the overlap to hide, so against sdpa_ref (whose linears' collectives do nothing either)
-  it measures the overlapped linears' compute-side cost on top of the attention's.
-On a GPU no arm gets a mask tensor (the causal mask type says it; Megatron's arm builds its
-own).
+- ours: the layer install() builds: our overlapped linears (the pass replay on) and
+  `TorchDotProductAttention`. On one GPU there is no communication for the overlap to
+  hide, so against sdpa_ref it measures the overlapped linears' compute-side cost on top
+  of the attention's.
+Every arm's collectives and passes run on the mirror transport (layer_compute's
+`timing_transport`: each GEMM gets a training step's data, each arm pays its collectives'
+local copies). On a GPU no arm gets a mask tensor (the causal mask type says it;
+Megatron's arm builds its own).
 
 Measured: eager back to back and graphed (layer_compute's `time_shape`: arms interleaved,
-medians of --repeat samples of --reps calls; ratio = megatron ms / arm ms); peak memory
-per arm (the most the arm allocated beyond the weights during its first steps: its
-activations, temporaries and whatever buffers it keeps); before timing, every arm against
-Megatron's on the mirror transport (output, input and parameter grads, max |diff| /
-max |megatron|: 2e-2 in bf16). Then the core attention alone (forward + backward, graphed):
-each arm's, and ours on packed sequences (4 documents per sequence, THD) against ours causal
-over the whole sequence.
+medians of --repeat samples of --reps calls, graph replays alternating call by call;
+ratio = megatron ms / arm ms); memory per arm (`memory`: a steady-state step's peak, the
+buffers the arm keeps once per process, its pass graphs' pool); before timing, every arm
+against Megatron's on the mirror transport (output, input and parameter grads, max |diff|
+/ max |megatron|: 2e-2 in bf16). Then the core attention alone (forward + backward,
+graphed): each arm's, and ours on packed sequences (4 documents per sequence, THD) against
+ours causal over the whole sequence.
 
     python benchmarks/attention_layer.py [--shapes all] [--reps 10] [--repeat 5]
     python benchmarks/attention_layer.py --shapes tiny --device cpu      # the check only
@@ -144,24 +146,41 @@ def check(emu, arms, e, tol: float) -> dict:
             "passed": all(w <= tol for w in worst.values())}
 
 
-def peak_memory(emu, arms, e) -> dict:
-    """Per arm, the most it allocated beyond what was resident before its first steps
-    (three fwd+bwd: buffers it keeps, pass graphs, activations), in GiB."""
-    from megatron_overlap.comm import NullTransport
+def memory(emu, arms, e, kind: str) -> dict:
+    """Per arm, GiB: `kept`, what it holds after three steps beyond what was resident before
+    them (the transport's workspaces, Megatron's global gather buffer: allocated once per
+    process and shared by every layer); `step`, the peak of a steady-state step beyond that
+    (activations and temporaries: per layer); `pools`, the CUDA-graph pools its pass graphs
+    hold (reserved, outside the allocated figures); `first`, the peak of its first three
+    steps (what was reported before the split)."""
+    from megatron.core import parallel_state
 
-    emu.use(NullTransport(emu.world, emu.rank), [a.layer for a in arms])
     out = {}
     for arm in arms:
+        # each arm allocates its own once-per-process buffers inside the window: a fresh
+        # transport (our workspaces), Megatron's global gather buffer emptied (its arms')
+        emu.use(lc.timing_transport(emu, kind), [a.layer for a in arms])
+        parallel_state.get_global_memory_buffer().buffer.clear()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        base, slack = torch.cuda.memory_allocated(), torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
         for _ in range(3):
             lc._zero_grads(arm)
             arm.step(e)
-        torch.cuda.synchronize()
-        out[arm.name] = (torch.cuda.max_memory_allocated() - before) / 2**30
         lc._zero_grads(arm)
+        torch.cuda.synchronize()
+        first, kept = torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        arm.step(e)
+        lc._zero_grads(arm)
+        torch.cuda.synchronize()
+        step = torch.cuda.max_memory_allocated() - base - kept
+        torch.cuda.empty_cache()
+        pools = torch.cuda.memory_reserved() - torch.cuda.memory_allocated() - slack
+        g = 2 ** 30
+        out[arm.name] = {"kept": kept / g, "step": step / g, "pools": max(pools, 0) / g,
+                         "total": (kept + step + max(pools, 0)) / g, "first": first / g}
     return out
 
 
@@ -214,8 +233,8 @@ def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
                "check": check(emu, arms, extras, 1e-5 if dtype == torch.float32 else 2e-2),
                "attention": {a.name: type(a.layer.self_attention.core_attention).__name__ for a in arms}}
         if device.type == "cuda":
-            row["peak_gib"] = peak_memory(emu, arms, extras)
-            row["arms"] = lc.time_shape(emu, arms, extras, args)
+            row["memory_gib"] = memory(emu, arms, extras, args.timing)
+            row["arms"] = lc.time_shape(emu, arms, extras, args, lc.timing_transport(emu, args.timing))
             row["attention_alone_ms"] = attention_alone(shape, arms, dtype, device, args.reps)
             row["goals"] = goals(shape.name, row)
         else:
@@ -228,7 +247,7 @@ def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
 
 def goals(name: str, row: dict) -> dict:
     """Each goal with what was measured (graphed and eager times; peak memory)."""
-    t, mem, alone = row["arms"], row["peak_gib"], row["attention_alone_ms"]
+    t, mem, alone = row["arms"], row["memory_gib"], row["attention_alone_ms"]
     out = {}
     for mode in ("graph", "eager"):
         ms = {a: t[a][f"{mode}_ms"] for a in ARMS}
@@ -237,7 +256,9 @@ def goals(name: str, row: dict) -> dict:
         for a in ("ours_attention", "ours"):
             out[f"{mode}: {a} vs sdpa_ref >= {GOAL_REF}"] = (ms["sdpa_ref"] / ms[a], ms["sdpa_ref"] / ms[a] >= GOAL_REF)
     for a in ("ours_attention", "ours"):
-        out[f"peak memory: {a} / sdpa_ref <= {GOAL_MEM}"] = (mem[a] / mem["sdpa_ref"], mem[a] / mem["sdpa_ref"] <= GOAL_MEM)
+        for part in ("step", "total"):
+            r = mem[a][part] / mem["sdpa_ref"][part]
+            out[f"memory ({part}): {a} / sdpa_ref <= {GOAL_MEM}"] = (r, r <= GOAL_MEM)
     packed = alone[f"ours_packed_{DOCS}_docs"] / alone["ours"]
     out[f"attention: ours packed ({DOCS} docs) / ours causal <= 1"] = (packed, packed <= 1.0)
     return out
@@ -249,7 +270,7 @@ def table(doc: dict) -> str:
              f"{m.get('gpu_name') or 'CPU'}, torch {m['torch']}, megatron-core {m.get('megatron_core')}, "
              f"{m['date']}; median of {doc['config']['repeat']} x {doc['config']['reps']} calls",
              f"{'shape':18s} {'arm':14s} {'eager ms':>9s} {'x meg':>6s} {'graph ms':>9s} {'x meg':>6s} "
-             f"{'peak GiB':>9s} {'attn ms':>8s}  check"]
+             f"{'GiB step':>9s} {'kept':>6s} {'pools':>6s} {'attn ms':>8s}  check"]
     f = lambda v, p: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for r in doc["rows"]:
         c = r["check"]
@@ -261,7 +282,9 @@ def table(doc: dict) -> str:
             t = r["arms"][a]
             err = c["max_rel_err"].get(a)
             lines.append(f"{r['shape']:18s} {a:14s} {f(t['eager_ms'], 2):>9s} {f(t['eager_ratio'], 2):>6s} "
-                         f"{f(t['graph_ms'], 2):>9s} {f(t['graph_ratio'], 2):>6s} {f(r['peak_gib'][a], 2):>9s} "
+                         f"{f(t['graph_ms'], 2):>9s} {f(t['graph_ratio'], 2):>6s} "
+                         f"{f(r['memory_gib'][a]['step'], 3):>9s} {f(r['memory_gib'][a]['kept'], 3):>6s} "
+                         f"{f(r['memory_gib'][a]['pools'], 3):>6s} "
                          f"{f(r['attention_alone_ms'][a], 2):>8s}  "
                          + ("" if err is None else f"rel {err:.1e}"))
         packed = r["attention_alone_ms"][f"ours_packed_{DOCS}_docs"]
@@ -270,7 +293,9 @@ def table(doc: dict) -> str:
         for goal, (value, met) in r["goals"].items():
             lines.append(f"{'':18s}   {goal}: {value:.3f} {'met' if met else 'NOT MET'}")
     lines.append("x meg = megatron ms / arm ms, same mode. eager: calls queued back to back; graph: the "
-                 "layer's fwd+bwd in one CUDA graph. peak: beyond the weights, during the first steps. "
+                 "layer's fwd+bwd in one CUDA graph; every arm on the " + doc["config"]["timing"] + " transport. "
+                 "GiB step: a steady-state step's peak beyond what the arm keeps; kept: buffers it "
+                 "keeps (once per process); pools: its pass graphs' pool. "
                  "attn ms: the arm's core attention alone, fwd+bwd, graphed.")
     return "\n".join(lines)
 
@@ -288,6 +313,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--timing", choices=("mirror", "null"), default="mirror",
+                    help="the transport while timed and measured (timing_transport)")
     args = ap.parse_args(argv)
     names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
     bad = [n for n in names if n not in SHAPES and n != "tiny"]

@@ -9,29 +9,27 @@ last: under the causal mask its sequence shard attends to every other shard, so
 the check below sees every block the all-gathers bring.)
 
 - ours: `tp_comm_overlap=True` after `install()` (TE's default settings, or
-  `--ub-cfgs`), its linears on the `null` transport: the overlapped schedules'
-  chunk GEMMs, copies, order and waits, nothing moved. Eager calls run as the
-  layers run them on a replayable transport (each pass captured once and
-  replayed); `ours_eager_passes` beside it turns that off.
+  `--ub-cfgs`): the overlapped schedules' chunk GEMMs, copies, order and waits.
+  Eager calls run as the layers run them on a replayable transport (each pass
+  captured once and replayed); `ours_eager_passes` beside it turns that off.
 - megatron: `tp_comm_overlap=False`, Megatron's ColumnParallelLinear /
   RowParallelLinear, their all-gathers and reduce-scatters handed to the same
-  `null` transport's collectives: nothing moved, no local copy; Megatron's arm
-  pays the output buffers it allocates itself. Ours keeps the one local copy its
-  ring all-gather makes of this rank's own block (qkv, fc1 forward; proj, fc2
-  dgrad), which a real transfer needs too: a cost counted against ours.
-  On `null` neither layer computes a layer's values (a reduce-scatter leaves its
-  output as allocated): only times are read there.
+  transport's collectives.
 
-Before timing, both layers run once on `MirrorTransport` (every emulated peer
-holds this rank's tensors: all-gather tiles, reduce-scatter is TP x this rank's
-block), where they must give the same output, input grad and parameter grads
-(max |diff| / max |megatron| per tensor: 1e-5 in float32, 2e-2 in bfloat16).
+Both run on `MirrorTransport` (every emulated peer holds this rank's tensors:
+all-gather tiles, reduce-scatter is TP x this rank's block): each GEMM gets the
+data a training step gives it, and each arm pays the local copies its collectives
+make (what a real transfer writes into this rank's memory). First, once, they must
+give the same output, input grad and parameter grads (max |diff| / max |megatron|
+per tensor: 1e-5 in float32, 2e-2 in bfloat16). `--timing null` times on `null`
+instead (nothing moved or written), which compares unlike data (timing_transport).
 
 Timed, arms interleaved (order rotated each repeat), medians over --repeat:
 - eager, back to back: --reps fwd+bwd calls queued, one sync at the end
   (device ms per call; host us to issue one);
 - graphed: fwd+bwd of the layer captured in one CUDA graph, replayed (device ms
-  per replay). Not on CPU: CUDA graphs need a GPU.
+  per replay; the arms' replays alternate call by call: time_interleaved). Not on
+  CPU: CUDA graphs need a GPU.
 ratio = megatron ms / ours ms (>1: ours faster).
 
     python benchmarks/layer_compute.py [--shapes all|70b_tp8,8b_tp4] [--reps 30] [--repeat 7]
@@ -95,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"), help="directory")
     ap.add_argument("--tag", default=None, help="file name tag (default: gpu | cpu)")
+    ap.add_argument("--timing", choices=("mirror", "null"), default="mirror",
+                    help="the transport while timed (timing_transport)")
     return ap.parse_args(argv)
 
 
@@ -261,13 +261,29 @@ def check(emu, arms: list[Arm], e: Extras, tol: float, mirror=None) -> dict:
 
 
 # -- timing ---------------------------------------------------------------------------------
-def time_shape(emu, arms: list[Arm], e: Extras, args) -> dict:
-    """Eager back to back and graphed, arms interleaved; per arm every sample."""
+def timing_transport(emu, kind: str):
+    """The transport every arm's collectives and passes run on while timed and measured.
+    `mirror` (default): every emulated peer holds this rank's tensors, so each GEMM gets
+    data as in training; its copies stand for what a real transfer writes into this
+    rank's memory, and every arm pays them. On `null` nothing is written into what a
+    collective returns: Megatron's gathers then leave its buffers as first allocated
+    (zeros, mostly) and its backward multiplies zeros, while ours reads null's random
+    workspaces, and a GEMM on zeros runs up to ~20% faster on an H200 than on real
+    values (less power, higher clocks): unlike data, a bias against ours."""
+    from megatron_overlap.ab.emulated_tp import MirrorTransport
+    from megatron_overlap.comm import NullTransport
+
+    return (MirrorTransport if kind == "mirror" else NullTransport)(emu.world, emu.rank)
+
+
+def time_shape(emu, arms: list[Arm], e: Extras, args, transport=None) -> dict:
+    """Eager back to back and graphed, arms interleaved; per arm every sample. Every arm's
+    collectives and passes on `transport` (default: a fresh `null`)."""
     from megatron_overlap.ab.timing import rotated
     from megatron_overlap.comm import NullTransport
-    from megatron_overlap.tune.measure import graphed, time_b2b, time_ms
+    from megatron_overlap.tune.measure import graphed, time_b2b, time_interleaved
 
-    emu.use(NullTransport(emu.world, emu.rank), [a.layer for a in arms])
+    emu.use(transport or NullTransport(emu.world, emu.rank), [a.layer for a in arms])
     fns = {a.name: (lambda a=a: a.step(e)) for a in arms}
     for fn in fns.values():  # warm-up: buffers sized, pass graphs captured, kernels chosen
         for _ in range(3):
@@ -288,8 +304,9 @@ def time_shape(emu, arms: list[Arm], e: Extras, args) -> dict:
             ms, host = time_b2b(fns[n], args.reps, warmup=2)
             samples[n]["eager_ms"].append(ms)
             samples[n]["host_us"].append(host)
-        for n in rotated(list(graphs), rep):
-            samples[n]["graph_ms"].append(time_ms(graphs[n], args.reps, warmup=2))
+        if graphs:  # replays alternate call by call (time_interleaved)
+            for n, ms in time_interleaved(graphs, args.reps).items():
+                samples[n]["graph_ms"].append(ms)
     torch.cuda.synchronize()
     del graphs
     out = {}
@@ -328,7 +345,7 @@ def run_shape(shape: LayerShape, args, dtype, device) -> dict:
                "linear_gflop_fwd_bwd": flops(shape) / 1e9,
                "check": check(emu, arms, extras, tol)}
         if device.type == "cuda":
-            row["arms"] = time_shape(emu, arms, extras, args)
+            row["arms"] = time_shape(emu, arms, extras, args, timing_transport(emu, args.timing))
         else:
             row["skipped"] = "timing: CPU (the check ran; eager and CUDA-graph times need a GPU)"
         ours = arms[1].layer
@@ -369,7 +386,7 @@ def _table(doc: dict) -> str:
                 lines.append(f"{'':8s} {n}: the CUDA-graph capture failed: {a['graph_error'][:300]}")
     lines.append("ratio = megatron ms / arm ms, same mode (goal: ours >= 0.97). eager: calls queued "
                  "back to back, one sync; graph: fwd+bwd in one CUDA graph, replayed. Both arms "
-                 "on the null transport (no communication); check: outputs and grads on the "
+                 f"on the {doc['config'].get('timing', 'null')} transport; check: outputs and grads on the "
                  "mirror transport.")
     return "\n".join(lines)
 

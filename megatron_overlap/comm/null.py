@@ -57,9 +57,12 @@ class NullTransport(Transport):
         key = (self._index, tuple(shape), dtype, str(device))
         self._index += 1
         if key not in self._slots:
+            # drawn in the slot's own dtype where torch can (no float32 copy at twice the
+            # size beside it: a real transport's first pass does not allocate one either)
             g = torch.Generator(device=device or "cpu").manual_seed(self._seed + self._index)
-            self._slots[key] = torch.randn(tuple(shape), generator=g, dtype=torch.float32,
-                                           device=device).to(dtype)
+            draw = dtype if dtype.is_floating_point and dtype.itemsize >= 2 else torch.bfloat16
+            t = torch.randn(tuple(shape), generator=g, dtype=draw, device=device)
+            self._slots[key] = t if draw == dtype else t.to(dtype)
         return self._slots[key]
 
     def _start_exchange(self, sends, recvs: Sequence[SendRecv], op: str, chunk: int) -> Handle:

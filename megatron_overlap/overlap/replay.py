@@ -6,8 +6,8 @@ events, stream switches); on a GPU host each costs microseconds, so issuing a pa
 can take longer than its GEMMs run. A replay issues it in one launch.
 
 - What a graph is valid for: the tensors it reads and writes, by address, shape,
-  strides and dtype, and the transport's workspace generation (a workspace that
-  grew has moved). Every input and output of the pass is passed in (outputs
+  strides and dtype, the transport object and its workspace generation (a
+  workspace that grew has moved). Every input and output of the pass is passed in (outputs
   allocated by the caller, so they are ordinary tensors of the caching allocator);
   whatever the pass allocates inside is scratch, from one memory pool that all
   pass graphs of a device share (passes run one after another on the caller's
@@ -31,6 +31,7 @@ can take longer than its GEMMs run. A replay issues it in one launch.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import OrderedDict
 from typing import Callable, Optional, Sequence
@@ -40,6 +41,7 @@ import torch
 from ..comm import stats, trace
 from ..comm.transport import Transport
 
+_tokens = itertools.count()
 _pools: dict[int, tuple] = {}  # device index -> (scratch pool, capture stream, keeper graph, its tensor)
 _enabled: Optional[bool] = None  # install(graphs=...) sets it; None: the environment's default
 # every pass's calls in this process, never decremented (a layer freed keeps its share):
@@ -93,8 +95,18 @@ def _pool(dev: int) -> tuple:
     return _pools[dev]
 
 
+def _token(tp: Transport) -> int:
+    """This transport object's own number: a graph reads and writes its workspaces, so a
+    graph captured on one transport never replays on another (a layer moved to a new one,
+    whose generation may well be equal), nor on one allocated where a freed one was."""
+    token = tp.__dict__.get("_replay_token")
+    if token is None:
+        token = tp.__dict__["_replay_token"] = next(_tokens)
+    return token
+
+
 def _signature(tp: Transport, tensors: Sequence[Optional[torch.Tensor]]) -> tuple:
-    return (tp.generation,) + tuple(
+    return (_token(tp), tp.generation) + tuple(
         None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype) for t in tensors)
 
 

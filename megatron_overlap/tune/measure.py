@@ -38,6 +38,29 @@ def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
+def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2
+                     ) -> dict[str, float]:
+    """Per name, the median of per-call device times (CUDA events), the calls of all
+    `fns` alternating one by one (the order rotating each round), so that the GPU's
+    clock and power drift, which moves one GEMM by up to ~10% within seconds on an H200,
+    hits every one alike: the way to compare arms a few percent apart."""
+    names = list(fns)
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(reps):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fns[n]()
+            b.record()
+            b.synchronize()
+            times[n].append(a.elapsed_time(b))
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
 def time_b2b(fn: Callable[[], Any], reps: int, warmup: int = 5) -> tuple[float, float]:
     """(device ms, host us) per call with `reps` calls queued back to back and one sync
     at the end, as a training step queues them (the host may run ahead of the GPU)."""

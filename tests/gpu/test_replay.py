@@ -169,3 +169,40 @@ def test_silent_peer_in_a_replayed_pass_is_diagnosed():
     assert replays >= 2
     assert message is not None and "CUDA-graph replay of" in message, message
     assert "'qkv_fprop' chunk 1 from rank 1" in message and "rank 0/2" in message, message
+
+
+def _moved_to_another_transport(rank, world):
+    """A layer whose passes replay, moved to a second symm transport (same kind, same
+    workspace generation, other workspaces): its next call must not launch a graph that
+    reads and writes the first transport's workspaces."""
+    import torch
+
+    from helpers.layers import VARIANTS, Case, build_pair, make_input
+
+    _init(world)
+    case = Case("column", True, "bfloat16", False, False, "ring", seq=64, batch=2)
+    overrides, flags = VARIANTS["column"]["ring"]
+    ref, ours = build_pair(case, world, overrides, flags)
+    ref, ours = ref.cuda(), ours.cuda()
+    x = make_input(case, rank, world, ours, seed=3).detach().cuda()
+    with torch.no_grad():
+        dy = torch.randn(ours(x)[0].shape, generator=torch.Generator().manual_seed(rank)).to(x.dtype).cuda()
+    for _ in range(4):
+        _step(ours, x, dy)
+    first = {p: g.replays for p, g in ours.pass_graphs.items()}
+    ours._transport = gpu.symm()
+    got = _step(ours, x, dy)
+    moved = {p: g.replays for p, g in ours.pass_graphs.items()}
+    for _ in range(3):
+        got = _step(ours, x, dy)
+    again = {p: g.replays for p, g in ours.pass_graphs.items()}
+    mega = _step(ref, x, dy)
+    return first, moved, again, {k: gpu.rel(got[k], mega[k]) for k in ("y", "dx")}
+
+
+def test_a_pass_graph_replays_only_on_its_own_transport():
+    for first, moved, again, errs in dist.run(_moved_to_another_transport, 2, env=gpu.ENV, timeout=240):
+        assert all(n > 0 for n in first.values()), first  # replaying on the first transport
+        assert moved == first, (first, moved)  # the call after the move ran its pass anew
+        assert all(again[p] > moved[p] for p in again), (moved, again)  # then replays its own
+        assert all(e <= 1e-2 for e in errs.values()), errs
