@@ -120,6 +120,9 @@ def trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype, *,
     return TrialPass(body, t, op)
 
 
+RANDN_BOUND = 6.0  # the amax an FP8 trial's operands are scaled for
+
+
 def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
                    precision: Precision, *, overlap: bool = True,
                    nodes: Sequence[Sequence[int]] | None = None) -> TrialPass:
@@ -127,17 +130,20 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
     quantized beforehand (the layer quantizes each once per pass, before any transfer, so
     chunking does not change that cost) and laid out as the layer hands them to the same
     pass function, with their scaled GEMM; outputs in `dtype`. The column wgrad's
-    transposed copy of the gathered input is made inside its function, as in the layer."""
+    transposed copy of the gathered input is made inside its function, as in the layer.
+    Random operands, one scale per FP8 type (`tensors`: 'scale_fwd', 'scale_grad'), the
+    same on every rank, so a gathered FP8 tensor has one scale, as in the layer."""
     from ..overlap import fp8
 
     shape, p = trial.spec.shape, trial.spec.pass_name
     m, k, n, w = shape.m, shape.k, shape.n, tp.world_size
     g = torch.Generator(device="cpu").manual_seed(1234 + tp.rank)
+    bound = torch.tensor(RANDN_BOUND, device=device)  # randn beyond it saturates
+    scales = {d: fp8.scale_for(bound, d) for d in (precision.fwd, precision.grad)}
 
     def q8(fp8_dtype: torch.dtype, *size: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = torch.randn(*size, generator=g, dtype=torch.float32).to(device)
-        scale = fp8.scale_for(fp8.amax(t), fp8_dtype)
-        return fp8.quantize(t, scale, fp8_dtype), scale
+        return fp8.quantize(t, scales[fp8_dtype], fp8_dtype), scales[fp8_dtype]
 
     def empty(*size: int) -> torch.Tensor:
         return torch.empty(*size, device=device, dtype=dtype)
@@ -145,7 +151,8 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
     plan = trial_plan(trial, overlap)
     op = plan.op_name(p)
     w8, sw = q8(precision.fwd, n, k)
-    t: dict[str, torch.Tensor] = {"weight": w8}
+    t: dict[str, torch.Tensor] = {"weight": w8, "scale_fwd": scales[precision.fwd],
+                                  "scale_grad": scales[precision.grad]}
     if p == "fprop":
         x8, sx = q8(precision.fwd, m // w if shape.column else m, k)
         t.update(x=x8, out=empty(m if shape.column else m // w, n))
