@@ -235,8 +235,9 @@ def test_fp8_layers_replay_equal_eager_and_the_reference(results, case):
         assert got["precision"].startswith("fp8 tensorwise") and got["transport"] == "symm", got
         assert got["eager_equal"], (rank, got)
         # 8 forwards and 8 backwards: the first of each pass eager (new addresses), then
-        # captured, then replayed; the second round replays the stored graphs
-        assert got["captures"] >= 2 and got["replays"] >= 8, (rank, got)
+        # captured where its tensors recur, then replayed; the second round replays the
+        # stored graphs: both passes captured, each replayed more often than captured
+        assert got["captures"] >= 2 and got["replays"] >= 4, (rank, got)
         assert all(rp > cp for rp, cp in got["per_pass"].values()), (rank, got)
         for key, rel in got["rel"].items():
             assert rel <= 2.0 ** -7, (rank, key, got["rel"])
