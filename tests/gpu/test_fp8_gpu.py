@@ -40,6 +40,14 @@ REPLAY_CASES = [("column", "ring"), ("column", "rs_dgrad_pipeline2"), ("row", "p
                 ("row", "ring")]
 
 
+def _method(ub: dict | None) -> str:
+    """The fprop method a case's overrides set (TE's default without)."""
+    if not ub:
+        return "default"
+    (s,) = ub.values()
+    return s["method"] + ("_aggregate" if s.get("aggregate") else "")
+
+
 def _vs_torchao(rank, world):
     from helpers.fp8_torchao import compare
 
@@ -198,7 +206,7 @@ def results():
     return dist.run(_all, TP, env=gpu.ENV, timeout=400)
 
 
-@pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: f"{c[0]}-sp{int(c[1])}" + ("-" + next(iter(c[2].values()))["method"] + ("_aggregate" if "aggregate" in next(iter(c[2].values())) else "") if c[2] else ""))
+@pytest.mark.parametrize("case", LAYER_CASES, ids=lambda c: f"{c[0]}-sp{int(c[1])}-{_method(c[2])}")
 def test_fp8_layer_against_torchao_float8linear(results, case):
     kind, sp, ub = case
     for rank, r in enumerate(results):
