@@ -140,7 +140,9 @@ def seed_rng(device: torch.device, seed: int) -> None:
         mrandom.get_cuda_rng_tracker().add("model-parallel-rng", seed + 2718)
 
 
-def layer_config(shape: LayerShape, overlap: bool, dtype: torch.dtype, device: torch.device):
+def layer_config(shape: LayerShape, overlap: bool, dtype: torch.dtype, device: torch.device,
+                 **extra):
+    """`extra`: more TransformerConfig fields (benchmarks/fp8_layer.py: Megatron's fp8 ones)."""
     from megatron.core.transformer import TransformerConfig
 
     d = shape.dims
@@ -152,15 +154,17 @@ def layer_config(shape: LayerShape, overlap: bool, dtype: torch.dtype, device: t
         tp_comm_overlap=overlap, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=device.type == "cpu", hidden_dropout=0.0, attention_dropout=0.0,
         bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False)
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, **extra)
 
 
-def build_layer(shape: LayerShape, overlap: bool, dtype: torch.dtype, device: torch.device):
-    """One TransformerLayer from the local spec (ours where `overlap`: install() is active)."""
+def build_layer(shape: LayerShape, overlap: bool, dtype: torch.dtype, device: torch.device,
+                **extra):
+    """One TransformerLayer from the local spec (ours where `overlap`: install() is active);
+    `extra`: more config fields (layer_config)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    config = layer_config(shape, overlap, dtype, device)
+    config = layer_config(shape, overlap, dtype, device, **extra)
     layer = build_module(get_gpt_layer_local_spec(normalization="RMSNorm"), config=config,
                          layer_number=1)
     return layer.to(device=device, dtype=dtype).train()
@@ -276,9 +280,10 @@ def timing_transport(emu, kind: str):
     return (MirrorTransport if kind == "mirror" else NullTransport)(emu.world, emu.rank)
 
 
-def time_shape(emu, arms: list[Arm], e: Extras, args, transport=None) -> dict:
-    """Eager back to back and graphed, arms interleaved; per arm every sample. Every arm's
-    collectives and passes on `transport` (default: a fresh `null`)."""
+def time_shape(emu, arms: list[Arm], e: Extras, args, transport=None, ref: str = "megatron") -> dict:
+    """Eager back to back and graphed, arms interleaved; per arm every sample; ratios
+    against arm `ref`. Every arm's collectives and passes on `transport` (default: a
+    fresh `null`)."""
     from megatron_overlap.ab.timing import rotated
     from megatron_overlap.comm import NullTransport
     from megatron_overlap.tune.measure import graphed, time_b2b, time_interleaved
@@ -313,7 +318,7 @@ def time_shape(emu, arms: list[Arm], e: Extras, args, transport=None) -> dict:
     for n, s in samples.items():
         med = {k: statistics.median(v) if v else None for k, v in s.items()}
         out[n] = {**med, "samples": s, "graph_error": graph_errors.get(n)}
-    ref = out["megatron"]
+    ref = out[ref]
     for n, r in out.items():
         for mode in ("eager", "graph"):
             a, b = ref[f"{mode}_ms"], r[f"{mode}_ms"]

@@ -9,7 +9,7 @@ RNG tracker); they stay in the test helpers, so the caller passes their init.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -48,9 +48,11 @@ def init_megatron(layout: Layout, rank: int, tp: int, seed: int,
     return device
 
 
-def build_gpt(spec: GPTSpec, tp: int, overlap: bool, dtype: torch.dtype, device: torch.device):
+def build_gpt(spec: GPTSpec, tp: int, overlap: bool, dtype: torch.dtype, device: torch.device,
+              **config: Any):
     """(model on `device`, wrap: model -> Megatron DDP). Sequence parallel when tp > 1;
-    `overlap` is Megatron's tp_comm_overlap (our layers when install() is active)."""
+    `overlap` is Megatron's tp_comm_overlap (our layers when install() is active);
+    `config`: more TransformerConfig fields (e.g. fp8='hybrid', fp8_recipe='tensorwise')."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -63,7 +65,7 @@ def build_gpt(spec: GPTSpec, tp: int, overlap: bool, dtype: torch.dtype, device:
         sequence_parallel=tp > 1, tp_comm_overlap=overlap, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, use_cpu_initialization=cpu, hidden_dropout=0.0,
         attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False)
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, **config)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=spec.vocab,
                      max_sequence_length=spec.seq, position_embedding_type="rope")
     if not cpu:

@@ -78,11 +78,11 @@ def _gathered(x2: torch.Tensor, tp: Transport) -> torch.Tensor:
 
 # -- the passes: every tensor they touch is an argument --------------------------------------
 def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
-                 q: Fp8Forward | None = None) -> None:
+                 q: Fp8Forward | None = None, gemm=matmul) -> None:
     """out = gather_sp(x2) @ weight^T (+ bias). FP8 (`q`): x2 is quantized once, with the
-    TP group's amax under SP, and the gather moves FP8."""
+    TP group's amax under SP, and the gather moves FP8. (x2 and weight already FP8, with
+    `gemm` their scaled GEMM: the tools' FP8 trial passes.)"""
     op, streams = begin(tp, plan, "fprop")
-    gemm = matmul
     if q is not None:
         x2, weight, gemm = q.operands(x2, weight, tp, op, plan.sequence_parallel, out.dtype)
     if plan.sequence_parallel and plan.fprop is not None:
@@ -180,15 +180,15 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
 
 
 def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
-              q: Fp8Forward | None = None) -> None:
+              q: Fp8Forward | None = None, gemm=matmul) -> None:
     """out = reduce_sp(x2 @ weight^T) (+ bias, after the reduction, as Megatron adds it):
     reduce-scattered under SP, all-reduced otherwise. The bias is added here, into the
     pass's own output, so the layer returns that tensor: an add outside the pass would
     allocate the result beside it and move the pass's output between calls (no replay).
     FP8 (`q`): x2 (this rank's own, never gathered) and the weight quantized, each with
-    its own amax; the partial products, and so the reduction, in out's dtype."""
+    its own amax; the partial products, and so the reduction, in out's dtype. (x2 and
+    weight already FP8, with `gemm` their scaled GEMM: the tools' FP8 trial passes.)"""
     op, streams = begin(tp, plan, "fprop")
-    gemm = matmul
     if q is not None:
         x2, weight, gemm = q.operands(x2, weight, tp, op, False, out.dtype)
     s, sp = plan.fprop, plan.sequence_parallel

@@ -29,7 +29,9 @@ from ..comm.transport import Transport
 from ..config import LayerSettings
 from ..config.effects import ACTIVE
 from ..layers import functions as F
+from ..layers.fp8 import col_major
 from ..layers.plan import LayerPlan
+from ..layers.precision import Precision
 from ..simulate import Trial
 from ..simulate.passes import ring_order_of
 
@@ -59,11 +61,15 @@ def trial_plan(trial: Trial, overlap: bool = True) -> LayerPlan:
 
 
 def trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype, *,
-               overlap: bool = True, nodes: Sequence[Sequence[int]] | None = None) -> TrialPass:
+               overlap: bool = True, nodes: Sequence[Sequence[int]] | None = None,
+               precision: Precision | None = None) -> TrialPass:
     """The trial's pass on `tp` (one rank's part), its tensors random (seeded by rank).
     nodes: the ranks per node of the hierarchical ring order (None: flat). A wgrad
     trial opens its transport pass with its own settings (in the layer the dgrad's
-    opens it; they differ only in comm_priority, which the search does not vary)."""
+    opens it; they differ only in comm_priority, which the search does not vary).
+    `precision` FP8: `fp8_trial_pass` (`dtype`: the outputs')."""
+    if precision is not None and precision.fp8:
+        return fp8_trial_pass(trial, tp, device, dtype, precision, overlap=overlap, nodes=nodes)
     shape, p = trial.spec.shape, trial.spec.pass_name
     m, k, n, w = shape.m, shape.k, shape.n, tp.world_size
     g = torch.Generator(device="cpu").manual_seed(1234 + tp.rank)
@@ -111,6 +117,82 @@ def trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype, *,
         def body():
             F.begin(tp, plan, "wgrad")
             F.row_wgrad(t["g_full"], t["x"], t["weight"], t["grad_w"], plan, False)
+    return TrialPass(body, t, op)
+
+
+RANDN_BOUND = 6.0  # the amax an FP8 trial's operands are scaled for
+
+
+def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
+                   precision: Precision, *, overlap: bool = True,
+                   nodes: Sequence[Sequence[int]] | None = None) -> TrialPass:
+    """The trial's pass in FP8 (`precision`: its types; the wgrad in FP8): its operands
+    quantized beforehand (the layer quantizes each once per pass, before any transfer, so
+    chunking does not change that cost) and laid out as the layer hands them to the same
+    pass function, with their scaled GEMM; outputs in `dtype`. The column wgrad's
+    transposed copy of the gathered input is made inside its function, as in the layer.
+    Random operands, one scale per FP8 type (`tensors`: 'scale_fwd', 'scale_grad'), the
+    same on every rank, so a gathered FP8 tensor has one scale, as in the layer."""
+    from ..overlap import fp8
+
+    shape, p = trial.spec.shape, trial.spec.pass_name
+    m, k, n, w = shape.m, shape.k, shape.n, tp.world_size
+    g = torch.Generator(device="cpu").manual_seed(1234 + tp.rank)
+    bound = torch.tensor(RANDN_BOUND, device=device)  # randn beyond it saturates
+    scales = {d: fp8.scale_for(bound, d) for d in (precision.fwd, precision.grad)}
+
+    def q8(fp8_dtype: torch.dtype, *size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.randn(*size, generator=g, dtype=torch.float32).to(device)
+        return fp8.quantize(t, scales[fp8_dtype], fp8_dtype), scales[fp8_dtype]
+
+    def empty(*size: int) -> torch.Tensor:
+        return torch.empty(*size, device=device, dtype=dtype)
+
+    plan = trial_plan(trial, overlap)
+    op = plan.op_name(p)
+    w8, sw = q8(precision.fwd, n, k)
+    t: dict[str, torch.Tensor] = {"weight": w8, "scale_fwd": scales[precision.fwd],
+                                  "scale_grad": scales[precision.grad]}
+    if p == "fprop":
+        x8, sx = q8(precision.fwd, m // w if shape.column else m, k)
+        t.update(x=x8, out=empty(m if shape.column else m // w, n))
+        run = F.column_fprop if shape.column else F.row_fprop
+        gemm = fp8.ScaledGemm(sx, sw, dtype)
+        body = lambda: run(t["x"], t["weight"], None, t["out"], plan, tp, nodes, gemm=gemm)  # noqa: E731
+    elif p == "dgrad":
+        g8, sg = q8(precision.grad, m if shape.column else m // w, n)
+        t.update(g=g8, wt=w8.t().contiguous(), grad_in=empty(m // w if shape.column else m, k))
+        if shape.column:
+            t["x"] = q8(precision.fwd, m // w, k)[0]  # the FP8 input the wgrad gathers
+        gemm = fp8.ScaledGemm(sg, sw, dtype)
+
+        def body():
+            _, streams = F.begin(tp, plan, "dgrad")
+            if shape.column:
+                return F.column_dgrad(t["g"], t["x"], t["wt"].t(), t["grad_in"], plan, tp, nodes,
+                                      streams, op, False, gemm=gemm)
+            return F.row_dgrad(t["g"], t["wt"].t(), t["grad_in"], plan, tp, nodes, streams, op,
+                               gemm=gemm)
+    else:  # wgrad: g^T @ input, both FP8 (the gathered input, the gathered gradient)
+        g8, sg = q8(precision.grad, m, n)
+        x8, sx = q8(precision.fwd, m, k)
+        gemm = fp8.ScaledGemm(sg, sx, dtype)
+        t.update(g=col_major(g8), grad_w=empty(n, k))
+        if shape.column:
+            t.update(inp=x8, grad_in=empty(m // w, k))
+            if not (trial.comm_moved and overlap):
+                t["pending"] = empty(m, k).normal_()
+
+            def body():
+                F.begin(tp, plan, "wgrad")
+                F.column_wgrad(t["g"], t["inp"], t["weight"], t["grad_w"], t["grad_in"],
+                               t.get("pending"), plan, tp, False, gemm=gemm, fp8=True)
+        else:
+            t["x"] = col_major(x8)
+
+            def body():
+                F.begin(tp, plan, "wgrad")
+                F.row_wgrad(t["g"], t["x"], t["weight"], t["grad_w"], plan, False, gemm=gemm)
     return TrialPass(body, t, op)
 
 

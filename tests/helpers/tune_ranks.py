@@ -93,12 +93,14 @@ def _layer_run(trial, world: int, rank: int):
 
 
 def _gather(t):
+    """`t` of every rank, concatenated (FP8 moved as bytes: gloo has no float8 type)."""
     import torch
     import torch.distributed as dist
 
-    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(out, t.contiguous())
-    return torch.cat(out)
+    b = t.contiguous().view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t.contiguous()
+    out = [torch.empty_like(b) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, b)
+    return torch.cat(out).view(t.dtype)
 
 
 def tuner_pass_matches_layer(rank: int, world: int) -> list[dict]:
@@ -164,4 +166,60 @@ def tuner_pass_matches_layer(rank: int, world: int) -> list[dict]:
                         "moved": trial.comm_moved, "errors": errors, "events": len(mine),
                         "transfers": sum(e.kind == "start" for e in mine),
                         "same_trace": mine == theirs})
+    return out
+
+
+def fp8_trial_passes_match_reference(rank: int, world: int) -> list[dict]:
+    """Every trial of a small column (qkv) and row (proj) layer run in FP8
+    (`tune.passes.fp8_trial_pass`) on gloo ranks, against the independent FP8 reference
+    (helpers/fp8_ref.py) of the same FP8 operands gathered from every rank: per trial, the
+    relative error of each output the pass writes (with its kind: a sum over ranks or not)."""
+    import torch
+
+    from helpers import fp8_ref as ref
+    from helpers.megatron_cpu import init
+    from megatron_overlap.layers.precision import Precision
+    from megatron_overlap.simulate import Layout, Shape, trials
+    from megatron_overlap.tune import DistributedMeasure
+    from megatron_overlap.tune.passes import trial_pass
+
+    init(world)
+    tp = DistributedMeasure(backend="torch_p2p", timer=_cpu_timer).transport
+    p8 = Precision("tensorwise", ref.E4M3, ref.E5M2, True)
+    layout = Layout(tp=world, gpus_per_node=world, backend="torch_p2p")
+    m, mine = 16 * world, slice(16 * rank, 16 * (rank + 1))
+    out = []
+    for shape in (Shape("T", "qkv", m, 32, 48, world), Shape("T", "proj", m, 48, 32, world)):
+        for trial in trials(shape, layout, rs_dgrad=True):
+            timed = trial_pass(trial, tp, "cpu", torch.float32, precision=p8)
+            t, p = timed.tensors, trial.spec.pass_name
+            sf, sg = t["scale_fwd"], t["scale_grad"]
+            w8 = t["weight"]
+            returned = timed.run()
+            every = lambda v: [v] if world == 1 else _gather(v[None]).unbind(0)  # noqa: E731
+            errors: dict = {}
+            if p == "fprop" and shape.column:
+                errors["out"] = (ref.rel(t["out"], ref.mm(_gather(t["x"]), sf, w8.t(), sf, torch.float32)), False)
+            elif p == "fprop":  # the rows of this rank of the sum of every rank's product
+                total = sum(ref.mm(x, sf, w.t(), sf, torch.float32).double()
+                            for x, w in zip(every(t["x"]), every(w8)))
+                errors["out"] = (ref.rel(t["out"], total[mine]), True)
+            elif p == "dgrad" and shape.column:
+                if returned[1] is None:  # reduce-scattered into grad_in
+                    total = sum(ref.mm(g, sg, wt.t(), sf, torch.float32).double()
+                                for g, wt in zip(every(t["g"]), every(t["wt"])))
+                    errors["grad_in"] = (ref.rel(t["grad_in"], total[mine]), True)
+                else:  # bulk: this rank's product, the FP8 input gathered beside it
+                    errors["dgrad"] = (ref.rel(returned[1], ref.mm(t["g"], sg, t["wt"].t(), sf,
+                                                                    torch.float32)), False)
+                    errors["gathered"] = (0.0 if torch.equal(returned[0].view(torch.uint8),
+                                                             _gather(t["x"]).view(torch.uint8)) else 1.0, False)
+            elif p == "dgrad":
+                errors["grad_in"] = (ref.rel(t["grad_in"], ref.mm(_gather(t["g"]), sg, t["wt"].t(), sf,
+                                                                  torch.float32)), False)
+            else:  # wgrad: g^T @ input, both whole (gathered)
+                x = t["inp"] if shape.column else t["x"]
+                errors["grad_w"] = (ref.rel(t["grad_w"], ref.mm(t["g"].t(), sg, x, sf, torch.float32)), False)
+            out.append({"pass": trial.name, "label": trial.candidate.label(), "moved": trial.comm_moved,
+                        "errors": errors, "fp8": t["weight"].dtype == ref.E4M3})
     return out

@@ -1,0 +1,153 @@
+"""A small megatron-core GPTModel trained in FP8 and in bf16, side by side: the same
+initial weights, batches and optimizer, built after install() with TP + SP
+(`tp_comm_overlap=True`: our linears); the FP8 arm with Megatron's own fields
+(fp8='hybrid', fp8_recipe='tensorwise'). Each step runs both arms, each first in turn.
+On one GPU the TP ranks share it (gloo, `symm`); on CPU (gloo, fp32 params) it is
+functional only.
+
+    python benchmarks/fp8_train.py                        # GPU: 200 steps, ~1 minute on an H200
+    python benchmarks/fp8_train.py --device cpu --layers 2 --hidden 64 --heads 4 --seq 32 \\
+        --micro-batch 2 --vocab 128 --steps 6              # CPU: functional only
+
+Writes <out>/fp8_train_<tag>.json (both loss curves, step times, the gap), a text table
+<out>/fp8_train_<tag>.txt and, where matplotlib imports, <out>/fp8_train_<tag>.png.
+The gap: mean loss of the last --last steps, FP8 against bf16 (relative).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore", category=FutureWarning)
+warnings.filterwarnings("ignore", category=UserWarning)
+HERE = os.path.dirname(os.path.abspath(__file__))
+FP8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--last", type=int, default=20, help="steps whose mean loss is the gap's")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    ap.add_argument("--tag", default=None)
+    return ap.parse_args(argv)
+
+
+def _cpu_init(tp: int, seed: int) -> None:
+    sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # the test suite's CPU shims
+    from helpers.megatron_cpu import init
+
+    init(tp, seed)
+
+
+def gap(bf16: list[float], fp8: list[float], last: int) -> dict:
+    """Mean loss of the last `last` steps of each arm, and FP8's relative to bf16's."""
+    a, b = statistics.fmean(bf16[-last:]), statistics.fmean(fp8[-last:])
+    return {"last_steps": min(last, len(bf16)), "bf16_mean": a, "fp8_mean": b,
+            "fp8_minus_bf16": b - a, "relative": (b - a) / abs(a)}
+
+
+def text_table(doc: dict, every: int = 10) -> str:
+    """The curves as text, every `every` steps and the last; then the gap."""
+    arms, g = doc["arms"], doc["gap"]
+    n = len(arms["bf16"]["losses"])
+    lines = [f"fp8_train: {doc['title']}", f"{'step':>5s} {'bf16 loss':>10s} {'fp8 loss':>10s}"]
+    for i in sorted(set(range(0, n, every)) | {n - 1}):
+        lines.append(f"{i:5d} {arms['bf16']['losses'][i]:10.4f} {arms['fp8']['losses'][i]:10.4f}")
+    lines.append(f"mean loss of the last {g['last_steps']} steps: bf16 {g['bf16_mean']:.4f}, fp8 "
+                 f"{g['fp8_mean']:.4f} (fp8 - bf16 = {g['fp8_minus_bf16']:+.4f}, "
+                 f"{100 * g['relative']:+.2f}%)")
+    lines.append("median step ms: " + ", ".join(
+        f"{k} {a['step_time_s']['median'] * 1e3:.1f}" for k, a in arms.items())
+        + (" (ranks share one GPU: host-bound, not FP8's speed)" if doc["meta"]["mode"] == "shared_gpu" else ""))
+    lines.append("precision: " + "; ".join(f"{k}: {a['precision']}" for k, a in arms.items()))
+    return "\n".join(lines)
+
+
+def worker(rank: int, world: int, args: argparse.Namespace) -> None:
+    import megatron_overlap as mo
+    from megatron_overlap.ab import TrainArm
+    from megatron_overlap.ab.launch import barrier, plan_layout
+    from megatron_overlap.ab.machine import machine_info
+    from megatron_overlap.ab.model import GPTSpec, batches, build_gpt, gpt_loss, init_megatron
+    from megatron_overlap.ab.results import write_json
+    from megatron_overlap.ab.timing import rotated, summary
+
+    layout = plan_layout(world, args.device)
+    device = init_megatron(layout, rank, world, args.seed, _cpu_init)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    spec = GPTSpec(args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab, None)
+    mo.install()
+    try:
+        models = {"bf16": build_gpt(spec, world, True, dtype, device),
+                  "fp8": build_gpt(spec, world, True, dtype, device, **FP8)}
+    finally:
+        mo.uninstall()
+    models["fp8"][0].load_state_dict(models["bf16"][0].state_dict())
+    precision = {k: sorted({x.precision.describe() for x in m.modules() if hasattr(x, "precision")})
+                 for k, (m, _) in models.items()}
+    arms = {k: TrainArm(k, wrap(m), gpt_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr))
+            for k, (m, wrap) in models.items()}
+    for i, b in enumerate(batches(spec, args.steps, args.seed, device)):
+        for name in rotated(list(arms), i):
+            barrier(device)
+            arms[name].step(b)
+    if rank == 0:
+        losses = {k: [r.loss for r in a.results] for k, a in arms.items()}
+        meta = machine_info(layout, device)
+        doc = {"benchmark": "fp8_train", "command": " ".join([sys.executable, *sys.argv]),
+               "config": vars(args), "model": spec.__dict__, "dtype": str(dtype)[6:], "meta": meta,
+               "title": (f"GPT {args.layers}L h{args.hidden} seq{args.seq} mb{args.micro_batch} "
+                         f"vocab {args.vocab}, TP={world} + SP, {meta.get('gpu_name') or 'CPU'}, "
+                         f"{args.steps} steps, AdamW lr {args.lr}, seed {args.seed}"),
+               "arms": {k: {"losses": losses[k], "precision": ", ".join(precision[k]),
+                            "step_time_s": summary([r.step_time_s for r in a.results][3:] or
+                                                   [r.step_time_s for r in a.results])}
+                        for k, a in arms.items()},
+               "gap": gap(losses["bf16"], losses["fp8"], args.last)}
+        tag = args.tag or ("cpu" if device.type == "cpu" else f"{layout.mode}_tp{world}")
+        path = os.path.join(args.out, f"fp8_train_{tag}")
+        write_json(path + ".json", doc)
+        table = text_table(doc)
+        with open(path + ".txt", "w") as f:
+            f.write(table + "\n")
+        print(table)
+        print(f"results: {path}.json, {path}.txt")
+        try:
+            from megatron_overlap.ab.plots import plot_steps
+
+            plot_steps(doc["arms"], path + ".png", f"fp8_train: {doc['title']}", 3)
+            print(f"plot:    {path}.png")
+        except ImportError as exc:  # the device may lack matplotlib: plot later from the JSON
+            print(f"no plot ({exc}); the curves are in {path}.json")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv=None) -> int:
+    from megatron_overlap.ab.launch import launch
+
+    args = parse_args(argv)
+    launch(worker, args.tp, args, device=args.device)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
