@@ -193,6 +193,10 @@ def test_rowwise_scaling_flag_reaches_install_and_needs_fp8_tensorwise(fake_lm, 
         with pytest.raises(ValueError, match="needs --fp8-format and --fp8-recipe tensorwise") as e:
             lm.initialize.initialize_megatron()
         assert said in str(e.value)
+    lm.arguments.ARGV[:] = rowwise + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                                      "--sequence-parallel"]  # Transformer Engine's path
+    with pytest.raises(ValueError, match="needs --tp-comm-overlap-impl megatron_overlap"):
+        lm.initialize.initialize_megatron()
     assert len(installs) == 1 and lm.initialize.TE_CALLS == []
 
 
@@ -468,6 +472,9 @@ def models(tree, tmp_path_factory) -> dict:
             "megatron_attention": _model(tree, "--tp-comm-overlap", "--megatron-overlap-attention",
                                          "megatron"),
             "fp8": _model(tree, "--tp-comm-overlap", *FP8),
+            "bf16": _model(tree, "--tp-comm-overlap", "--bf16"),
+            "fp8_rowwise": _model(tree, "--tp-comm-overlap", "--bf16", *FP8, "--no-fp8-wgrad",
+                                  "--megatron-overlap-fp8-scaling", "rowwise"),
             "fp8_delayed": _model(tree, "--tp-comm-overlap", "--fp8-format", "hybrid", ok=False),
             "fp8_no_overlap": _model(tree, *FP8, ok=False)}
 
@@ -529,6 +536,19 @@ def test_fp8_flags_run_fp8_in_our_linears(models):
             for p in fp8["precision"].values()), fp8["precision"]
         assert fp8["loss"] == pytest.approx(off["loss"], rel=5e-3) and fp8["loss"] != off["loss"]
         assert fp8["te_imported"] is False
+
+
+def test_rowwise_fp8_flags_run_rowwise_fp8_in_our_linears(models):
+    """--megatron-overlap-fp8-scaling rowwise --no-fp8-wgrad --bf16 beside the FP8 flags:
+    install() gets the setting, every overlapped linear runs row-wise FP8, the loss within
+    5e-3 of the same bf16 model without FP8."""
+    for rw, bf16 in zip(models["fp8_rowwise"], models["bf16"]):
+        assert rw["install"][0]["fp8_scaling"] == "rowwise"
+        assert len(rw["precision"]) == 8 and all(
+            p == "fp8 rowwise (e4m3fn fprop, e5m2 grads, wgrad high precision)"
+            for p in rw["precision"].values()), rw["precision"]
+        assert rw["loss"] == pytest.approx(bf16["loss"], rel=5e-3) and rw["loss"] != bf16["loss"]
+        assert rw["te_imported"] is False
 
 
 def test_fp8_with_megatron_lm_s_default_recipe_stops_at_start_up(models):

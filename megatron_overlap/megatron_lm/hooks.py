@@ -185,7 +185,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> None:
     """Our part of validate_args (Megatron-LM's own already requires
     --sequence-parallel for --tp-comm-overlap)."""
+    scaling = getattr(args, "megatron_overlap_fp8_scaling", "tensorwise")
     if getattr(args, "tp_comm_overlap_impl", "te") != IMPL:
+        if scaling != "tensorwise":
+            raise ValueError(f"--megatron-overlap-fp8-scaling {scaling} sets the scales of "
+                             "megatron_overlap's linears: it needs --tp-comm-overlap-impl "
+                             "megatron_overlap (Transformer Engine's layers do not read it)")
         return
     overlap = bool(getattr(args, "tp_comm_overlap", False))
     fp8 = getattr(args, "fp8", None)
@@ -196,7 +201,6 @@ def check_args(args: argparse.Namespace) -> None:
             "--tp-comm-overlap Megatron-core's local linears are built, which run in the "
             "params dtype without Transformer Engine (and do not say so); add "
             "--tp-comm-overlap, or drop --fp8-format")
-    scaling = getattr(args, "megatron_overlap_fp8_scaling", "tensorwise")
     if scaling != "tensorwise" and (not fp8 or getattr(args, "fp8_recipe", None) != "tensorwise"):
         raise ValueError(
             f"--megatron-overlap-fp8-scaling {scaling} chooses the scales of FP8 current "
