@@ -335,3 +335,33 @@ def test_rowwise_bytes_in_the_settings_rows_and_the_transport_include_the_scales
 def test_rowwise_door_refuses_activations_the_gemm_cannot_output(built):
     assert "row-wise FP8 GEMM outputs bf16" in built["door"] and "torch.float32" in built["door"]
     assert built["moved_after_refusal"] == {}
+
+
+def _mixed(rank, world):
+    """Rank 0 row-wise, rank 1 tensorwise: other bytes per row, an amax exchange on one
+    side only; the first call is a diagnosed disagreement before any transfer."""
+    import megatron_overlap as mo
+    from helpers.fp8_layers import build, config
+    from helpers.megatron_cpu import init
+    from megatron_overlap.comm import stats
+    from megatron_overlap.layers.agree import DisagreementError
+
+    init(world)
+    mo.install(fp8_scaling="rowwise" if rank == 0 else "tensorwise")
+    try:
+        layer = build("column", config(world, True, torch.bfloat16, fp8="hybrid",
+                                       fp8_recipe="tensorwise", fp8_wgrad=False))
+    finally:
+        mo.uninstall()
+    stats.snapshot()
+    try:
+        layer(torch.randn(8, 2, 32, dtype=torch.bfloat16))
+        return {"error": None}
+    except DisagreementError as exc:
+        return {"error": str(exc), "moved": stats.snapshot()}
+
+
+def test_ranks_that_disagree_on_the_scaling_are_diagnosed_before_any_transfer():
+    for r in dist.run(_mixed, 2, timeout=240):
+        assert r["error"] and "fp8 rowwise" in r["error"] and "fp8 tensorwise" in r["error"], r
+        assert r["moved"] == {}
