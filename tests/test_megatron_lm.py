@@ -45,6 +45,7 @@ def add_megatron_arguments(parser):
     parser.add_argument("--sequence-parallel", action="store_true")
     parser.add_argument("--transformer-impl", default="transformer_engine")
     parser.add_argument("--fp8-format", dest="fp8", default=None)
+    parser.add_argument("--fp8-recipe", default="delayed")
     parser.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                         dest="create_attention_mask_in_dataloader")
     parser.add_argument("--reset-attention-mask", action="store_true")
@@ -128,7 +129,8 @@ def test_hooks_turn_tp_comm_init_into_install(fake_lm, installs):
                       (lm.initialize, "validate_args"), (lm.initialize, "_initialize_tp_communicators")]:
         assert hasattr(getattr(mod, name), "__wrapped__"), f"{mod.__name__}.{name} not hooked"
     lm.initialize.initialize_megatron()
-    assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch"}]
+    assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch",
+                        "fp8_scaling": "tensorwise"}]
     assert lm.initialize.TE_CALLS == []
     args = lm.training.ARGS
     assert (args.tp_comm_overlap_impl, args.tp_comm_overlap_backend) == ("megatron_overlap", "symm")
@@ -147,7 +149,8 @@ def test_impl_without_tp_comm_overlap_installs_with_everything_off(fake_lm, inst
                        "--tp-comm-overlap-backend", "torch_p2p"])
     hooks.install_hooks()
     lm.initialize.initialize_megatron()
-    assert installs == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch"}]  # at validation: SP norms
+    assert installs == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch",
+                        "fp8_scaling": "tensorwise"}]  # at validation: SP norms
     assert lm.initialize.TE_CALLS == []
 
 
@@ -162,7 +165,8 @@ def test_attention_choice_and_the_dataloaders_causal_masks(fake_lm, installs, ex
     lm = fake_lm(argv=OURS + extra)
     hooks.install_hooks()
     lm.initialize.initialize_megatron()
-    assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": attention}]
+    assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": attention,
+                        "fp8_scaling": "tensorwise"}]
     assert lm.training.ARGS.create_attention_mask_in_dataloader is masks
 
 
@@ -175,6 +179,25 @@ def test_validation(fake_lm, installs):
     with pytest.raises(AssertionError, match="sequence parallelism"):  # Megatron-LM's own rule
         lm.initialize.initialize_megatron()
     assert installs == [] and lm.initialize.TE_CALLS == []
+
+
+def test_rowwise_scaling_flag_reaches_install_and_needs_fp8_tensorwise(fake_lm, installs):
+    rowwise = ["--megatron-overlap-fp8-scaling", "rowwise"]
+    lm = fake_lm(argv=OURS + rowwise + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise"])
+    hooks.install_hooks()
+    lm.initialize.initialize_megatron()
+    assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch",
+                         "fp8_scaling": "rowwise"}]
+    for extra, said in (([], "--fp8-format None"), (["--fp8-format", "hybrid"], "--fp8-recipe delayed")):
+        lm.arguments.ARGV[:] = OURS + rowwise + extra
+        with pytest.raises(ValueError, match="needs --fp8-format and --fp8-recipe tensorwise") as e:
+            lm.initialize.initialize_megatron()
+        assert said in str(e.value)
+    lm.arguments.ARGV[:] = rowwise + ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise",
+                                      "--sequence-parallel"]  # Transformer Engine's path
+    with pytest.raises(ValueError, match="needs --tp-comm-overlap-impl megatron_overlap"):
+        lm.initialize.initialize_megatron()
+    assert len(installs) == 1 and lm.initialize.TE_CALLS == []
 
 
 def test_fp8_without_tp_comm_overlap_stops_at_validation(fake_lm, installs):
@@ -201,6 +224,10 @@ def test_our_flags_parse_and_refuse_unknown_values():
     assert "--tp-comm-overlap-impl {te,megatron_overlap}" in text
     assert "--tp-comm-overlap-backend {auto,torch_p2p,symm,nvshmem}" in text
     assert "--megatron-overlap-attention {torch,megatron}" in text
+    assert "--megatron-overlap-fp8-scaling {tensorwise,rowwise}" in text
+    assert ns.megatron_overlap_fp8_scaling == "tensorwise"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--megatron-overlap-fp8-scaling", "blockwise"])
     with pytest.raises(SystemExit):
         parser.parse_args(["--megatron-overlap-attention", "flash"])
     # a tree patched with patches/ already has them: no argparse conflict
@@ -286,7 +313,8 @@ def test_entry_point_runs_the_script_with_the_hooks(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(run.stdout.split("RESULT ", 1)[1])
-    assert result == {"calls": [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch"}], "te": [],
+    assert result == {"calls": [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch",
+                        "fp8_scaling": "tensorwise"}], "te": [],
                       "argv0": str(script), "path0": str(tmp_path)}
     run = subprocess.run([sys.executable, "-m", "megatron_overlap.megatron_lm", str(script),
                           "--help"], capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -385,13 +413,16 @@ def test_validation_in_that_tree(probe):
     assert probe["ours_valid"] is None and probe["te_valid"] is None and probe["off_valid"] is None
     assert "use --transformer-impl local" in probe["with_te_layers"]
     assert "sequence parallelism" in probe["no_sp"]  # Megatron-LM's own rule, kept
-    assert probe["off_install"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch"}]
+    assert probe["off_install"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch",
+                        "fp8_scaling": "tensorwise"}]
 
 
 def test_tp_communicator_init_calls_install_not_te(probe):
-    assert probe["ours_init"] == {"calls": [{"ub_cfgs": "x.yaml", "backend": "auto", "attention": "torch"}],
+    assert probe["ours_init"] == {"calls": [{"ub_cfgs": "x.yaml", "backend": "auto", "attention": "torch",
+                        "fp8_scaling": "tensorwise"}],
                                   "error": None, "te_imported": False}
-    assert probe["no_cfg_init"]["calls"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch"}]
+    assert probe["no_cfg_init"]["calls"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch",
+                        "fp8_scaling": "tensorwise"}]
     # te: Megatron-LM's own function, which needs Transformer Engine (absent on CPU)
     assert probe["te_init"]["calls"] == []
     if probe["te_init"]["error"] is not None:
@@ -441,6 +472,9 @@ def models(tree, tmp_path_factory) -> dict:
             "megatron_attention": _model(tree, "--tp-comm-overlap", "--megatron-overlap-attention",
                                          "megatron"),
             "fp8": _model(tree, "--tp-comm-overlap", *FP8),
+            "bf16": _model(tree, "--tp-comm-overlap", "--bf16"),
+            "fp8_rowwise": _model(tree, "--tp-comm-overlap", "--bf16", *FP8, "--no-fp8-wgrad",
+                                  "--megatron-overlap-fp8-scaling", "rowwise"),
             "fp8_delayed": _model(tree, "--tp-comm-overlap", "--fp8-format", "hybrid", ok=False),
             "fp8_no_overlap": _model(tree, *FP8, ok=False)}
 
@@ -452,7 +486,8 @@ def test_model_provider_builds_our_layers_with_the_overlap_on(models, tree):
     for rank in models["on"]:
         assert Path(rank["pretrain_gpt"]).resolve() == tree / "pretrain_gpt.py"
         assert Path(rank["megatron_core"]).resolve().is_relative_to(tree)
-        assert rank["install"] == [{"ub_cfgs": models["cfg"], "backend": "torch_p2p", "attention": "torch"}]
+        assert rank["install"] == [{"ub_cfgs": models["cfg"], "backend": "torch_p2p", "attention": "torch",
+                        "fp8_scaling": "tensorwise"}]
         assert rank["installed"] == {"backend": "torch_p2p", "source": models["cfg"],
                                      "fc2_fprop_num_sm": 8}
         assert rank["linears"] == {
@@ -474,7 +509,8 @@ def test_model_provider_builds_our_layers_with_the_overlap_on(models, tree):
 
 def test_model_provider_builds_megatron_s_layers_with_the_overlap_off(models):
     for rank in models["off"]:
-        assert rank["install"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch"}]
+        assert rank["install"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch",
+                        "fp8_scaling": "tensorwise"}]
         assert rank["linears"] == {"linear_qkv": ["ColumnParallelLinear"] * 2,
                                    "linear_proj": ["RowParallelLinear"] * 2,
                                    "linear_fc1": ["ColumnParallelLinear"] * 2,
@@ -500,6 +536,19 @@ def test_fp8_flags_run_fp8_in_our_linears(models):
             for p in fp8["precision"].values()), fp8["precision"]
         assert fp8["loss"] == pytest.approx(off["loss"], rel=5e-3) and fp8["loss"] != off["loss"]
         assert fp8["te_imported"] is False
+
+
+def test_rowwise_fp8_flags_run_rowwise_fp8_in_our_linears(models):
+    """--megatron-overlap-fp8-scaling rowwise --no-fp8-wgrad --bf16 beside the FP8 flags:
+    install() gets the setting, every overlapped linear runs row-wise FP8, the loss within
+    5e-3 of the same bf16 model without FP8."""
+    for rw, bf16 in zip(models["fp8_rowwise"], models["bf16"]):
+        assert rw["install"][0]["fp8_scaling"] == "rowwise"
+        assert len(rw["precision"]) == 8 and all(
+            p == "fp8 rowwise (e4m3fn fprop, e5m2 grads, wgrad high precision)"
+            for p in rw["precision"].values()), rw["precision"]
+        assert rw["loss"] == pytest.approx(bf16["loss"], rel=5e-3) and rw["loss"] != bf16["loss"]
+        assert rw["te_imported"] is False
 
 
 def test_fp8_with_megatron_lm_s_default_recipe_stops_at_start_up(models):

@@ -98,6 +98,15 @@ def _fp8_tokens(layer: Any, tokens: int) -> None:
                     "x micro-batch, or set fp8_wgrad=False")
 
 
+def _fp8_rowwise_dtype(layer: Any, x: torch.Tensor) -> None:
+    """A row-wise FP8 GEMM outputs bf16: the layer's activations must be bf16."""
+    p = layer.precision
+    if p.recipe == "rowwise" and x.dtype != torch.bfloat16:
+        raise _fail(layer, f"{p.describe()}: torch's row-wise FP8 GEMM outputs bf16, and the "
+                    f"input is {x.dtype}", "give the layer bf16 activations (bf16 parameters, "
+                    "no autocast to another dtype)")
+
+
 def check_column(layer: Any, x: Any, weight: torch.Tensor) -> None:
     """OverlapColumnParallelLinear's input: [s/tp (SP) or s, b, input_size] or 2-D."""
     _common(layer, x, layer.input_size, weight)
@@ -105,6 +114,7 @@ def check_column(layer: Any, x: Any, weight: torch.Tensor) -> None:
     if plan.sequence_parallel and plan.rs_dgrad:
         _splits(layer, plan.dgrad, token_rows(x), tp, "the dgrad's reduce-scatter")
     _fp8_tokens(layer, token_rows(x) * (tp if plan.sequence_parallel else 1))
+    _fp8_rowwise_dtype(layer, x)
 
 
 def check_row(layer: Any, x: Any) -> None:
@@ -122,6 +132,7 @@ def check_row(layer: Any, x: Any) -> None:
     _splits(layer, plan.fprop, rows, tp, "the forward's reduce-scatter" if plan.sequence_parallel
             else "the forward's all-reduce")
     _fp8_tokens(layer, token_rows(x))
+    _fp8_rowwise_dtype(layer, x)
 
 
 def is_empty(x: torch.Tensor) -> bool:

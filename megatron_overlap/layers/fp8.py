@@ -1,5 +1,7 @@
-"""The FP8 operands of one layer's passes (the 'tensorwise' recipe: a scale per tensor,
-from its current amax), made from a layer's `Precision`.
+"""The FP8 operands of one layer's passes, made from a layer's `Precision`: the
+'tensorwise' recipe (a scale per tensor, from its current amax) or 'rowwise' (a scale
+per row of the first GEMM operand and per output column of the second, from the amax
+along the contracted dimension; the wgrad in the parameters' dtype).
 
 - Forward: the input is quantized once, before any transfer; when it is to be gathered
   (sequence parallelism) its amax is the TP group's, so the gathered FP8 tensor has one
@@ -11,6 +13,11 @@ from its current amax), made from a layer's `Precision`.
   weight, transposed; the wgrad reuses the FP8 input (the column layer gathers the
   forward's FP8 input, half the bytes of bf16) and the FP8 gradient, transposed, when
   fp8_wgrad is on; otherwise it runs in the parameters' dtype on the saved input.
+- Row-wise: each rank quantizes its own rows, no amax exchange; the first operand of
+  every FP8 GEMM (the input, the output gradient) is row-scaled (`rows_quantized`: its
+  scales travel in its rows, through any gather). The weight is quantized per row of W
+  for the forward (x @ W^T: a scale per output column) and, in the backward, again from
+  the parameters per column of W (g @ W contracts over W's rows).
 - A transposed copy (`col_major`) is what cuBLAS needs for the second operand of every
   FP8 GEMM (column-major) and for the wgrad's first (row-major g^T): Transformer
   Engine keeps the same 'columnwise' copies. Transposing FP8 data is exact.
@@ -23,7 +30,8 @@ from typing import Optional
 import torch
 
 from ..comm.transport import Transport
-from ..overlap.fp8 import ScaledGemm, amax, quantize, scale_for, shared_amax
+from ..overlap.fp8 import (TAIL, RowScaledGemm, ScaledGemm, amax, quantize, row_scales,
+                           rows_dequantized, rows_quantized, scale_for, shared_amax)
 from .precision import Precision
 
 
@@ -47,10 +55,14 @@ class Fp8Forward:
 
     def __init__(self, p: Precision, rows: torch.Tensor, weight: torch.Tensor):
         self.p = p
-        self.x8 = torch.empty(rows.shape, dtype=p.fwd, device=rows.device)
+        self.rowwise = p.recipe == "rowwise"
+        tokens, k = rows.shape
+        f32 = dict(dtype=torch.float32, device=rows.device)
+        self.x8 = torch.empty((tokens, k + TAIL) if self.rowwise else rows.shape, dtype=p.fwd,
+                              device=rows.device)
         self.w8 = torch.empty(weight.shape, dtype=p.fwd, device=weight.device)
-        self.x_scale = torch.empty((), dtype=torch.float32, device=rows.device)
-        self.w_scale = torch.empty((), dtype=torch.float32, device=rows.device)
+        self.x_scale = torch.empty((), **f32)  # (row-wise: unused, the scales are in x8)
+        self.w_scale = torch.empty((weight.shape[0], 1) if self.rowwise else (), **f32)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.x8, self.w8, self.x_scale, self.w_scale
@@ -61,6 +73,11 @@ class Fp8Forward:
         """Quantize the input (with the group's amax when `gathered`) and the weight into
         this object's tensors; returns (x8, w8, the scaled GEMM of x8 @ w8^T)."""
         fwd = self.p.fwd
+        if self.rowwise:  # each row its own scale: nothing to exchange before a gather
+            rows_quantized(x2, fwd, out=self.x8)
+            self.w_scale.copy_(row_scales(weight, fwd))
+            quantize(weight, self.w_scale, fwd, out=self.w8)
+            return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype)
         a = shared_amax(x2, tp, f"{op}_amax") if gathered else amax(x2)
         self.x_scale.copy_(scale_for(a, fwd))
         quantize(x2, self.x_scale, fwd, out=self.x8)
@@ -70,26 +87,42 @@ class Fp8Forward:
 
 
 class Fp8Backward:
-    """A backward pass's FP8 side: the forward's FP8 weight and scales, and the gradient's
-    FP8 type. The pass quantizes the gradient with `grad()`."""
+    """A backward pass's FP8 side: the forward's FP8 weight and scales (tensorwise; the
+    parameters for row-wise), and the gradient's FP8 type. The pass quantizes the
+    gradient with `grad()`."""
 
     def __init__(self, p: Precision, w8: torch.Tensor, w_scale: torch.Tensor,
-                 x_scale: torch.Tensor):
+                 x_scale: torch.Tensor, weight: Optional[torch.Tensor] = None):
         self.p, self.w8, self.w_scale, self.x_scale = p, w8, w_scale, x_scale
+        self.rowwise, self.weight = p.recipe == "rowwise", weight
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.w8, self.w_scale, self.x_scale
 
     def grad(self, g: torch.Tensor, tp: Optional[Transport] = None, op: str = ""
              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(g in the gradient's FP8 type, its scale); the group's amax with `tp`."""
+        """(g in the gradient's FP8 type, its scale); the group's amax with `tp`.
+        Row-wise: (g row-scaled, None), its own rows' amaxes (`tp` not needed)."""
+        if self.rowwise:
+            return rows_quantized(g, self.p.grad), None
         return quantized(g, self.p.grad, tp, op)
 
-    def dgrad(self, g_scale: torch.Tensor, out_dtype: torch.dtype
-              ) -> tuple[torch.Tensor, ScaledGemm]:
+    def dgrad(self, g_scale: Optional[torch.Tensor], out_dtype: torch.dtype
+              ) -> tuple[torch.Tensor, ScaledGemm | RowScaledGemm]:
         """(w8T, the GEMM of g8 @ w8): the schedules multiply by `w8T.t()`, the FP8
-        weight column-major."""
+        weight column-major. Row-wise: W quantized again, one scale per column of W."""
+        if self.rowwise:
+            wt = self.weight.t()
+            s = row_scales(wt, self.p.fwd)  # [k, 1]: W^T's rows are W's columns
+            return quantize(wt, s, self.p.fwd).contiguous(), RowScaledGemm(s.t(), out_dtype)
         return self.w8.t().contiguous(), ScaledGemm(g_scale, self.w_scale, out_dtype)
+
+    def dequantized(self, g8: torch.Tensor, g_scale: Optional[torch.Tensor],
+                    dtype: torch.dtype) -> torch.Tensor:
+        """The FP8 gradient `g8` (as the dgrad saw it) back in `dtype`."""
+        if self.rowwise:
+            return rows_dequantized(g8, dtype)
+        return (g8.float() / g_scale).to(dtype)
 
     def wgrad(self, g_scale: torch.Tensor, out_dtype: torch.dtype) -> ScaledGemm:
         """The GEMM of g8^T @ x8 (the FP8 input's scale)."""

@@ -249,7 +249,7 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
             row_wgrad(col_major(g_full), col_major(x2), weight, grad_w, plan, fuse,
                       q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse)))
         elif wgrad:
-            row_wgrad((g_full.float() / g_scale).to(x2.dtype), x2, weight, grad_w, plan, fuse)
+            row_wgrad(q.dequantized(g_full, g_scale, x2.dtype), x2, weight, grad_w, plan, fuse)
     if grad_b is not None:
         torch.sum(g, 0, out=grad_b)
 
@@ -268,14 +268,16 @@ def _save(ctx, x: torch.Tensor, weight: torch.Tensor, q: Optional[Fp8Forward] = 
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
     ctx.precision = None if q is None else q.p
     keep = (q.x8 if q is not None and q.p.wgrad else x) if weight.requires_grad else None
-    extra = (None, None, None) if q is None else (q.w8, q.w_scale, q.x_scale)
+    # (row-wise: the backward quantizes the weight again, per column, from the weight)
+    extra = (None, None, None) if q is None or q.rowwise else (q.w8, q.w_scale, q.x_scale)
     ctx.save_for_backward(keep, weight, *extra)
 
 
 def _saved(ctx):
     """(input or FP8 input, weight, the backward's Fp8Backward or None)."""
     x, weight, w8, w_scale, x_scale = ctx.saved_tensors
-    q = None if ctx.precision is None else Fp8Backward(ctx.precision, w8, w_scale, x_scale)
+    q = None if ctx.precision is None else Fp8Backward(ctx.precision, w8, w_scale, x_scale,
+                                                        weight)
     return x, weight, q
 
 

@@ -24,6 +24,7 @@ from .. import comm
 from ..comm.exchange import about
 from ..config import state
 from ..config.console import say_once
+from ..overlap.fp8 import TAIL
 from ..overlap.hierarchical import RingOrder
 from ..overlap.replay import PassGraphs
 from . import agree, checks
@@ -133,16 +134,19 @@ class _OverlapMixin:
         if tokens > self._max_tokens:  # (nn.Module attribute writes are slow: only on change)
             self._max_tokens, self._elem = tokens, x.element_size()
 
-    def _moved_elem(self, pass_name: str, es: int) -> int:
-        """Bytes per element a pass moves: 1 for what an FP8 layer gathers (the column
-        forward's input, the column dgrad's gather of the FP8 input for an FP8 wgrad, the
-        row dgrad's gradient), else the activations' (reductions stay in their dtype)."""
+    def _moved_row(self, pass_name: str, es: int, width: int) -> int:
+        """Bytes per token row a pass moves: `width` bytes for what an FP8 layer gathers
+        (the column forward's input, the column dgrad's gather of the FP8 input for an FP8
+        wgrad, the row dgrad's gradient), plus the row's scale (`overlap.fp8.TAIL`) under
+        row-wise scaling; else `width` activations (reductions stay in their dtype)."""
         p, column = self.precision, isinstance(self, ColumnParallelLinear)
         if not p.fp8:
-            return es
+            return width * es
         gathers = {"fprop": column, "wgrad": False,
                    "dgrad": (not column) or (p.wgrad and not self.overlap_plan.rs_dgrad)}
-        return 1 if gathers[pass_name] else es
+        if not gathers[pass_name]:
+            return width * es
+        return width + (TAIL if p.recipe == "rowwise" else 0)
 
     def overlap_rows(self) -> list[dict]:
         """This layer's effective per-pass settings (console table, wandb), with the
@@ -150,7 +154,7 @@ class _OverlapMixin:
         seen so far (0 before the first forward), and the layer's precision."""
         t, es = self._max_tokens, getattr(self, "_elem", 0)
         width = self.input_size if isinstance(self, ColumnParallelLinear) else self.output_size
-        per_pass = {p: t * width * self._moved_elem(p, es) for p in ("fprop", "dgrad", "wgrad")}
+        per_pass = {p: t * self._moved_row(p, es, width) for p in ("fprop", "dgrad", "wgrad")}
         if not isinstance(self, ColumnParallelLinear):
             per_pass["wgrad"] = 0
         tp = self.transport

@@ -8,6 +8,12 @@ or is refused when the layer is built (`ConfigError` naming the layer, the setti
 and what does run); it is never replaced by bf16 in silence. A layer Megatron keeps
 in bf16 (`first_last_layers_bf16`) runs bf16 by that rule, said in its `why`.
 
+Row-wise scaling is not one of Megatron's recipes (its `Fp8Recipe`: delayed, tensorwise,
+mxfp8, blockwise, custom; Megatron-LM's --fp8-recipe takes no other). It is chosen
+here, for layers whose config asks for current scaling (fp8_recipe='tensorwise'):
+`install(fp8_scaling='rowwise')` (`set_scaling`), Megatron-LM's
+`--megatron-overlap-fp8-scaling rowwise`.
+
 The layer number comes from the TransformerLayer being built around the linear
 (`building(layer)`, which the integration wraps around `TransformerLayer.__init__`),
 the same global 1-based number Megatron passes `get_fp8_context` (less one).
@@ -25,21 +31,35 @@ import torch
 from ..config import ConfigError
 
 RUNS = ("tensorwise",)  # the fp8_recipe values the overlapped linears run
+SCALINGS = ("tensorwise", "rowwise")  # what fp8_recipe='tensorwise' runs: install(fp8_scaling=)
+_scaling = "tensorwise"
 _NOT_RUN = {  # fp8_recipe -> why it is refused
     "delayed": "delayed scaling (Megatron's default) keeps an amax history per tensor, "
                "reduced across ranks and kept in the checkpoint; that is not implemented here",
     "mxfp8": "MXFP8 needs block scales (32 values per scale, Blackwell GEMMs)",
     "blockwise": "blockwise scaling needs 128-value block scales",
     "custom": "a custom recipe is a Transformer Engine quantizer factory",
-    "rowwise": "row-wise scaling (torchao's 'rowwise'; not a Megatron recipe) is not "
-               "implemented yet: gathered rows would carry their scales, and the wgrad needs "
-               "scales along the other axis",
+    "rowwise": "'rowwise' is not a Megatron recipe (Megatron-LM's --fp8-recipe refuses it, and "
+               "with Transformer Engine installed megatron-core's get_fp8_context raises on it); "
+               "row-wise scales are chosen with megatron_overlap.install(fp8_scaling='rowwise') "
+               "(--megatron-overlap-fp8-scaling rowwise) on fp8_recipe='tensorwise'",
 }
 _FIX = ("set fp8_recipe='tensorwise' (--fp8-recipe tensorwise), or fp8=None to train in bf16 "
         "(with tp_comm_overlap=False megatron-core's local linears also run bf16, "
         "without saying so)")
 _enclosing: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_overlap_layer",
                                                                   default=None)
+
+
+def set_scaling(scaling: str) -> str:
+    """The scales fp8_recipe='tensorwise' runs in layers built from now on: 'tensorwise'
+    (one per tensor) or 'rowwise'; returns the previous value."""
+    global _scaling
+    if scaling not in SCALINGS:
+        raise ValueError(f"megatron_overlap: fp8_scaling must be one of {SCALINGS}, "
+                         f"not {scaling!r}")
+    previous, _scaling = _scaling, scaling
+    return previous
 
 
 @dataclass(frozen=True)
@@ -153,4 +173,25 @@ def layer_precision(config: Any, layer: str, layer_number: Optional[int] = None)
                              f"{config.num_layers_at_start_in_bf16} and last "
                              f"{config.num_layers_at_end_in_bf16} run bf16)")
     grad = torch.float8_e5m2 if fmt == "hybrid" else torch.float8_e4m3fn
-    return Precision(recipe, torch.float8_e4m3fn, grad, bool(getattr(config, "fp8_wgrad", True)))
+    wgrad = bool(getattr(config, "fp8_wgrad", True))
+    if _scaling == "rowwise":
+        _check_rowwise(config, layer, wgrad)
+        recipe = "rowwise"
+    return Precision(recipe, torch.float8_e4m3fn, grad, wgrad)
+
+
+def _check_rowwise(config: Any, layer: str, wgrad: bool) -> None:
+    """What row-wise scaling cannot run, refused naming what does."""
+    if wgrad:
+        raise _refuse(layer, "fp8_wgrad", True, "row-wise scaling runs the wgrad GEMM in the "
+                      "parameters' dtype (torchao's rowwise_with_gw_hp): the wgrad sums over "
+                      "tokens, so per-token scales do not factor out of it, and an FP8 wgrad "
+                      "would need the tensors quantized again along the tokens (under sequence "
+                      "parallelism, with amaxes over the TP group)", "set fp8_wgrad=False "
+                      "(--no-fp8-wgrad), or fp8_scaling='tensorwise' for an FP8 wgrad")
+    dtype = getattr(config, "params_dtype", torch.float32)
+    if dtype != torch.bfloat16:
+        raise _refuse(layer, "params_dtype", dtype, "torch's row-wise FP8 GEMM outputs bf16 "
+                      "only (its CUTLASS kernel in most torch versions, hipBLASLt), and the "
+                      "layer's outputs are in the parameters' dtype", "set params_dtype="
+                      "torch.bfloat16 (--bf16), or fp8_scaling='tensorwise'")

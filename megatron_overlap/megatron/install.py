@@ -7,6 +7,7 @@ import logging
 from .. import comm
 from ..config import env as envvars
 from ..config import OverlapConfig, state
+from ..layers import precision
 from ..overlap import replay, streams
 from . import attention as core_attention
 from . import norms, swap
@@ -15,7 +16,7 @@ log = logging.getLogger("megatron_overlap")
 _previous: list[tuple[state.State | None, tuple]] = []
 
 
-def _check_knobs(graphs, gemm_streams, inter, timeout_s) -> None:
+def _check_knobs(graphs, gemm_streams, inter, timeout_s, fp8_scaling) -> None:
     if graphs is not None and not isinstance(graphs, bool):
         raise ValueError(f"megatron_overlap.install: graphs must be True, False or None, not {graphs!r}")
     if gemm_streams is not None and (not isinstance(gemm_streams, int) or isinstance(gemm_streams, bool)
@@ -27,20 +28,24 @@ def _check_knobs(graphs, gemm_streams, inter, timeout_s) -> None:
                          f"{comm.INTER_BACKENDS} or None, not {inter!r}")
     if timeout_s is not None:
         envvars.checked_timeout_s(timeout_s)
+    if fp8_scaling not in precision.SCALINGS:
+        raise ValueError(f"megatron_overlap.install: fp8_scaling must be one of "
+                         f"{precision.SCALINGS}, not {fp8_scaling!r}")
 
 
 def _set_knobs(knobs: tuple) -> tuple:
-    """(graphs, gemm_streams, inter_backend, timeout_s, attention) overrides in force;
-    returns the previous ones."""
-    graphs, gemm_streams, inter, timeout_s, attention = knobs
+    """(graphs, gemm_streams, inter_backend, timeout_s, attention, fp8_scaling) overrides
+    in force; returns the previous ones."""
+    graphs, gemm_streams, inter, timeout_s, attention, fp8_scaling = knobs
     return (replay.set_enabled(graphs), streams.set_default_gemm_streams(gemm_streams),
             comm.set_inter_backend(inter), envvars.set_timeout_s(timeout_s),
-            core_attention.set_mode(attention))
+            core_attention.set_mode(attention), precision.set_scaling(fp8_scaling))
 
 
 def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool | None = None,
             gemm_streams: int | None = None, inter_backend: str | None = None,
-            timeout_s: float | None = None, attention: str = "torch") -> OverlapConfig:
+            timeout_s: float | None = None, attention: str = "torch",
+            fp8_scaling: str = "tensorwise") -> OverlapConfig:
     """Turn the overlap on for layers built from now on: Megatron's TP linears
     built for the 'qkv' / 'proj' / 'fc1' / 'fc2' buffers of a config with
     `tp_comm_overlap=True` become overlapped, and torch norms accept sequence
@@ -62,14 +67,20 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool
     attention: the core attention of every transformer layer built while installed,
     whatever its tp_comm_overlap: "torch" (torch's fused attention,
     `attention.TorchDotProductAttention`; a config it cannot run keeps Megatron's, with
-    the reason reported) or "megatron" (Megatron's DotProductAttention)."""
+    the reason reported) or "megatron" (Megatron's DotProductAttention).
+
+    fp8_scaling: the scales of layers whose config asks for FP8 current scaling
+    (fp8_recipe="tensorwise"): "tensorwise" (one per tensor) or "rowwise" (one per row
+    of each GEMM's first operand and per output column of its second; needs
+    fp8_wgrad=False and bf16 parameters; docs/fp8.md)."""
     envvars.check_all()  # a bad MEGATRON_OVERLAP_* value fails here, naming it
     if backend != "auto":
         comm.resolve_backend(backend)  # fail now, not at the first forward
-    _check_knobs(graphs, gemm_streams, inter_backend, timeout_s)
+    _check_knobs(graphs, gemm_streams, inter_backend, timeout_s, fp8_scaling)
     core_attention.check(attention)
     new = state.make(ub_cfgs, backend)
-    previous_knobs = _set_knobs((graphs, gemm_streams, inter_backend, timeout_s, attention))
+    previous_knobs = _set_knobs((graphs, gemm_streams, inter_backend, timeout_s, attention,
+                                 fp8_scaling))
     if not _previous:
         swap.patch()
         norms.patch()

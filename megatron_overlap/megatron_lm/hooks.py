@@ -8,7 +8,8 @@ does by editing two files:
   own Transformer Engine path) and `--tp-comm-overlap-backend`;
 - `validate_args` (wherever Megatron-LM's modules bound it) also requires
   `--transformer-impl local` when `--tp-comm-overlap` runs on megatron_overlap, and
-  `--tp-comm-overlap` with `--fp8-format` (FP8 runs in our linears only);
+  `--tp-comm-overlap` with `--fp8-format` (FP8 runs in our linears only), and
+  `--fp8-format` with `--fp8-recipe tensorwise` for `--megatron-overlap-fp8-scaling rowwise`;
 - `megatron.training.initialize._initialize_tp_communicators` (which
   `initialize_megatron` calls for `--tp-comm-overlap`, before the model is built)
   calls `megatron_overlap.install(ub_cfgs=..., backend=...)` instead of building
@@ -49,6 +50,7 @@ from ..config.backends import AUTO, BACKENDS as _TRANSPORTS
 IMPL = "megatron_overlap"
 IMPLS = ("te", IMPL)
 ATTENTION = ("torch", "megatron")  # --megatron-overlap-attention: install(attention=...)
+FP8_SCALINGS = ("tensorwise", "rowwise")  # --megatron-overlap-fp8-scaling: install(fp8_scaling=)
 BACKENDS = (AUTO,) + _TRANSPORTS  # --tp-comm-overlap-backend: the registry's transports
 ARGS_MODULE = "megatron.training.arguments"
 INIT_MODULE = "megatron.training.initialize"
@@ -145,11 +147,12 @@ def check() -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Our two flags, beside Megatron-LM's --tp-comm-overlap (skipped when present,
-    e.g. in a tree patched with patches/)."""
+    """Our flags, beside Megatron-LM's --tp-comm-overlap (skipped when present, e.g. in a
+    tree patched with patches/)."""
     have = parser._option_string_actions  # noqa: SLF001 - argparse has no public lookup
     if all(flag in have for flag in ("--tp-comm-overlap-impl", "--tp-comm-overlap-backend",
-                                     "--megatron-overlap-attention")):
+                                     "--megatron-overlap-attention",
+                                     "--megatron-overlap-fp8-scaling")):
         return parser
     group = parser.add_argument_group("megatron_overlap", "tensor-parallel comm/GEMM overlap "
                                       "of Megatron-core's own linears (--transformer-impl local)")
@@ -170,13 +173,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                            "megatron_overlap: torch (torch's fused attention: flash / cuDNN / "
                            "memory-efficient SDPA, varlen flash for packed sequences) or megatron "
                            "(Megatron's DotProductAttention; so does --attention-backend unfused).")
+    if "--megatron-overlap-fp8-scaling" not in have:
+        group.add_argument("--megatron-overlap-fp8-scaling", type=str, default="tensorwise",
+                           choices=FP8_SCALINGS,
+                           help="Scales of --fp8-recipe tensorwise in megatron_overlap's linears: "
+                           "tensorwise (one per tensor) or rowwise (one per row, torchao's "
+                           "rowwise with the wgrad in bf16: needs --no-fp8-wgrad and --bf16).")
     return parser
 
 
 def check_args(args: argparse.Namespace) -> None:
     """Our part of validate_args (Megatron-LM's own already requires
     --sequence-parallel for --tp-comm-overlap)."""
+    scaling = getattr(args, "megatron_overlap_fp8_scaling", "tensorwise")
     if getattr(args, "tp_comm_overlap_impl", "te") != IMPL:
+        if scaling != "tensorwise":
+            raise ValueError(f"--megatron-overlap-fp8-scaling {scaling} sets the scales of "
+                             "megatron_overlap's linears: it needs --tp-comm-overlap-impl "
+                             "megatron_overlap (Transformer Engine's layers do not read it)")
         return
     overlap = bool(getattr(args, "tp_comm_overlap", False))
     fp8 = getattr(args, "fp8", None)
@@ -187,6 +201,11 @@ def check_args(args: argparse.Namespace) -> None:
             "--tp-comm-overlap Megatron-core's local linears are built, which run in the "
             "params dtype without Transformer Engine (and do not say so); add "
             "--tp-comm-overlap, or drop --fp8-format")
+    if scaling != "tensorwise" and (not fp8 or getattr(args, "fp8_recipe", None) != "tensorwise"):
+        raise ValueError(
+            f"--megatron-overlap-fp8-scaling {scaling} chooses the scales of FP8 current "
+            "scaling: it needs --fp8-format and --fp8-recipe tensorwise (got --fp8-format "
+            f"{fp8}, --fp8-recipe {getattr(args, 'fp8_recipe', None)})")
     if overlap and (getattr(args, "transformer_impl", "local") != "local"
                     or getattr(args, "use_legacy_models", False)):
         raise ValueError(
@@ -237,9 +256,12 @@ def _install(args: argparse.Namespace, ub_cfgs: str | None, why: str) -> None:
     import megatron_overlap
 
     attention = getattr(args, "megatron_overlap_attention", "torch")
+    scaling = getattr(args, "megatron_overlap_fp8_scaling", "tensorwise")
     _say(args, f"megatron_overlap.install(ub_cfgs={ub_cfgs!r}, "
-         f"backend={args.tp_comm_overlap_backend!r}, attention={attention!r}): {why}")
-    megatron_overlap.install(ub_cfgs=ub_cfgs, backend=args.tp_comm_overlap_backend, attention=attention)
+         f"backend={args.tp_comm_overlap_backend!r}, attention={attention!r}, "
+         f"fp8_scaling={scaling!r}): {why}")
+    megatron_overlap.install(ub_cfgs=ub_cfgs, backend=args.tp_comm_overlap_backend,
+                             attention=attention, fp8_scaling=scaling)
 
 
 def _say(args: argparse.Namespace, what: str) -> None:

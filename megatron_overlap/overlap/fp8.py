@@ -1,6 +1,7 @@
 """FP8 at the GEMM seam: tensors quantized with per-tensor scales (current scaling,
-Transformer Engine's and Megatron's 'tensorwise' recipe) and the scaled GEMM that
-multiplies them, which a schedule takes as its `gemm`: the schedules stay one.
+Transformer Engine's and Megatron's 'tensorwise' recipe) or per-row scales (torchao's
+'rowwise'), and the scaled GEMMs that multiply them, which a schedule takes as its
+`gemm`: the schedules stay one.
 
 - Scaling and casting are torchao's float8 (`amax_to_scale`, `to_fp8_saturated`; the
   [fp8] extra), imported when FP8 first runs, so the runtime imports without it. A scale
@@ -17,6 +18,12 @@ multiplies them, which a schedule takes as its `gemm`: the schedules stay one.
     equals one whole-tensor quantization. The reduction is an all-gather of one float per
     rank through the transport (bounded, named, traced like every wait here); torchao's
     `reduce_amax` is an unbounded functional collective over a device mesh.
+  - Row-scaled tensors (`rows_quantized`) carry each row's scale in the row itself: a
+    row of K FP8 values is followed by a `TAIL` of 16 bytes, its fp32 scale and 12 bytes
+    of unspecified padding (16 keeps every row's start 16-byte aligned, as cuBLAS and CUTLASS need). Whatever a
+    schedule does to rows (gather them into a workspace, slice them, view them batched)
+    it does to their scales: no schedule or transport knows about them. `RowScaledGemm`
+    splits a chunk into its FP8 values and its scales.
 """
 
 from __future__ import annotations
@@ -84,9 +91,11 @@ def _fused_cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> Opti
     save. torch.compile (inductor) fuses the same ops, elementwise in fp32, rounding to
     nearest even as eager does: the same bits (tests/gpu/test_fp8_cast_gpu.py). One
     compiled function per dtype pair, on flat tensors of any length, so that a model's
-    shapes compile once; a failure is logged once and the casts run eagerly."""
-    if x.device.type != "cuda" or not (x.is_contiguous() and out.is_contiguous()):
-        return None
+    shapes compile once (per-tensor scales; row-wise scales run eagerly); a failure is
+    logged once and the casts run eagerly."""
+    if (x.device.type != "cuda" or scale.numel() != 1
+            or not (x.is_contiguous() and out.is_contiguous())):
+        return None  # row-wise scales and strided views: eager
     key = (x.dtype, out.dtype)
     if key not in _fused:
         _fused[key] = torch.compile(functools.partial(_cast_by, _ao().to_fp8_saturated),
@@ -113,6 +122,45 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
         raise TypeError(f"quantize: out is {out.dtype}, not {dtype}")
     fused = _fused_cast(x, scale, out)
     return fused if fused is not None else _cast(x, scale, out)
+
+
+def row_scales(x: torch.Tensor, dtype: torch.dtype, dim: int = -1) -> torch.Tensor:
+    """One scale per row of `x` (`dim`=-1; per column with `dim`=0), from the amax along
+    `dim`, rounded down to a power of two (torchao's rowwise recipe: exact reciprocals)."""
+    from torchao.float8.float8_utils import ScalingGranularity
+
+    return _ao().tensor_to_scale(x, dtype, scaling_granularity=ScalingGranularity.AXISWISE,
+                                 axiswise_dim=dim, round_scales_to_power_of_2=True)
+
+
+TAIL = 16  # bytes after each row of a row-scaled FP8 tensor: its fp32 scale, then padding
+
+
+def rows_quantized(x: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None
+                   ) -> torch.Tensor:
+    """`x` [rows, k] as row-scaled FP8 [rows, k + TAIL]: each row quantized with its own
+    scale, which follows it (`row_data`, `row_scale`); into `out` when given."""
+    rows, k = x.shape
+    out = x.new_empty((rows, k + TAIL), dtype=dtype) if out is None else out
+    s = row_scales(x, dtype)
+    quantize(x, s, dtype, out=row_data(out))
+    row_scale(out).copy_(s)
+    return out
+
+
+def row_data(t: torch.Tensor) -> torch.Tensor:
+    """The FP8 values of row-scaled `t` (any leading dims): a strided view."""
+    return t[..., :-TAIL]
+
+
+def row_scale(t: torch.Tensor) -> torch.Tensor:
+    """The fp32 scales of row-scaled `t`, [..., rows, 1]: a strided view."""
+    return t[..., -TAIL:4 - TAIL].view(torch.float32)
+
+
+def rows_dequantized(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Row-scaled `t` back in `dtype` (each row divided by its scale)."""
+    return (row_data(t).float() / row_scale(t)).to(dtype)
 
 
 def _check(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
@@ -154,4 +202,43 @@ class ScaledGemm:
         if out is None:
             return torch._scaled_mm(a, b, scale_a=self.a_inv, scale_b=self.b_inv, out_dtype=dtype)
         return torch._scaled_mm(a, b, scale_a=self.a_inv, scale_b=self.b_inv, out_dtype=dtype,
+                                out=out)
+
+
+def _check_rowwise(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: str) -> None:
+    """torch's row-wise FP8 GEMM rules, as strict as its strictest path (CUTLASS's
+    f8f8bf16_rowwise; cuBLASLt on sm90 with CUDA 12.9+ takes more): the second operand
+    e4m3 (the first e4m3 or e5m2), bf16 output, and cuBLAS's layout rules (`_check`)."""
+    _check(a, b, op)
+    if b.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{op}: a row-wise FP8 GEMM takes its second operand in e4m3, got "
+                        f"{b.dtype}")
+    if out_dtype != torch.bfloat16:
+        raise TypeError(f"{op}: a row-wise FP8 GEMM outputs bf16, asked for {out_dtype}")
+
+
+class RowScaledGemm:
+    """`a @ b` of a row-scaled FP8 `a` (`rows_quantized`: its scales travel in its rows)
+    and an FP8 `b` with one scale per output column (`b_scale`, [1, n], torchao's
+    meaning), through torch._scaled_mm with row-wise scales: the schedules' `gemm` for
+    a 'rowwise' pass. Outputs bf16 (`out`'s dtype, or `out_dtype`)."""
+
+    def __init__(self, b_scale: torch.Tensor, out_dtype: torch.dtype):
+        self.b_inv = b_scale.reciprocal().contiguous()
+        self.out_dtype = out_dtype
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                 op: str, chunk: int = 0) -> torch.Tensor:
+        trace.record("gemm", op, chunk)
+        data, a_inv = row_data(a), row_scale(a).reciprocal()  # the scales, contiguous
+        dtype = out.dtype if out is not None else self.out_dtype
+        _check_rowwise(data, b, dtype, op)
+        if out is None:
+            out = a.new_empty(*data.shape[:-1], b.shape[-1], dtype=dtype)
+        if a.dim() == 3:  # _scaled_mm has no batched form: one GEMM per batch entry
+            for i in range(a.shape[0]):
+                torch._scaled_mm(data[i], b[i], scale_a=a_inv[i], scale_b=self.b_inv,
+                                 out_dtype=dtype, out=out[i])
+            return out
+        return torch._scaled_mm(data, b, scale_a=a_inv, scale_b=self.b_inv, out_dtype=dtype,
                                 out=out)

@@ -30,6 +30,7 @@ class Fp8Case:
     fp8: str = "hybrid"
     fp8_wgrad: bool = True
     main_grad: bool = False  # gradient_accumulation_fusion: dW accumulated into an fp32 main_grad
+    scaling: str = "tensorwise"  # install(fp8_scaling=...): rowwise runs fp8_wgrad=False only
 
     @property
     def id(self) -> str:
@@ -55,6 +56,19 @@ def cases() -> list[Fp8Case]:
                     Fp8Case(kind, v, sp, "bfloat16", fp8_wgrad=False),
                     Fp8Case(kind, v, sp, "bfloat16", main_grad=True),
                     Fp8Case(kind, v, sp, "bfloat16", fp8_wgrad=False, main_grad=True)]
+    return out
+
+
+def rowwise_cases() -> list[Fp8Case]:
+    """Row-wise scaling: every variant, SP on and off, in bf16 (its GEMM outputs bf16
+    only) with the wgrad in bf16 (fp8_wgrad=False); e4m3 grads and main_grad on two."""
+    rw = dict(dtype="bfloat16", fp8_wgrad=False, scaling="rowwise")
+    out = [Fp8Case(kind, v, sp, **rw) for kind, vs in (("column", COLUMN_VARIANTS),
+                                                        ("row", ROW_VARIANTS))
+           for v, sp in itertools.product(vs, (True, False))]
+    for kind, v in (("column", "ring"), ("row", "pipeline2")):
+        for sp in (True, False):
+            out += [Fp8Case(kind, v, sp, fp8="e4m3", **rw), Fp8Case(kind, v, sp, main_grad=True, **rw)]
     return out
 
 
@@ -107,6 +121,8 @@ def _shards(case: Fp8Case, rank: int, tp: int, w, b, x, dy):
 
 def reference(case: Fp8Case, rank: int, tp: int, w, b, x, dy) -> dict[str, torch.Tensor]:
     """What this rank's output, input grad, weight grad and bias grad must be."""
+    if case.scaling == "rowwise":
+        return rowwise_reference(case, rank, tp, w, b, x, dy)
     dtype = w.dtype
     wdt = torch.float32 if case.main_grad else dtype  # what the wgrad GEMM outputs
     grad8 = ref.E5M2 if case.fp8 == "hybrid" else ref.E4M3
@@ -147,12 +163,53 @@ def reference(case: Fp8Case, rank: int, tp: int, w, b, x, dy) -> dict[str, torch
             "bias_grad": flat(mine(dy)).sum(0)}
 
 
+def rowwise_reference(case: Fp8Case, rank: int, tp: int, w, b, x, dy) -> dict[str, torch.Tensor]:
+    """Row-wise: each GEMM's first operand scaled per row, its second per output column
+    (the weight per row of W forward, per column of W for the dgrad); the wgrad in the
+    params' dtype (the row layer's on the gathered FP8 gradient dequantized)."""
+    dtype = w.dtype
+    wdt = torch.float32 if case.main_grad else dtype
+    grad8 = ref.E5M2 if case.fp8 == "hybrid" else ref.E4M3
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    mine = lambda t: t.chunk(tp)[rank] if case.sp else t  # noqa: E731
+    rows = lambda t, dt=ref.E4M3: ref.quantize_axis(t, dt, 1)  # noqa: E731
+    cols = lambda t: ref.quantize_axis(t, ref.E4M3, 0)  # noqa: E731
+    if case.kind == "column":
+        x8, sx = rows(flat(x))
+        out, dgrad_parts = None, []
+        for q in range(tp):
+            w_q, g_q = w.chunk(tp)[q], flat(dy.chunk(tp, dim=-1)[q])
+            g8, sg = rows(g_q, grad8)
+            wc8, swc = cols(w_q)
+            dgrad_parts.append(ref.mm(g8, sg, wc8, swc, dtype).double())
+            if q == rank:
+                w8, sw = rows(w_q)
+                out = ref.mm(x8, sx, w8.t(), sw.t(), dtype).add_(b.chunk(tp)[q])
+                wgrad = torch.mm(g_q.t().to(wdt), flat(x).to(wdt))
+                bgrad = g_q.sum(0)
+        return {"output": out, "input_grad": mine(sum(dgrad_parts)),
+                "weight_grad": wgrad, "bias_grad": bgrad}
+    g8, sg = rows(flat(dy), grad8)
+    parts = []
+    for q in range(tp):
+        x_q, w_q = flat(x.chunk(tp, dim=-1)[q]), w.chunk(tp, dim=1)[q]
+        xq8, sxq = rows(x_q)
+        wq8, swq = rows(w_q)
+        parts.append(ref.mm(xq8, sxq, wq8.t(), swq.t(), dtype).double())
+        if q == rank:
+            wc8, swc = cols(w_q)
+            dgrad = ref.mm(g8, sg, wc8, swc, dtype)
+            wgrad = torch.mm(ref.dequantize(g8, sg, dtype).t().to(wdt), x_q.to(wdt))
+    return {"output": mine(sum(parts)) + b.double(), "input_grad": dgrad, "weight_grad": wgrad,
+            "bias_grad": flat(mine(dy)).sum(0)}
+
+
 def run_case(case: Fp8Case, rank: int, tp: int) -> dict:
     import megatron_overlap as mo
 
     dtype = getattr(torch, case.dtype)
     overrides, flags = VARIANTS[case.kind][case.variant]
-    mo.install(ub_cfgs=overrides)
+    mo.install(ub_cfgs=overrides, fp8_scaling=case.scaling)
     try:
         layer = build(case.kind, config(tp, case.sp, dtype, flags, fp8=case.fp8,
                                         fp8_recipe="tensorwise", fp8_wgrad=case.fp8_wgrad,

@@ -1,7 +1,8 @@
 """The FP8 reference of the tests, written independently of the schedules, the layers
 and torchao: a tensor is quantized whole, with plain torch ops (per-tensor current
 scaling: scale = fp8 max / amax, rounded from float64 to float32; the value scaled in
-fp32, saturated, cast), and a product is one whole-tensor `torch._scaled_mm`. Nothing
+fp32, saturated, cast; row-wise: the same per row, or per column, with the scale rounded
+down to a power of two), and a product is one whole-tensor `torch._scaled_mm`. Nothing
 here gathers, chunks or reduces: a test builds the whole tensor every rank's shard
 comes from, and sums the ranks' partial products itself."""
 
@@ -23,6 +24,20 @@ def quantize(t: torch.Tensor, dtype: torch.dtype, s: torch.Tensor | None = None)
     s = scale(t, dtype) if s is None else s
     m = torch.finfo(dtype).max
     return (t.detach().to(torch.float32) * s).clamp(-m, m).to(dtype), s
+
+
+def axis_scale(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
+    """One scale per slice along `dim` (dim=1: per row, [m, 1]; dim=0: per column,
+    [1, n]): fp8 max / amax, in float64, to float32, rounded down to a power of two."""
+    amax = t.detach().abs().to(torch.float64).amax(dim=dim, keepdim=True)
+    s = (torch.finfo(dtype).max / amax.clamp(min=1e-12)).to(torch.float32)
+    _, e = torch.frexp(s)  # s = m * 2^e, m in [0.5, 1): the power of two below is 2^(e-1)
+    return torch.ldexp(torch.ones_like(s), e - 1)
+
+
+def quantize_axis(t: torch.Tensor, dtype: torch.dtype, dim: int):
+    """(t in `dtype`, its scales): per row (dim=1) or per column (dim=0)."""
+    return quantize(t, dtype, axis_scale(t, dtype, dim))
 
 
 def mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor,

@@ -24,13 +24,13 @@ VOCAB, SEQ, BATCH = 64, 16, 2
 def make_config(tp: int, variant: str, overlap: bool, **extra):
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
+    kw = dict(
         num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1, tp_comm_overlap=overlap,
         use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0,
         attention_dropout=0.0, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        **VARIANTS[variant], **extra)
+        masked_softmax_fusion=False, gradient_accumulation_fusion=False, **VARIANTS[variant])
+    return TransformerConfig(**{**kw, **extra})  # extra may override (params_dtype, bf16)
 
 
 def make_model(config, spec=None):
@@ -81,27 +81,32 @@ def forward_backward(ddp, b) -> float:
 
 
 def train(ddp, steps: int = 5, lr: float = 0.05, device: str = "cpu", schedule: bool = False,
-          after_step=None) -> list[float]:
+          after_step=None, bf16: bool = False) -> list[float]:
     """Megatron's own training step, as `megatron.training.train_step` runs it:
     zero DDP's grad buffer and the optimizer, forward and backward (directly, or
     through Megatron's schedule with `schedule`), `finalize_model_grads`, then
     Megatron's optimizer (`get_megatron_optimizer`: SGD with momentum, no weight
     decay, no clipping) steps on each `main_grad`; `after_step(step)` is called after
-    each. Nothing of megatron_overlap runs here beyond the model's own layers."""
+    each. `bf16`: bf16 parameters; Megatron's optimizer for them takes CUDA tensors
+    only, so on CPU `Bf16Sgd` does its step (the same SGD on fp32 master copies).
+    Nothing of megatron_overlap runs here beyond the model's own layers."""
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from helpers.megatron_cpu import cuda_tensors_on_cpu
 
     config = OptimizerConfig(optimizer="sgd", lr=lr, sgd_momentum=0.9, weight_decay=0.0,
-                             clip_grad=0.0, bf16=False, fp16=False,
+                             clip_grad=0.0, bf16=bf16, fp16=False,
                              use_distributed_optimizer=False)
     # On CPU, Megatron's optimizer makes its loss scale and grad-norm buffers on 'cuda'.
     on_device = cuda_tensors_on_cpu if device == "cpu" else contextlib.nullcontext
     if device != "cpu":
         skip_dp_all_reduce_on_gloo_cuda(ddp)
-    with on_device():
-        optimizer = get_megatron_optimizer(config, [ddp])
+    if bf16 and device == "cpu":
+        optimizer = Bf16Sgd(ddp, lr)
+    else:
+        with on_device():
+            optimizer = get_megatron_optimizer(config, [ddp])
     losses = []
     for step in range(steps):
         ddp.zero_grad_buffer()
@@ -119,6 +124,28 @@ def train(ddp, steps: int = 5, lr: float = 0.05, device: str = "cpu", schedule: 
         if after_step is not None:
             after_step(step)
     return losses
+
+
+class Bf16Sgd:
+    """Megatron's bf16 optimizer step on CPU: SGD with momentum 0.9 on fp32 master
+    copies of the bf16 parameters, from each `main_grad`, copied back rounded."""
+
+    def __init__(self, ddp, lr: float):
+        self.params = [p for p in ddp.parameters() if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_(True) for p in self.params]
+        self.sgd = torch.optim.SGD(self.master, lr=lr, momentum=0.9)
+
+    def zero_grad(self) -> None:
+        self.sgd.zero_grad()
+
+    def step(self):
+        for m, p in zip(self.master, self.params):
+            m.grad = p.main_grad.float()
+        self.sgd.step()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.params):
+                p.copy_(m)
+        return True, None, None
 
 
 def skip_dp_all_reduce_on_gloo_cuda(ddp) -> None:

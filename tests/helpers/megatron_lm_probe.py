@@ -233,7 +233,11 @@ def probe_model() -> dict:
     labels = torch.roll(tokens, -1, dims=1)
     position_ids = torch.arange(args.seq_length).unsqueeze(0).expand_as(tokens)
     mask = torch.tril(torch.ones(1, 1, args.seq_length, args.seq_length)) < 0.5
-    loss = model(tokens, position_ids, mask, labels=labels).float().mean()
+    run = model
+    if args.bf16:  # as Megatron-LM's get_model wraps it: inputs and outputs cast
+        from megatron.core.transformer.module import Float16Module
+        run = Float16Module(model.config, model)
+    loss = run(tokens, position_ids, mask, labels=labels).float().mean()
     loss.backward()
     grad = sum(float(p.grad.float().norm()) for p in model.parameters() if p.grad is not None)
     from megatron_overlap.config import state
