@@ -1,5 +1,6 @@
-"""FP8 casts on the GPU: the fused kernel (`overlap.fp8._fused_cast`, torch.compile of the one
-definition) gives the bits eager torchao gives, and the one-pass amax torchao's amax."""
+"""FP8 on one GPU, one process: the fused cast (`overlap.fp8._fused_cast`, torch.compile of
+the one definition) gives the bits eager torchao gives, the one-pass amax torchao's amax;
+row-wise scaled GEMMs run on the GPU's kernel with the operands the layers give them."""
 
 import pytest
 import torch
@@ -35,3 +36,32 @@ def test_fused_cast_equals_eager_bit_for_bit(dtype, fp8):
         assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), name
     # the fused kernel ran (a failed compile sets its entry to None and logs)
     assert f._fused.get((dtype, fp8)) is not None, f._fused
+
+
+@pytest.mark.parametrize("first", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_rowwise_gemm_runs_on_the_gpu_as_on_cpu(first):
+    """Row-wise FP8 as the layers run it (`rows_quantized`: each row's scale in its 16-byte
+    tail, so the first operand is a strided view; the weight per output column;
+    `RowScaledGemm` through torch._scaled_mm's row-wise kernel): the GPU accepts these
+    operands (the rules `_check_rowwise` holds on CPU) and its product equals the
+    dequantized operands' fp32 product within one bf16 rounding plus accumulation
+    order, whole and in row chunks."""
+    pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
+    from megatron_overlap.overlap import fp8 as f
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(256, 128, generator=g) * 5).to(torch.bfloat16).cuda()
+    w = torch.randn(96, 128, generator=g).to(torch.bfloat16).cuda()
+    a = f.rows_quantized(x, first)
+    s = f.row_scales(w, torch.float8_e4m3fn)  # [96, 1]: one per output column of x @ w^T
+    b = f.quantize(w, s, torch.float8_e4m3fn).t()  # [128, 96], column-major
+    gemm = f.RowScaledGemm(s.t(), torch.bfloat16)
+    exact = f.rows_dequantized(a, torch.float32) @ (b.float() / s.t())
+    whole = gemm(a, b, op="rowwise")
+    chunks = torch.empty_like(whole)
+    for i in range(4):  # the schedules' chunks: rows of `a` (with their tails), rows of out
+        gemm(a[i * 64:(i + 1) * 64], b, chunks[i * 64:(i + 1) * 64], op="rowwise", chunk=i)
+    for got in (whole, chunks):
+        assert got.dtype == torch.bfloat16
+        rel = ((got.float() - exact).abs().max() / exact.abs().max()).item()
+        assert rel <= 2 ** -7, rel
