@@ -212,3 +212,42 @@ def test_ranks_that_disagree_on_fp8_are_diagnosed_before_any_transfer():
     for r in dist.run(_mixed, 2, timeout=240):
         assert r["error"] and "precision" in r["error"] and "fp8 tensorwise" in r["error"], r
         assert r["moved"] == {}
+
+
+def _build_plain_fp8_gpt(rank, world):
+    import logging
+
+    import megatron_overlap as mo
+    from helpers.gpt import make_config, make_model
+    from helpers.megatron_cpu import init
+    from megatron_overlap.config import console
+
+    init(world)
+    console._said.clear()
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger("megatron_overlap")
+    log.addHandler(handler)
+    mo.install()
+    try:
+        make_model(make_config(world, "swiglu_gqa_rms", overlap=False, fp8="hybrid",
+                               fp8_recipe="tensorwise"))
+        make_model(make_config(world, "swiglu_gqa_rms", overlap=True, fp8="hybrid",
+                               fp8_recipe="tensorwise"))
+    finally:
+        mo.uninstall()
+        log.removeHandler(handler)
+    return [m for m in seen if "is Megatron's own" in m]
+
+
+def test_an_fp8_config_on_megatrons_own_linears_is_reported_not_run_as_bf16_in_silence():
+    """With tp_comm_overlap=False every linear stays Megatron's (bf16/fp32, as megatron-core
+    runs them without Transformer Engine): a warning names each kind, reason and fix; with
+    it on, only the output layer stays Megatron's, and says so."""
+    for said in dist.run(_build_plain_fp8_gpt, 2):
+        off = [m for m in said if "tp_comm_overlap=False" in m]
+        assert {m.split("'")[1] for m in off} >= {"qkv", "proj", "fc1", "fc2"}, said
+        assert all("not fp8='hybrid'" in m and "set tp_comm_overlap=True" in m for m in off)
+        on = [m for m in said if "tp_comm_overlap=False" not in m]
+        assert on and all("not one of the linears" in m for m in on), said

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from typing import Any
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..config import COLUMN_BUFFERS, ROW_BUFFERS
+from ..config.console import say_once
 from ..layers.precision import building
 
 # the local spec's submodule of each buffer: linear_qkv, linear_fc1 (column), linear_proj, linear_fc2
@@ -47,6 +49,26 @@ def wants_overlap(kwargs: dict[str, Any], buffers: tuple[str, ...]) -> bool:
 _original_init: dict[type, Any] = {}
 
 
+def report_not_fp8(kind: str, kwargs: dict[str, Any]) -> None:
+    """An FP8 config on a linear that stays Megatron's: without Transformer Engine,
+    megatron-core runs it in the parameters' dtype and says nothing; we say it (once per
+    kind of linear and reason), naming what would make it FP8 where something would."""
+    config = kwargs.get("config")
+    if not getattr(config, "fp8", None):
+        return
+    name = kwargs.get("tp_comm_buffer_name") or "unnamed"
+    if kwargs.get("is_expert", False):
+        why = "an MoE expert's linear, which megatron_overlap does not overlap"
+    elif not getattr(config, "tp_comm_overlap", False):
+        why = "tp_comm_overlap=False: set tp_comm_overlap=True for megatron_overlap's FP8 linears"
+    else:
+        why = "not one of the linears megatron_overlap overlaps (the output layer, ...)"
+    say_once(logging.WARNING,
+             f"megatron_overlap: {kind} '{name}' is Megatron's own and runs in "
+             f"{getattr(config, 'params_dtype', 'its parameters dtype')}, not fp8="
+             f"{config.fp8!r} (no Transformer Engine): {why}")
+
+
 def _swapping_init(base: type):
     original = base.__dict__["__init__"]
 
@@ -57,6 +79,8 @@ def _swapping_init(base: type):
             self.__class__ = target[0]
             target[0].__init__(self, *args, **kwargs)
         else:
+            if type(self) is base:
+                report_not_fp8(base.__name__, kwargs)
             original(self, *args, **kwargs)
 
     __init__.__wrapped__ = original
