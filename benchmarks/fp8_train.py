@@ -109,6 +109,10 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         for name in rotated(list(arms), i):
             barrier(device)
             arms[name].step(b)
+        if rank == 0 and (i + 1) % 25 == 0:  # progress, so a run cut short says how far it got
+            print(f"step {i + 1}/{args.steps}: " + ", ".join(
+                f"{k} loss {a.results[-1].loss:.4f} ({a.results[-1].step_time_s * 1e3:.0f} ms)"
+                for k, a in arms.items()), flush=True)
     if rank == 0:
         losses = {k: [r.loss for r in a.results] for k, a in arms.items()}
         meta = machine_info(layout, device)
