@@ -15,7 +15,9 @@ can take longer than its GEMMs run. A replay issues it in one launch.
 - When: a signature seen `capture_after` times is captured; earlier calls run
   eagerly (the first one also sizes the workspaces). Training allocates the same
   addresses step after step, so steady state replays; a call whose tensors moved
-  runs eagerly, exactly as before. At most `max_graphs` per pass are kept (oldest
+  runs eagerly, exactly as before. (Device tensors a caller keeps from every step move
+  them: made after a backward freed what its forward allocated, an FP8 forward's FP8
+  input, weight and scales, they take those blocks; tests/test_fp8_replay.py.) At most `max_graphs` per pass are kept (oldest
   dropped first).
 - Ranks need not agree on replay versus eager: a replay enqueues the same
   transfers into the same workspace places as the eager pass.

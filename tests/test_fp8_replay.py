@@ -1,0 +1,103 @@
+"""An FP8 layer's passes recur step after step, so they are captured and replayed as a
+bf16 layer's are (the graphs themselves: tests/gpu/test_fp8_gpu.py). A pass is captured
+when its signature (every tensor it touches, by address) is seen again; an FP8 forward
+allocates its FP8 input, weight and their scales beside its output, keeps them for the
+backward, and the backward frees them. On CPU the addresses are those the CUDA caching
+allocator would give (helpers/alloc_emu.py); 2 TP ranks, gloo, 8 steps of the GPU test's
+loop (new values in the same input buffers each step).
+
+- Results kept on the host (a training step keeps nothing of itself on the device): every
+  pass captured at most twice, the later steps all replays, FP8 as bf16.
+- The emulation sees moved tensors (so the above means something): copies kept on the
+  device across steps, made after the backward freed the FP8 tensors, take their blocks,
+  and no FP8 signature ever recurs; a bf16 layer's signature tensors are all alive at
+  that point, so it replays even then. This was the GPU test's 0 captures on `symm`.
+"""
+
+import pytest
+
+from helpers import dist
+
+CASES = [("column", "ring"), ("column", "rs_dgrad_pipeline2"), ("row", "pipeline2")]
+
+
+def _steps(layer, x, dy, values, tracker, on_device: bool) -> None:
+    import torch
+
+    kept = []
+    for v in values + values:
+        with torch.no_grad():
+            layer.weight.copy_(v[0])
+            layer.bias.copy_(v[1])
+        x.copy_(v[2])
+        dy.copy_(v[3])
+        xi = x.detach().requires_grad_(True)
+        layer.weight.grad = layer.bias.grad = None
+        y, _ = layer(xi)
+        y.backward(dy)
+        tracker.device = on_device  # off: copies that the device allocator never sees
+        kept.append([y.detach().clone(), xi.grad.clone(), layer.weight.grad.clone(),
+                     layer.bias.grad.clone()])
+        tracker.device = True
+        del y, xi
+
+
+def _run(rank, world):
+    import torch
+
+    import megatron_overlap as mo
+    from helpers import fp8_layers as fl
+    from helpers.alloc_emu import Tracker, emulated_replay
+    from helpers.layers import VARIANTS
+    from helpers.megatron_cpu import init
+
+    init(world)
+    out = {}
+    for kind, variant in CASES:
+        case = fl.Fp8Case(kind, variant, True, "bfloat16")
+        overrides, flags = VARIANTS[kind][variant]
+        values = [fl._shards(case, rank, world, *fl._whole(case, world, torch.bfloat16, seed=s))
+                  for s in range(4)]
+        for fp8, on_device in ((True, False), (True, True), (False, True)):
+            mo.install(ub_cfgs=overrides)
+            try:
+                layer = fl.build(kind, fl.config(world, True, torch.bfloat16, flags,
+                                                 **(dict(fp8="hybrid", fp8_recipe="tensorwise")
+                                                    if fp8 else {})))
+            finally:
+                mo.uninstall()
+            x, dy = values[0][2].clone(), values[0][3].clone()
+            tracker = Tracker()
+            with tracker, emulated_replay(tracker):
+                _steps(layer, x, dy, values, tracker, on_device)
+            out[(kind, variant, fp8, on_device)] = dict(
+                precision=layer.precision.describe(),
+                passes={p: (g.calls, g.captures, g.replays) for p, g in layer.pass_graphs.items()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return dist.run(_run, 2, timeout=300)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
+def test_fp8_passes_recur_and_replay_in_steady_state(results, case):
+    for rank, r in enumerate(results):
+        got = r[(*case, True, False)]
+        assert got["precision"].startswith("fp8 tensorwise"), got
+        for p, (calls, captures, replays) in got["passes"].items():
+            # first sighting eager, captured at a recurrence, then replayed: the second
+            # round of the same 4 steps replays only (replays count the capture's launch)
+            assert calls == 8 and 1 <= captures <= 2 and replays - captures >= 4, (rank, p, got)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
+def test_the_emulation_sees_moved_fp8_tensors_and_bf16_replays_alike(results, case):
+    for rank, r in enumerate(results):
+        moved, bf16 = r[(*case, True, True)], r[(*case, False, True)]
+        assert bf16["precision"] == "bf16", bf16
+        for p, (calls, captures, replays) in moved["passes"].items():
+            assert calls == 8 and captures == replays == 0, (rank, p, moved)
+        for p, (calls, captures, replays) in bf16["passes"].items():
+            assert calls == 8 and 1 <= captures <= 2 and replays - captures >= 4, (rank, p, bf16)
