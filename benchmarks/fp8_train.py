@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                    help="the parameters' (default: bfloat16 on a GPU, float32 on CPU)")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default=None)
     return ap.parse_args(argv)
@@ -92,7 +94,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 
     layout = plan_layout(world, args.device)
     device = init_megatron(layout, rank, world, args.seed, _cpu_init)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     spec = GPTSpec(args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab, None)
     mo.install()
     try:

@@ -104,7 +104,7 @@ import torch
 from megatron_overlap.extras import MissingExtra
 from megatron_overlap.overlap import fp8
 try:
-    fp8.amax(torch.ones(2))
+    fp8.scale_for(fp8.amax(torch.ones(2)), torch.float8_e4m3fn)  # every FP8 pass scales
 except MissingExtra as e:
     print(e)
 """

@@ -27,8 +27,10 @@ def _init(world):
 
 
 def _step(layer, x, dy):
-    """One forward + backward; what it produced, cloned (the originals are freed, so the
-    next call's allocations land where these did, as in training)."""
+    """One forward + backward; what it produced, copied to the host (the originals are
+    freed, so the next call's allocations land where these did, as in training, which
+    keeps nothing of a step on the device: device copies kept across steps would take
+    blocks the passes' tensors had used and move them, as they did to FP8 layers)."""
     import torch
 
     xi = x.detach().requires_grad_(True)
@@ -36,12 +38,12 @@ def _step(layer, x, dy):
         p.grad = None
     y, _ = layer(xi)
     y.backward(dy)
-    out = {"y": y.detach().clone(), "dx": xi.grad.clone(),
-           "dw": None if layer.weight.grad is None else layer.weight.grad.clone()}
+    out = {"y": y.detach().cpu(), "dx": xi.grad.cpu(),
+           "dw": None if layer.weight.grad is None else layer.weight.grad.cpu()}
     if layer.bias is not None:
-        out["db"] = layer.bias.grad.clone()
+        out["db"] = layer.bias.grad.cpu()
     if hasattr(layer.weight, "main_grad"):
-        out["main_grad"] = layer.weight.main_grad.clone()
+        out["main_grad"] = layer.weight.main_grad.cpu()
     del y, xi
     torch.cuda.synchronize()
     return out
