@@ -5,6 +5,7 @@ move where the numbers move; the tuner's measured modes time the FP8 passes on C
 ranks on torch_p2p, and the null transport); the CLI says the precision and refuses what
 the layers do not run."""
 
+import dataclasses
 import json
 import math
 
@@ -156,6 +157,16 @@ def test_model_only_picks_move_where_fp8_moves_the_numbers():
             assert in_f8[0] > in_f8[1] and in_bf[0] <= in_bf[1], (sb.name, in_f8, in_bf)
     assert differ, "FP8 and bf16 picked the same settings for every pass"
     assert f8.models[0].best_us < bf.models[0].best_us
+
+
+def test_a_shape_read_back_from_json_keeps_its_precision():
+    """The tuner's JSON holds its shapes as dataclasses.asdict (benchmarks/tune_check.py
+    reads them back with Shape(**d)); files written before shapes had a precision are bf16."""
+    shape = _shapes(ROWWISE)["fc1"]
+    back = Shape(**json.loads(json.dumps(dataclasses.asdict(shape))))
+    assert back == shape and back.numerics == ROWWISE
+    old = {k: v for k, v in dataclasses.asdict(shape).items() if k != "numerics"}
+    assert Shape(**old).numerics == BF16
 
 
 def test_numerics_refuse_what_the_layers_do_not_run():

@@ -57,6 +57,8 @@ class Shape:
             raise ValueError(f"shape {self.model}_{self.buffer}: buffer must be one of {BUFFERS}")
         if min(self.m, self.k, self.n, self.tp) < 1:
             raise ValueError(f"shape {self.name}: dimensions must be >= 1")
+        if isinstance(self.numerics, dict):  # read back from a JSON (dataclasses.asdict)
+            object.__setattr__(self, "numerics", Numerics(**self.numerics))
 
     @property
     def name(self) -> str:
