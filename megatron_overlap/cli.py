@@ -36,6 +36,33 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rs-dgrad", action="store_true",
                    help="also consider reduce-scatter dgrads for qkv/fc1 (Megatron's "
                         "tp_comm_overlap_rs_dgrad)")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
+                   help="the parameters' dtype (default bf16); fp32 GEMMs run TF32")
+    p.add_argument("--fp8", choices=("hybrid", "e4m3"),
+                   help="the linears run FP8 (Megatron's --fp8-format; --fp8-recipe tensorwise): "
+                        "FP8 GEMMs, FP8 gathers, reductions in --dtype")
+    p.add_argument("--fp8-scaling", choices=("tensorwise", "rowwise"), default=None,
+                   help="with --fp8: per-tensor scales (default) or per-row "
+                        "(--megatron-overlap-fp8-scaling rowwise; wgrad in --dtype)")
+    p.add_argument("--no-fp8-wgrad", action="store_true",
+                   help="with --fp8: the wgrad GEMM in --dtype (Megatron's --no-fp8-wgrad)")
+
+
+def numerics_of(args: argparse.Namespace):
+    """The linears' precision from --dtype, --fp8, --fp8-scaling, --no-fp8-wgrad
+    (FlagError naming the flags for a combination the layers do not run)."""
+    from .simulate.numerics import Numerics
+
+    if args.fp8 is None and (args.fp8_scaling or args.no_fp8_wgrad):
+        given = "--fp8-scaling" if args.fp8_scaling else "--no-fp8-wgrad"
+        raise FlagError(f"{given} needs --fp8 hybrid or --fp8 e4m3")
+    rowwise = args.fp8_scaling == "rowwise"
+    try:
+        return Numerics(args.dtype, args.fp8, args.fp8_scaling or "tensorwise",
+                        fp8_wgrad=not (args.no_fp8_wgrad or rowwise))
+    except ValueError as e:
+        raise FlagError(f"--dtype {args.dtype} --fp8 {args.fp8} --fp8-scaling "
+                        f"{args.fp8_scaling}: {e}") from None
 
 
 def _machine(args: argparse.Namespace):
@@ -78,7 +105,7 @@ def cmd_simulate(args: argparse.Namespace, command: str) -> int:
     except ValueError as e:
         raise FlagError(f"--cfg: {e}") from None
     try:
-        shapes = parse_shapes(args.shapes, args.tp)
+        shapes = parse_shapes(args.shapes, args.tp, numerics_of(args))
     except ValueError as e:
         raise FlagError(f"--shapes {args.shapes!r}: {e}") from None
     report = simulate(shapes, hw, layout, cal, cfg,
@@ -93,8 +120,12 @@ def cmd_simulate(args: argparse.Namespace, command: str) -> int:
             f.write(rep.markdown(report, command))
         print(f"markdown: {args.md}")
     if args.yaml:
+        from .simulate.numerics import yaml_comment
+
+        note = yaml_comment(shapes[0].numerics.label())
         for path, model in _yaml_paths(args.yaml, [s.model for s in report.models]):
-            report.picked_config(model).to_yaml(path)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(note + report.picked_config(model).to_yaml())
             print(f"picked settings for {model}: {path}")
     return 0
 

@@ -31,8 +31,8 @@ def _ring(name, **kw):
     return dataclasses.replace(LayerSettings.default(name, "ring_exchange"), **kw)
 
 
-def _block_bytes(spec, hw=HW):
-    return spec.block_elems * hw.dtype_bytes
+def _block_bytes(spec):
+    return spec.block_elems * 2  # bf16
 
 
 # -- closed forms ------------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def test_the_model_issues_what_the_schedules_issue_on_a_real_transport():
         kinds = [e[0] for t in traces for e in t]
         assert kinds.count("gemm") == sum(e[0] == "gemm" for t in real for e in t), run
         sim = Sim(HW, Layout(tp=run.tp, gpus_per_node=run.local), Engine())
-        play(sim, traces, Costs(lambda *_: 1.0, 0.0, lambda _: 0.5, 2))
+        play(sim, traces, Costs(lambda *_: 1.0, 0.0, lambda _: 0.5))
         sends = sum(len(e[2]) for t in traces for e in t if e[0] == "exchange")
         assert sim.transfers == sends + kinds.count("collective") // run.tp, run
         assert sim.end() >= kinds.count("gemm") // run.tp * 1.0, run
@@ -327,7 +327,7 @@ def test_a_deadlock_or_untimed_work_is_a_clear_error():
     # rank 0 waits for a block from rank 1, which never sends it
     traces = [[("exchange", 1, (), ((1, (0, 0, 8)),)), ("wait", 1)], []]
     with pytest.raises(RuntimeError, match="rank 0 at .*deadlocks"):
-        play(Sim(HW, Layout(tp=2), Engine()), traces, Costs(lambda *_: 1.0, 0.0, lambda _: 0.5, 2))
+        play(Sim(HW, Layout(tp=2), Engine()), traces, Costs(lambda *_: 1.0, 0.0, lambda _: 0.5))
     with pytest.raises(NotImplementedError, match="mul_.*no time for"):
         record(lambda tp, gemm: meta_empty(4).mul_(2), 1)
 

@@ -259,7 +259,7 @@ def _cpu_compute_side(layout, monkeypatch):
     monkeypatch.setattr(F, "pass_streams", pass_streams)
     monkeypatch.setattr(F, "all_gather_matmul", all_gather_matmul)
 
-    def time_pass(fn, m, k, n, layout):
+    def time_pass(fn, m, k, n, layout, dtype):
         ran.append({})
         timing.append(ran[-1])
         try:
@@ -272,8 +272,8 @@ def _cpu_compute_side(layout, monkeypatch):
                 "host_us_sched": 10.0, "mono_ms": 0.5}
 
     measure = ComputeSideMeasure(Hardware(), layout, reps=1, device="cpu", dtype=torch.float32,
-                                 time_gemm=lambda m, k, n, layout: {"mono_graph_ms": 0.5,
-                                                                       "mono_ms": 0.5},
+                                 time_gemm=lambda m, k, n, layout, dtype: {
+                                     "mono_graph_ms": 0.5, "mono_ms": 0.5},
                                  time_pass=time_pass)
     return measure, ran
 

@@ -8,13 +8,19 @@ last, partial wave costs a full wave's time. cuBLAS softens this with other
 tile shapes and split-K, so the roofline takes the best of a few tile shapes
 (smaller ones slightly less efficient) and splits K when the grid underfills
 the chip. Measured chunked/monolithic ratios override all of it.
+
+Each GemmModel is of one operand dtype (`dtype`: its calibration was measured in it; the
+roofline takes that dtype's peak and bytes). `for_dtype` gives the model of another:
+the roofline at that dtype's peak, with the efficiency fitted to this one's measurements.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from .calibration import Calibration
 from .hardware import Hardware
@@ -24,13 +30,16 @@ TILES = ((128, 256, 1.0), (256, 128, 1.0), (128, 128, 0.92), (64, 128, 0.8))
 MIN_SPLIT_K_DEPTH = 512
 
 
-def roofline_us(hw: Hardware, m: int, k: int, n: int, sms: int | None = None) -> float:
-    """Best-tile roofline time of one [m,k]x[k,n] GEMM on `sms` SMs (default: all)."""
+def roofline_us(hw: Hardware, m: int, k: int, n: int, sms: int | None = None,
+                dtype: torch.dtype = torch.bfloat16) -> float:
+    """Best-tile roofline time of one [m,k]x[k,n] GEMM of `dtype` operands on `sms` SMs
+    (default: all); an FP8 GEMM's output is taken as bf16."""
     sms = hw.sms if sms is None else sms
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    flops, peak = 2.0 * m * k * n, hw.peak_tflops * 1e6 * sms / hw.sms  # flop per us
-    mem_us = (m * k + k * n + m * n) * hw.dtype_bytes / (hw.hbm_gbs * 1e3)
+    flops, peak = 2.0 * m * k * n, hw.peak_for(dtype) * 1e6 * sms / hw.sms  # flop per us
+    size = dtype.itemsize
+    mem_us = ((m * k + k * n) * size + m * n * max(size, 2)) / (hw.hbm_gbs * 1e3)
     best = math.inf
     for tm, tn, tile_eff in TILES:
         tiles = math.ceil(m / tm) * math.ceil(n / tn)
@@ -45,13 +54,13 @@ def roofline_us(hw: Hardware, m: int, k: int, n: int, sms: int | None = None) ->
     return best + hw.kernel_us
 
 
-def fit_efficiency(hw: Hardware, cal: Calibration) -> float:
+def fit_efficiency(hw: Hardware, cal: Calibration, dtype: torch.dtype = torch.bfloat16) -> float:
     """gemm_efficiency that makes the roofline match the measured monolithic GEMMs
-    (median over shapes); the hardware's own value without measurements."""
+    (of `dtype`; median over shapes); the hardware's own value without measurements."""
     if not cal.mono:
         return hw.gemm_efficiency
     unit = hw.replace(gemm_efficiency=1.0, kernel_us=0.0)
-    return statistics.median(roofline_us(unit, *d[:3]) / max(t - hw.kernel_us, 1e-9)
+    return statistics.median(roofline_us(unit, *d[:3], dtype=dtype) / max(t - hw.kernel_us, 1e-9)
                              for d, t in cal.mono.items())
 
 
@@ -60,26 +69,45 @@ class GemmModel:
     """GEMM times for the schedules. `calibration` may be empty (pure roofline). Each
     time is of an [m, k] x [k, n] GEMM with operands in `layout` (a pass's
     `PassSpec.gemm_layout`): measured times are looked up by (m, k, n, layout), never
-    taken from another layout's GEMM of the same size."""
+    taken from another layout's GEMM of the same size. `dtype`: the operands' (and the
+    calibration's)."""
 
     hw: Hardware
     calibration: Calibration | None = None
+    dtype: torch.dtype = torch.bfloat16
+    _others: dict[torch.dtype, "GemmModel"] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self.calibration = self.calibration or Calibration()
         self._mono = self.calibration.mono
-        self.fitted = self.hw.replace(gemm_efficiency=fit_efficiency(self.hw, self.calibration))
+        self.fitted = self.hw.replace(
+            gemm_efficiency=fit_efficiency(self.hw, self.calibration, self.dtype))
+
+    def for_dtype(self, dtype: torch.dtype) -> "GemmModel":
+        """The model of `dtype` GEMMs: this one, or (another dtype: nothing measured in it)
+        the roofline at that dtype's peak with this model's fitted efficiency; the
+        calibration's host figures kept."""
+        if dtype == self.dtype:
+            return self
+        if dtype not in self._others:
+            cal = self.calibration
+            host = Calibration(host_step_us=list(cal.host_step_us), host=cal.host)
+            self._others[dtype] = GemmModel(self.fitted, host, dtype)
+        return self._others[dtype]
+
+    def _roof(self, m: int, k: int, n: int, sms: int | None = None) -> float:
+        return roofline_us(self.fitted, m, k, n, sms, self.dtype)
 
     def _sm_factor(self, m: int, k: int, n: int, sms: int | None) -> float:
         if sms is None or sms >= self.hw.sms:
             return 1.0
-        return roofline_us(self.fitted, m, k, n, sms) / roofline_us(self.fitted, m, k, n)
+        return self._roof(m, k, n, sms) / self._roof(m, k, n)
 
     def mono_us(self, m: int, k: int, n: int, layout: str, sms: int | None = None) -> float:
         """One GEMM of the whole shape in `layout`: measured when calibrated, else the
         fitted roofline."""
         measured = self._mono.get((m, k, n, layout))
-        base = measured if measured is not None else roofline_us(self.fitted, m, k, n)
+        base = measured if measured is not None else self._roof(m, k, n)
         return base * self._sm_factor(m, k, n, sms)
 
     def measured_chunks(self, m: int, k: int, n: int, layout: str, chunks: int,
@@ -104,10 +132,9 @@ class GemmModel:
         if measured is not None:
             base = max(measured - extra_us, 0.0) / chunks
         elif dims in self._mono:  # measured whole, roofline ratio for the cut
-            base = (self._mono[dims] * roofline_us(self.fitted, rows, k, n)
-                    / roofline_us(self.fitted, m, k, n))
+            base = self._mono[dims] * self._roof(rows, k, n) / self._roof(m, k, n)
         else:
-            base = roofline_us(self.fitted, rows, k, n)
+            base = self._roof(rows, k, n)
         return base * self._sm_factor(rows, k, n, sms)
 
     def add_us(self, nbytes: float) -> float:

@@ -14,9 +14,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..config import BACKENDS
 
-_POSITIVE = ("sms", "gemm_efficiency", "gemm_k_half", "dtype_bytes")
+_POSITIVE = ("sms", "gemm_efficiency", "gemm_k_half")
 MODES = ("graph", "eager")  # CUDA-graph replay, or launched from Python every call
 
 
@@ -26,7 +28,9 @@ class Hardware:
 
     name: str = "H200"
     sms: int = 132
-    peak_tflops: float = 989.0  # bf16 dense
+    peak_tflops: float = 989.0  # bf16 / fp16 dense
+    fp8_peak_tflops: float = 1979.0  # FP8 dense (torch._scaled_mm)
+    tf32_peak_tflops: float = 494.0  # fp32 GEMMs, which run TF32 dense
     gemm_efficiency: float = 0.82  # best fraction of peak a large cuBLAS GEMM sustains
     gemm_k_half: float = 256.0  # K at which the mainloop reaches half its efficiency gain
     kernel_us: float = 2.0  # per GEMM kernel on the device: launch gap, prologue, tail
@@ -41,7 +45,12 @@ class Hardware:
     nccl_inter_gbs: float | None = None  # bus bandwidth across nodes; None: min(NVLink, IB x GPUs/node)
     eager_step_us: float = 50.0  # host time per schedule step launched from Python
     eager_comm_us: float = 10.0  # host time to launch one transfer or collective
-    dtype_bytes: int = 2
+
+    def peak_for(self, dtype: torch.dtype) -> float:
+        """Dense TFLOP/s of a GEMM whose operands are `dtype` (FP8: one byte each)."""
+        if dtype.itemsize == 1:
+            return self.fp8_peak_tflops
+        return self.tf32_peak_tflops if dtype == torch.float32 else self.peak_tflops
 
     def replace(self, **changes: Any) -> "Hardware":
         return dataclasses.replace(self, **changes)

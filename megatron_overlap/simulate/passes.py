@@ -13,6 +13,10 @@ forward GEMM [M,K]x[K,N]:
 | row dgrad | M, N, K | all-gather of the output grad, (M/W) x N |
 | row wgrad | N, M, K | none (reuses the dgrad's gathered grad: `external`) |
 
+A pass's GEMM runs in its shape's `numerics` (FP8 or the parameters' dtype) and each
+transfer moves the bytes of the dtype it carries (`numerics.py`: FP8 gathers one byte
+per element, row-wise scale tails included; reductions the parameters' dtype).
+
 Each pass kind multiplies its operands in one layout (`PassSpec.gemm_layout`,
 `shapes.GEMM_LAYOUTS`: fprop NT, dgrad NN, wgrad TN); a measured GEMM time applies to
 its own layout only.
@@ -26,8 +30,11 @@ import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from ..config import LayerSettings
 from .gemm import GemmModel
+from .numerics import dtype_name
 from .hardware import Hardware, Layout
 from .play import Costs, play
 from .runs import Run, recorded
@@ -74,6 +81,30 @@ class PassSpec:
         width = s.k if s.column else s.n
         return s.m // s.tp * width
 
+    @property
+    def gemm_dtype(self) -> torch.dtype:
+        """The dtype the pass's GEMM multiplies in (its first operand's)."""
+        return self.shape.numerics.gemm_dtype(self.pass_name)
+
+    @property
+    def moved(self) -> tuple[torch.dtype, int]:
+        """(dtype, tail bytes per row) of the non-overlapped path's collective: an FP8
+        gather carries FP8 (a column dgrad's gather of the input: what the wgrad takes),
+        a reduction the parameters' dtype."""
+        num = self.shape.numerics
+        if self.comm != "ag":
+            return num.params, 0
+        if self.shape.column and self.pass_name == "dgrad":
+            return num.input_gather, 0
+        return self.gemm_dtype, num.tail(self.pass_name)
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one rank's block of the communicated tensor, in the dtype it carries."""
+        dtype, tail = self.moved
+        rows = self.shape.m // self.shape.tp
+        return self.block_elems * dtype.itemsize + rows * tail
+
 
 def layer_passes(shape: Shape) -> list[PassSpec]:
     return [PassSpec(shape, p) for p in PASSES]
@@ -100,6 +131,8 @@ class PassResult:
     gemm_source: str = "roofline"
     host_us: float | None = None  # measured host time per call of the overlapped pass (host.py)
     host_bound: bool = False  # that host time exceeds the pass's GPU time
+    gemm_dtype: str = "bf16"  # what the GEMM multiplies in (numerics.DTYPES' name)
+    moved_bytes: int = 0  # one rank's block of the non-overlapped path's collective
 
     @property
     def exposed_us(self) -> float:
@@ -168,10 +201,12 @@ _KIND = {"ag_ring": "ag_ring", "ag_hier": "ag_ring", "rs_ring": "rs_ring", "rs_h
 def run_of(spec: PassSpec, s: LayerSettings, layout: Layout) -> Run:
     """What the layer runs for pass `spec` with settings `s` on `layout`."""
     schedule, shape, tp = schedule_of(s, layout), spec.shape, layout.tp
-    rows = shape.m // tp
+    rows, num = shape.m // tp, shape.numerics
     return Run(spec.name, schedule, s.method, spec.comm, tp, layout.local, spec.gemm,
                (rows, spec.block_elems // rows), s.aggregate, s.splits(tp),
-               gather=spec.pass_name == "dgrad" and shape.column and s.is_reduce_scatter)
+               gather=spec.pass_name == "dgrad" and shape.column and s.is_reduce_scatter,
+               dtype=num.params, a_dtype=spec.gemm_dtype, tail=num.tail(spec.pass_name),
+               gather_dtype=num.input_gather)
 
 
 def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout,
@@ -191,7 +226,7 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
     eager_timed = gemm.measured_chunks(m, k, n, ops, chunks, kind, "eager")
     step_us = 0.0 if mode == "eager" and eager_timed else _step_us(hw, gemm)
     # a measured ring reduce-scatter includes its adds: taken out of its chunk GEMMs
-    extra = (tp - 1) * gemm.add_us(spec.block_elems * hw.dtype_bytes) \
+    extra = (tp - 1) * gemm.add_us(spec.block_elems * spec.shape.numerics.params.itemsize) \
         if run.schedule in ("rs_ring", "rs_hier") else 0.0
     sms = sim.gemm_sms
 
@@ -204,7 +239,7 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
     # bulk: two launches and no schedule loop, each what a collective launch costs the host
     launch = sim.comm_launch_us if run.schedule == "bulk" else step_us
     play(sim, recorded(run),
-         Costs(gemm_us, launch, gemm.add_us, hw.dtype_bytes, engine.sms or None))
+         Costs(gemm_us, launch, gemm.add_us, engine.sms or None))
     return sim.end()
 
 
@@ -217,7 +252,7 @@ def baseline_us(spec: PassSpec, hw: Hardware, layout: Layout, gemm: GemmModel) -
     """(collective, GEMM + collective) of the non-overlapped path (NCCL, its own SMs)."""
     m, k, n = spec.gemm
     sim = Sim(hw, layout, Engine("sm", hw.nccl_sms))
-    coll = 0.0 if spec.comm == "none" else sim.collective_us(spec.block_elems * hw.dtype_bytes)
+    coll = 0.0 if spec.comm == "none" else sim.collective_us(spec.block_bytes)
     return coll, gemm.mono_us(m, k, n, spec.gemm_layout) + coll
 
 
@@ -247,6 +282,7 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
     eager_comm_us)."""
     if s is not None and s.name != spec.name:
         raise ValueError(f"settings of {s.name} given for pass {spec.name}")
+    gemm = gemm.for_dtype(spec.gemm_dtype)
     host = measured_host_us(spec, layout, gemm)
     comm_us, base_us = baseline_us(spec, hw, layout, gemm)
     if host is not None:
@@ -273,4 +309,5 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
         gemm_us=gemm.mono_us(m, k, n, spec.gemm_layout), comm_us=comm_us, baseline_us=base_us,
         compute_only_us=floor, overlapped_us=over,
         gemm_source=gemm.source(m, k, n, spec.gemm_layout),
-        host_us=host, host_bound=bound)
+        host_us=host, host_bound=bound, gemm_dtype=dtype_name(spec.gemm_dtype),
+        moved_bytes=0 if spec.comm == "none" else spec.block_bytes)

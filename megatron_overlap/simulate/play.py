@@ -45,7 +45,6 @@ class Costs:
     gemm_us: Callable[[int, int, int], float]  # one GEMM of (rows, k, n)
     launch_us: float  # host time to launch one GEMM (eager)
     add_us: Callable[[float], float]  # an elementwise add of nbytes
-    elem_bytes: int
     collective_sms: int | None = None  # SMs a collective's kernels run on (None: NCCL's own)
 
 
@@ -148,12 +147,12 @@ class _Player:
                 self.wake(("posted", peer, r))
             sent[r] = 0
         while sent[r] < len(sends):
-            peer, elems, region = sends[sent[r]]
+            peer, nbytes, region = sends[sent[r]]
             queue = self.posted[(r, peer)]
             if not queue:
                 return ("posted", r, peer)
             host, ph, dst = queue.popleft()
-            t = sim.transfer(r, peer, elems * self.costs.elem_bytes,
+            t = sim.transfer(r, peer, nbytes,
                              max(self.ready[r].at(region), self.frontier[r], sim.host[r], host))
             self.ready[peer].write(dst, t)
             self.landed(peer, ph, t)
@@ -170,10 +169,9 @@ class _Player:
             issued = self.colls[n]
             issued.append((r, h, max(self.ready[r].at(inp), self.frontier[r], sim.host[r]), out))
             if len(issued) == len(self.traces):
-                nbytes = block * costs.elem_bytes
-                end = sim.collective(nbytes, max(i[2] for i in issued), costs.collective_sms)
+                end = sim.collective(block, max(i[2] for i in issued), costs.collective_sms)
                 if kind == "all_reduce":  # a reduce-scatter, then an all-gather
-                    end = sim.collective(nbytes, end, costs.collective_sms)
+                    end = sim.collective(block, end, costs.collective_sms)
                 for rank, rh, _, dst in issued:
                     self.ready[rank].write(dst, end)
                     self.landed(rank, rh, end)
@@ -188,7 +186,7 @@ class _Player:
             self.times[key] = self.costs.gemm_us(rows, k, n)
         return self.times[key]
 
-    def add_us(self, elems: int) -> float:
-        if elems not in self.times:
-            self.times[elems] = self.costs.add_us(elems * self.costs.elem_bytes)
-        return self.times[elems]
+    def add_us(self, nbytes: int) -> float:
+        if nbytes not in self.times:
+            self.times[nbytes] = self.costs.add_us(nbytes)
+        return self.times[nbytes]

@@ -60,7 +60,12 @@ def headline(report: Report) -> str:
             else f"GEMMs from the roofline (no calibration file; efficiency "
                  f"{report.hw.gemm_efficiency:.2f} of peak)")
     hw = report.hw
-    return (f"{hw.name}, {report.layout.describe()}; NVLink {hw.nvlink_gbs:g} GB/s "
+    labels = sorted({sr.shape.numerics.label() for sr in report.shapes})
+    if any(sr.shape.numerics.fp8 for sr in report.shapes):
+        gemm += (f"; FP8 GEMMs from the roofline at {hw.fp8_peak_tflops:g} TFLOP/s"
+                 + (" with that efficiency" if cal.mono else ""))
+    return (f"{hw.name}, {report.layout.describe()}, {' / '.join(labels)}; "
+            f"NVLink {hw.nvlink_gbs:g} GB/s "
             f"{hw.nvlink_latency_us:g} us, IB {hw.ib_gbs:g} GB/s {hw.ib_latency_us:g} us; {gemm}; "
             f"{cal.host_source(report.layout.mode, hw.eager_step_us, megatron_modelled_host_us(hw))}")
 
@@ -142,7 +147,9 @@ def to_json(report: Report, command: str) -> dict[str, Any]:
                      "host_time_figures": _host_figures(report),
                      "gemm_times": "measured where calibrated, fitted roofline otherwise"
                      if cal.mono else "roofline (no calibration)",
-                     "fitted_gemm_efficiency": _fitted(report), "rs_dgrad": report.rs_dgrad},
+                     "fitted_gemm_efficiency": _fitted(report), "rs_dgrad": report.rs_dgrad,
+                     "precision": list({sr.shape.numerics.label(): sr.shape.numerics.to_dict()
+                                        for sr in report.shapes}.values())},
             "passes": passes, "models": [s.to_dict() for s in report.models]}
 
 

@@ -33,21 +33,30 @@ class Run:
     aggregate: bool = False
     splits: int = 1
     gather: bool = False  # a column dgrad's input all-gather runs alongside (rs_dgrad)
+    dtype: torch.dtype = torch.bfloat16  # outputs, partial sums, reductions
+    a_dtype: torch.dtype | None = None  # the GEMM's first operand (AG->GEMM gathers it); None: dtype
+    tail: int = 0  # bytes after each row of that operand (a row-wise FP8 scale)
+    gather_dtype: torch.dtype | None = None  # a column dgrad's gather of the input (None: dtype)
 
 
 def run_schedule(run: Run, tp: Transport, gemm: Gemm = matmul, device: str = "meta") -> None:
     """One rank's part of `run` on `tp` with `gemm`, on `device` tensors of the pass's
-    shapes (meta: no memory, no data)."""
+    shapes and dtypes (meta: no memory, no data)."""
     m, k, n = run.gemm
     world, op = tp.world_size, run.name
+    a_dtype, tail = run.a_dtype or run.dtype, run.tail
+    g_dtype = run.gather_dtype or run.dtype
 
-    def empty(*shape: int) -> torch.Tensor:
-        return meta_empty(*shape) if device == "meta" else torch.randn(*shape, device=device)
+    def empty(*shape: int, dtype: torch.dtype = run.dtype) -> torch.Tensor:
+        if device == "meta":
+            return meta_empty(*shape, dtype=dtype)
+        return torch.randn(*shape, device=device).to(dtype)
 
     nodes = [list(range(i, i + run.local)) for i in range(0, world, run.local)] \
         if run.schedule.endswith("hier") else None
     rows, width = run.block
-    block, full = empty(rows, width), empty(world * rows, width)
+    moved = g_dtype if run.comm == "ag" or run.gather else run.dtype
+    block, full = empty(rows, width, dtype=moved), empty(world * rows, width, dtype=moved)
 
     def gather():
         return tp.all_gather(full, block, op=op)
@@ -56,16 +65,16 @@ def run_schedule(run: Run, tp: Transport, gemm: Gemm = matmul, device: str = "me
         return tp.reduce_scatter(block, full, op=op)
 
     def gemm_rs():
-        return matmul_reduce_scatter(empty(m, k), empty(n, k), tp, run.method, run.splits,
-                                     op=op, nodes=nodes, gemm=gemm)
+        return matmul_reduce_scatter(empty(m, k + tail, dtype=a_dtype), empty(n, k, dtype=a_dtype),
+                                     tp, run.method, run.splits, op=op, nodes=nodes, gemm=gemm)
 
     if run.schedule == "bulk":  # the backward's bulk overlap: the collective under the GEMM
-        a, b = empty(m, k), empty(k, n)
+        a, b = empty(m, k + tail, dtype=a_dtype), empty(k, n, dtype=a_dtype)
         hide(gather if run.comm == "ag" else reduce_scatter, lambda: gemm(a, b, op=op),
              overlap=True)
     elif run.schedule.startswith("ag"):
-        all_gather_matmul(empty(m // world, k), empty(n, k), tp, run.method, op=op,
-                          aggregate=run.aggregate, nodes=nodes, gemm=gemm)
+        all_gather_matmul(empty(m // world, k + tail, dtype=a_dtype), empty(n, k, dtype=a_dtype),
+                          tp, run.method, op=op, aggregate=run.aggregate, nodes=nodes, gemm=gemm)
     elif run.gather:
         hide(gather, gemm_rs, overlap=True)
     else:
@@ -76,4 +85,4 @@ def run_schedule(run: Run, tp: Transport, gemm: Gemm = matmul, device: str = "me
 def recorded(run: Run) -> tuple[tuple[Event, ...], ...]:
     """What every rank of `run` issues (simulate.transport.record)."""
     return tuple(tuple(events) for events in record(lambda tp, gemm: run_schedule(run, tp, gemm),
-                                                     run.tp))
+                                                     run.tp, run.dtype, run.tail))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 from ..config.names import BUFFER_NAMES as BUFFERS
 from ..config.names import COLUMN_BUFFERS as COLUMN
+from .numerics import BF16, Numerics
 
 
 # The operand layout of each pass's GEMM [m, k] x [k, n] (`PassSpec.gemm`, `gemm_layout`),
@@ -49,12 +50,15 @@ class Shape:
     n: int
     tp: int
     source: str = ""  # where the shape came from (reference name, preset, custom)
+    numerics: Numerics = BF16  # what its passes compute and move in
 
     def __post_init__(self) -> None:
         if self.buffer not in BUFFERS:
             raise ValueError(f"shape {self.model}_{self.buffer}: buffer must be one of {BUFFERS}")
         if min(self.m, self.k, self.n, self.tp) < 1:
             raise ValueError(f"shape {self.name}: dimensions must be >= 1")
+        if isinstance(self.numerics, dict):  # read back from a JSON (dataclasses.asdict)
+            object.__setattr__(self, "numerics", Numerics(**self.numerics))
 
     @property
     def name(self) -> str:
@@ -103,8 +107,9 @@ class ModelDims:
     layers: int = 1
     swiglu: bool = True
 
-    def shapes(self, model: str, tp: int) -> list[Shape]:
-        """qkv, proj, fc1, fc2 at TP size `tp` (ValueError where a dimension does not split)."""
+    def shapes(self, model: str, tp: int, numerics: Numerics = BF16) -> list[Shape]:
+        """qkv, proj, fc1, fc2 at TP size `tp` in `numerics` (ValueError where a dimension
+        does not split)."""
         head_dim = self.hidden // self.heads
         qkv_out = self.hidden + 2 * self.query_groups * head_dim
         fc1_out = self.ffn_hidden * (2 if self.swiglu else 1)
@@ -114,10 +119,10 @@ class ModelDims:
                 raise ValueError(f"{model}: {what} {size} does not split over TP={tp}")
         m = self.seq_length * self.micro_batch
         src = f"preset {model}"
-        return [Shape(model, "qkv", m, self.hidden, qkv_out // tp, tp, src),
-                Shape(model, "proj", m, self.hidden // tp, self.hidden, tp, src),
-                Shape(model, "fc1", m, self.hidden, fc1_out // tp, tp, src),
-                Shape(model, "fc2", m, self.ffn_hidden // tp, self.hidden, tp, src)]
+        return [Shape(model, "qkv", m, self.hidden, qkv_out // tp, tp, src, numerics),
+                Shape(model, "proj", m, self.hidden // tp, self.hidden, tp, src, numerics),
+                Shape(model, "fc1", m, self.hidden, fc1_out // tp, tp, src, numerics),
+                Shape(model, "fc2", m, self.ffn_hidden // tp, self.hidden, tp, src, numerics)]
 
 
 PRESETS: dict[str, ModelDims] = {  # Llama 3 dimensions
@@ -127,10 +132,11 @@ PRESETS: dict[str, ModelDims] = {  # Llama 3 dimensions
 MODEL_LAYERS = {"70B": 80, "8B": 32}
 
 
-def parse_shapes(spec: str, tp: int) -> list[Shape]:
+def parse_shapes(spec: str, tp: int, numerics: Numerics = BF16) -> list[Shape]:
     """Comma-separated: `reference` (DESIGN.md's seven), a reference name
     (`70B_tp8_qkv`), a preset (`70b`, `8b`: its four linears), or a custom
-    `MODEL_BUFFER=MxKxN` (per-rank K/N at TP=`tp`). Every shape comes out at TP=`tp`."""
+    `MODEL_BUFFER=MxKxN` (per-rank K/N at TP=`tp`). Every shape comes out at TP=`tp`,
+    in `numerics`."""
     out: list[Shape] = []
     for token in filter(None, (t.strip() for t in spec.split(","))):
         if token == "reference":
@@ -156,4 +162,4 @@ def parse_shapes(spec: str, tp: int) -> list[Shape]:
                              "or MODEL_BUFFER=MxKxN")
     if not out:
         raise ValueError("no shapes given")
-    return out
+    return [replace(s, numerics=numerics) for s in out]

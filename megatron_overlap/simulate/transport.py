@@ -4,11 +4,14 @@ the real schedules of `overlap` on every rank of the TP group, on meta tensors
 `play` to time on a `Sim`:
 
 - ("gemm", rows, k, n, out): a GEMM through the `gemm=` seam (`modelled_gemm`);
-- ("add", elems, out) / ("copy", dst, src): the schedule's own elementwise ops
+- ("add", bytes, out) / ("copy", dst, src): the schedule's own elementwise ops
   (a ring reduce-scatter's `acc += incoming`), seen by the meta tensors it runs on;
-- ("exchange", handle, sends, recvs): sends = ((peer, elems, src), ...),
+- ("exchange", handle, sends, recvs): sends = ((peer, bytes, src), ...),
   recvs = ((peer, dst), ...);
-- ("collective", handle, kind, block elems, input, output);
+- ("collective", handle, kind, block bytes, input, output);
+
+Sizes are bytes of the tensors as the schedule holds them, so a pass moves what its
+tensors' dtypes carry (FP8: one byte per element, row-wise scale tails included).
 - ("wait", handle).
 
 Tensors are named by region: (storage number on that rank, first byte, end byte),
@@ -76,7 +79,7 @@ class _Meta(torch.Tensor):
         if rec is not None:
             if name in ("add_", "__iadd__") or (name == "add" and "out" in kwargs):
                 out = kwargs.get("out", args[0])
-                rec.events.append(("add", out.numel(), rec.region(out)))
+                rec.events.append(("add", nbytes(out), rec.region(out)))
                 return out
             if name == "copy_":
                 rec.events.append(("copy", rec.region(args[0]), rec.region(args[1])))
@@ -124,7 +127,7 @@ class ModelledTransport(Transport):
     def _start_exchange(self, sends: Sequence[tuple[torch.Tensor, Peer, torch.Tensor]],
                         recvs: Sequence[SendRecv], op: str, chunk: int) -> Handle:
         r = self.record
-        out = tuple((p, t.numel(), r.region(t)) for t, p, _ in sends)
+        out = tuple((p, nbytes(t), r.region(t)) for t, p, _ in sends)
         into = tuple((p, r.region(t)) for t, p in recvs)
         return self._issue(lambda h: ("exchange", h, out, into))
 
@@ -133,40 +136,56 @@ class ModelledTransport(Transport):
         return self._issue(lambda h: ("collective", h, kind, block, r.region(inp), r.region(out)))
 
     def _start_all_gather(self, out, inp, op, chunk) -> Handle:
-        return self._collective("all_gather", inp.numel(), inp, out)
+        return self._collective("all_gather", nbytes(inp), inp, out)
 
     def _start_reduce_scatter(self, out, inp, op, chunk) -> Handle:
-        return self._collective("reduce_scatter", out.numel(), inp, out)
+        return self._collective("reduce_scatter", nbytes(out), inp, out)
 
     def _start_all_reduce(self, tensor, op, chunk) -> Handle:
-        return self._collective("all_reduce", tensor.numel() // self.world_size, tensor, tensor)
+        return self._collective("all_reduce", nbytes(tensor) // self.world_size, tensor, tensor)
 
 
-def modelled_gemm(record: _Rank) -> Gemm:
+class _ModelledGemm:
     """The `gemm=` seam on the modelled clock: records the chunk's shape (its time is the
-    cost model's per-chunk GEMM time, applied by `play`); traced like `overlap.matmul`."""
+    cost model's per-chunk GEMM time, applied by `play`); traced like `overlap.matmul`.
+    `out_dtype`: what it outputs (an FP8 GEMM's: the parameters' dtype); `tail`: bytes
+    after each row of `a` that are not multiplied (a row-wise scale, as `RowScaledGemm`)."""
 
-    def gemm(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *, op: str,
-             chunk: int = 0) -> torch.Tensor:
+    def __init__(self, record: _Rank, out_dtype: Optional[torch.dtype], tail: int) -> None:
+        self.record, self.out_dtype, self.tail = record, out_dtype, tail
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
+                 op: str, chunk: int = 0) -> torch.Tensor:
         trace.record("gemm", op, chunk)
         rows = a.shape[0] * a.shape[1] if a.dim() == 3 else a.shape[0]
         if out is None:
-            out = meta_empty(*a.shape[:-1], b.shape[-1], dtype=a.dtype)
-        record.events.append(("gemm", rows, a.shape[-1], b.shape[-1], record.region(out)))
+            out = meta_empty(*a.shape[:-1], b.shape[-1], dtype=self.out_dtype or a.dtype)
+        self.record.events.append(("gemm", rows, a.shape[-1] - self.tail, b.shape[-1],
+                                   self.record.region(out)))
         return out
-    return gemm
 
 
-def record(body: Callable[[Transport, Callable], None], world: int) -> list[list[Event]]:
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def modelled_gemm(record: _Rank, out_dtype: Optional[torch.dtype] = None, tail: int = 0) -> Gemm:
+    """A modelled GEMM seam for `record`'s rank (`_ModelledGemm`)."""
+    return _ModelledGemm(record, out_dtype, tail)
+
+
+def record(body: Callable[[Transport, Callable], None], world: int,
+           out_dtype: Optional[torch.dtype] = None, tail: int = 0) -> list[list[Event]]:
     """Run `body(transport, gemm)` (one rank's schedule) for every rank of a group of
-    `world`; returns each rank's events. Nothing reaches the per-op stats."""
+    `world`, the GEMM `modelled_gemm(out_dtype, tail)`; returns each rank's events.
+    Nothing reaches the per-op stats."""
     out = []
     with stats.set_aside():
         for rank in range(world):
             rec = _Rank()
             token = _recording.set(rec)
             try:
-                body(ModelledTransport(rank, world, rec), modelled_gemm(rec))
+                body(ModelledTransport(rank, world, rec), modelled_gemm(rec, out_dtype, tail))
             finally:
                 _recording.reset(token)
             out.append(rec.events)

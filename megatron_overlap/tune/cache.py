@@ -19,7 +19,7 @@ from typing import Any
 # external compute sides, baselines, chunked ratios) timed in that pass's operand layout
 # (fprop NT, dgrad NN, wgrad TN); version 2's timed every pass's in NT, and shared one timing
 # between passes of the same (m, k, n).
-KEY_VERSION = 3
+KEY_VERSION = 4
 
 
 def cache_key(job: dict[str, Any], hardware: dict[str, Any]) -> str:

@@ -28,7 +28,6 @@ def add_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]) -> N
     p.add_argument("--micro-batch-size", type=positive_int)
     p.add_argument("--no-swiglu", action="store_true", help="fc1 is not a gated (2x) projection")
     p.add_argument("--name", help="model name in the outputs (default: the preset, or 'custom')")
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16")
     common(p)
     p.add_argument("--measure", choices=MEASURES, default="auto",
                    help="auto: several GPUs under torchrun -> real, one GPU -> compute, CPU -> model")
@@ -110,10 +109,13 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
 
     name, dims = model_dims(args)
     hw, layout, cal = cli._machine(args)
-    if args.dtype == "fp32":
-        hw = hw.replace(dtype_bytes=4, peak_tflops=hw.peak_tflops / 2)  # TF32
-    shapes = dims.shapes(name, args.tp)
+    numerics = cli.numerics_of(args)
+    shapes = dims.shapes(name, args.tp, numerics)
     kind = pick_measure(args.measure)
+    if kind != "model" and numerics.scaling == "rowwise":
+        raise ValueError(f"--fp8-scaling rowwise with --measure {kind}: the tuner times FP8 "
+                         "passes with tensorwise scales only; row-wise is predicted by the cost "
+                         "model (--measure model)")
     if kind in ("compute", "real"):
         import torch
 
@@ -128,13 +130,14 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
     elif kind == "compute":
         from .hooks import ComputeSideMeasure
 
-        measure = ComputeSideMeasure(hw, layout, reps=args.reps, host=cal.host)
+        measure = ComputeSideMeasure(hw, layout, reps=args.reps, host=cal.host,
+                                     dtype=numerics.params)
     else:
         if cal.host is not None:
             raise ValueError("--host-time applies to --measure model and compute; --measure real "
                              "times every pass for real, its host time included")
-        measure, rank, agree = _distributed(args, layout)
-    print(f"megatron-overlap tune: {NOTES[kind]}", flush=True)
+        measure, rank, agree = _distributed(args, layout, numerics)
+    print(f"megatron-overlap tune: {NOTES[kind]} Precision: {numerics.label()}.", flush=True)
     if kind != "real":
         from ..simulate.passes import megatron_modelled_host_us
 
@@ -143,7 +146,8 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
               flush=True)
     writer = rank == 0
     cache_path = None if args.no_cache or not writer else (args.cache or args.yaml + ".cache.jsonl")
-    run = _wandb_run(args, {"command": command, "model": name, **vars(dims)}) if writer else None
+    run = _wandb_run(args, {"command": command, "model": name, **vars(dims),
+                            "precision": numerics.to_dict()}) if writer else None
     try:
         result = tune(shapes, layout, measure, cache=Cache(cache_path), rs_dgrad=args.rs_dgrad,
                       progress=writer and not args.no_progress, run=run, agree=agree,
@@ -194,7 +198,7 @@ def summary(result) -> str:
     return "\n".join(lines)
 
 
-def _distributed(args: argparse.Namespace, layout):
+def _distributed(args: argparse.Namespace, layout, numerics):
     """Several GPUs under torchrun: NCCL, the whole world as the TP group."""
     import torch
     import torch.distributed as dist
@@ -214,4 +218,5 @@ def _distributed(args: argparse.Namespace, layout):
 
         return broadcast_object(hit, 0, None, "tuner cache hit")
 
-    return DistributedMeasure(backend=args.backend, reps=args.reps), rank, agree
+    return (DistributedMeasure(backend=args.backend, reps=args.reps,
+                               dtype=numerics.params), rank, agree)

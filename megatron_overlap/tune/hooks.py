@@ -10,7 +10,8 @@ only ever picks by time_ms.
   them): the real overlapped pass, timed on every rank. Its timer is a
   callable, so the same code runs on gloo CPU ranks in tests.
 
-Both measuring ones time the layer's own pass functions (`tune.passes`).
+Both measuring ones time the layer's own pass functions (`tune.passes`), in the
+precision of the trial's shape (`Shape.numerics`: FP8 passes through `fp8_trial_pass`).
 """
 
 from __future__ import annotations
@@ -28,14 +29,15 @@ def job_of(trial: Trial) -> dict[str, Any]:
     s = trial.spec.shape
     return {"pass": trial.name, "model": s.model, "m": s.m, "k": s.k, "n": s.n, "tp": s.tp,
             "gemm": list(trial.spec.gemm), "settings": trial.candidate.to_dict(),
-            "comm_moved": trial.comm_moved}
+            "comm_moved": trial.comm_moved, "precision": s.numerics.to_dict()}
 
 
 def _result(r: PassResult, source: str) -> dict[str, Any]:
     return {"time_ms": r.overlapped_us / 1e3, "baseline_ms": r.baseline_us / 1e3,
             "compute_only_ms": r.compute_only_us / 1e3, "exposed_ms": r.exposed_us / 1e3,
             "hidden_fraction": r.hidden, "source": source,
-            "host_ms": None if r.host_us is None else r.host_us / 1e3, "host_bound": r.host_bound}
+            "host_ms": None if r.host_us is None else r.host_us / 1e3, "host_bound": r.host_bound,
+            "gemm_dtype": r.gemm_dtype, "moved_bytes": r.moved_bytes}
 
 
 def _machine(hw: Hardware, layout: Layout, host: HostTime | None = None) -> dict[str, Any]:
@@ -88,7 +90,7 @@ class ComputeSideMeasure:
     pass's monolithic GEMM (its bulk / external compute side, the non-overlapped baseline,
     the reference of its chunked timing's ratio) in that pass's own layout.
 
-    time_gemm(m, k, n, layout) and time_pass(fn, m, k, n, layout) -> measure_gemm /
+    time_gemm(m, k, n, layout, dtype) and time_pass(fn, m, k, n, layout, dtype) -> measure_gemm /
     measure_pass's dicts (default: those, CUDA); device: where the passes' tensors live.
     Tests inject CPU ones."""
 
@@ -96,7 +98,7 @@ class ComputeSideMeasure:
 
     def __init__(self, hw: Hardware, layout: Layout, *, reps: int = 20, dtype: Any = None,
                  host: HostTime | None = None, device: Any = "cuda",
-                 time_gemm: Callable[[int, int, int, str], dict[str, Any]] | None = None,
+                 time_gemm: Callable[[int, int, int, str, Any], dict[str, Any]] | None = None,
                  time_pass: Callable[..., dict[str, Any]] | None = None) -> None:
         import torch
 
@@ -106,6 +108,7 @@ class ComputeSideMeasure:
         self.hw, self.layout, self.reps, self.device = hw, layout, reps, device
         self.dtype = dtype or torch.bfloat16
         self.calibration = Calibration(source=f"measured on this GPU ({device_name()})", host=host)
+        self.calibrations: dict[Any, Calibration] = {}  # FP8 GEMMs', per operand dtype
         # timed_key -> its ratios, keyed (m, k, n, layout, kind, chunks)
         self.timed: dict[str, dict[tuple[int, int, int, str, str, int], dict[str, float]]] = {}
         self.time_gemm = time_gemm or self._time_gemm
@@ -114,27 +117,39 @@ class ComputeSideMeasure:
                          "torch": torch.__version__, "gemm_streams_default": default_gemm_streams(),
                          **_machine(hw, layout, host)}
 
-    def _time_gemm(self, m: int, k: int, n: int, layout: str) -> dict[str, Any]:
+    def _time_gemm(self, m: int, k: int, n: int, layout: str, dtype: Any) -> dict[str, Any]:
         from .measure import measure_gemm
 
-        return measure_gemm(m, k, n, layout, reps=self.reps, dtype=self.dtype)
+        return measure_gemm(m, k, n, layout, reps=self.reps, dtype=dtype, out_dtype=self.dtype)
 
-    def _time_pass(self, fn: Callable[[], Any], m: int, k: int, n: int,
-                   layout: str) -> dict[str, Any]:
+    def _calibration(self, dtype: Any) -> Calibration:
+        """The measurements of GEMMs in `dtype`: FP8 ones apart, the rest `calibration`."""
+        if dtype.itemsize > 1:
+            return self.calibration
+        if dtype not in self.calibrations:
+            self.calibrations[dtype] = Calibration(source=self.calibration.source,
+                                                   host=self.calibration.host)
+        return self.calibrations[dtype]
+
+    def _time_pass(self, fn: Callable[[], Any], m: int, k: int, n: int, layout: str,
+                   dtype: Any) -> dict[str, Any]:
         from .measure import measure_pass
 
-        return measure_pass(fn, m, k, n, layout, reps=self.reps, dtype=self.dtype)
+        return measure_pass(fn, m, k, n, layout, reps=self.reps, dtype=dtype,
+                            out_dtype=self.dtype)
 
     def __call__(self, trial: Trial) -> dict[str, Any]:
         from ..comm import NullTransport
-        from .passes import as_timed, layout_nodes, timed_key, trial_pass
+        from .passes import as_timed, layout_nodes, precision_of, timed_key, trial_pass
 
         m, k, n = trial.spec.gemm
         ops = trial.spec.gemm_layout  # the pass's operand layout: its GEMMs are timed in it
-        dims, cal, tp = (m, k, n, ops), self.calibration, self.layout.tp
+        gdt = trial.spec.gemm_dtype  # the model's dtype for this pass's GEMMs
+        dims, cal, tp = (m, k, n, ops), self._calibration(gdt), self.layout.tp
         measured: dict[str, Any] = {}
+        timed_dtype = gdt if gdt.itemsize == 1 else self.dtype  # FP8, else this measure's
         if dims not in cal.mono_samples:
-            measured = self.time_gemm(m, k, n, ops)
+            measured = self.time_gemm(m, k, n, ops, timed_dtype)
             cal.add(dims, measured["mono_graph_ms"] * 1e3)
         chunking, key = _chunking(trial, tp), None
         if chunking:
@@ -144,8 +159,9 @@ class ComputeSideMeasure:
             if key not in self.timed:
                 # the layer's own pass on the null transport, with this candidate's settings
                 timed = as_timed(trial, null)
-                run = trial_pass(timed, null, self.device, self.dtype, nodes=layout_nodes(timed))
-                measured = self.time_pass(run.run, m, k, n, ops)
+                run = trial_pass(timed, null, self.device, self.dtype, nodes=layout_nodes(timed),
+                                 precision=precision_of(trial.spec.shape.numerics))
+                measured = self.time_pass(run.run, m, k, n, ops, timed_dtype)
                 own = Calibration()
                 own.add(dims, measured["mono_graph_ms"] * 1e3, kind, chunks,
                         measured["sched_graph_ms"] * 1e3, measured["sched_ms"] * 1e3,
@@ -156,8 +172,8 @@ class ComputeSideMeasure:
         # the model sees this trial's own chunked timing and no other candidate's
         mine = dataclasses.replace(cal, ratios=self.timed[key] if key is not None else {})
         c = trial.candidate
-        r = simulate_pass(trial.spec, c.settings, self.hw, self.layout, GemmModel(self.hw, mine),
-                          trial.comm_moved)
+        r = simulate_pass(trial.spec, c.settings, self.hw, self.layout,
+                          GemmModel(self.hw, mine, gdt), trial.comm_moved)
         return {**_result(r, "compute-side measured + modelled communication"),
                 **{f"measured_{k}": v for k, v in measured.items()}}
 
@@ -212,13 +228,14 @@ class DistributedMeasure:
         from ..comm import NullTransport
         from ..comm.topology import topology
         from ..layers.plan import ring_order
-        from .passes import trial_pass
+        from .passes import precision_of, trial_pass
 
         tp, s = self.transport, trial.candidate.settings
+        precision = precision_of(trial.spec.shape.numerics)
         order = ring_order(s, True, topology(self.group, self.device))  # as the layer picks it
         nodes = order.nodes if order is not None else None
         time = lambda t, **kw: self._slowest(self.timer(  # noqa: E731
-            trial_pass(trial, t, self.device, self.dtype, **kw).run))
+            trial_pass(trial, t, self.device, self.dtype, precision=precision, **kw).run))
         over = time(tp, nodes=nodes)
         base = time(tp, overlap=False)
         floor = time(NullTransport(tp.world_size, tp.rank, like=tp), nodes=nodes)

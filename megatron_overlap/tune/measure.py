@@ -136,11 +136,12 @@ def measure_schedule(m: int, k: int, n: int, op: str, tp: int, method: str, spli
 
 
 def measure_pass(fn: Callable[[], Any], m: int, k: int, n: int, layout: str, *,
-                 reps: int = 50, dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+                 reps: int = 50, dtype: torch.dtype = torch.bfloat16,
+                 out_dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     """A whole pass (a closure, e.g. a layer pass on the null transport) against one
-    monolithic GEMM of its size in its operand layout (`PassSpec.gemm_layout`): device
-    times eager and graphed, host time per call."""
-    mono = measure_gemm(m, k, n, layout, reps=reps, dtype=dtype)
+    monolithic GEMM of its size (`dtype` operands, `measure_gemm`) in its operand layout
+    (`PassSpec.gemm_layout`): device times eager and graphed, host time per call."""
+    mono = measure_gemm(m, k, n, layout, reps=reps, dtype=dtype, out_dtype=out_dtype)
     g_sched = graphed(fn)
     t_sched, tg_sched = time_ms(fn, reps), time_ms(g_sched, reps)
     del g_sched
@@ -164,9 +165,23 @@ def gemm_operands(m: int, k: int, n: int, layout: str, *, device: Any = "cuda",
 
 
 def measure_gemm(m: int, k: int, n: int, layout: str, *, reps: int = 50,
-                 dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+                 dtype: torch.dtype = torch.bfloat16,
+                 out_dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
     """One monolithic GEMM [m, k] x [k, n] in operand `layout` (`gemm_operands`; a pass's
-    is `PassSpec.gemm_layout`), graphed (device time) and eager."""
+    is `PassSpec.gemm_layout`), graphed (device time) and eager. FP8 `dtype`: the scaled
+    GEMM (`overlap.fp8.ScaledGemm`, the second operand e4m3, output `out_dtype`) in the
+    one layout cuBLAS multiplies FP8 in (row-major x column-major), whatever `layout`
+    says: the layer makes its FP8 operands so before its GEMMs."""
+    if dtype.itemsize == 1:
+        from ..overlap.fp8 import ScaledGemm
+
+        one = torch.ones((), device="cuda")
+        a = torch.randn(m, k, device="cuda").to(dtype)
+        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()
+        gemm, out = ScaledGemm(one, one, out_dtype), torch.empty(m, n, device="cuda",
+                                                                 dtype=out_dtype)
+        mono = lambda: gemm(a, b, out, op="mono")  # noqa: E731
+        return dict(mono_ms=time_ms(mono, reps), mono_graph_ms=time_ms(graphed(mono), reps))
     a, b = gemm_operands(m, k, n, layout, device="cuda", dtype=dtype)
     mono = lambda: torch.matmul(a, b)  # noqa: E731
     return dict(mono_ms=time_ms(mono, reps), mono_graph_ms=time_ms(graphed(mono), reps))

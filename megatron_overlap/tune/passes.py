@@ -33,6 +33,7 @@ from ..layers.fp8 import col_major
 from ..layers.plan import LayerPlan
 from ..layers.precision import Precision
 from ..simulate import Trial
+from ..simulate.numerics import Numerics
 from ..simulate.passes import ring_order_of
 
 
@@ -45,6 +46,13 @@ class TrialPass:
     run: Callable[[], Any]
     tensors: dict[str, torch.Tensor]
     op: str
+
+
+def precision_of(numerics: Numerics) -> Precision | None:
+    """The layers' Precision of a shape's numerics (None: the parameters' dtype)."""
+    if not numerics.fp8:
+        return None
+    return Precision(numerics.scaling, numerics.fwd, numerics.grad, numerics.fp8_wgrad)
 
 
 def trial_plan(trial: Trial, overlap: bool = True) -> LayerPlan:
@@ -67,8 +75,10 @@ def trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype, *,
     nodes: the ranks per node of the hierarchical ring order (None: flat). A wgrad
     trial opens its transport pass with its own settings (in the layer the dgrad's
     opens it; they differ only in comm_priority, which the search does not vary).
-    `precision` FP8: `fp8_trial_pass` (`dtype`: the outputs')."""
-    if precision is not None and precision.fp8:
+    `precision` FP8: `fp8_trial_pass` (`dtype`: the outputs'), but for a wgrad that runs in
+    the parameters' dtype (fp8_wgrad off)."""
+    if precision is not None and precision.fp8 and (trial.spec.pass_name != "wgrad"
+                                                    or precision.wgrad):
         return fp8_trial_pass(trial, tp, device, dtype, precision, overlap=overlap, nodes=nodes)
     shape, p = trial.spec.shape, trial.spec.pass_name
     m, k, n, w = shape.m, shape.k, shape.n, tp.world_size
@@ -132,8 +142,15 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
     pass function, with their scaled GEMM; outputs in `dtype`. The column wgrad's
     transposed copy of the gathered input is made inside its function, as in the layer.
     Random operands, one scale per FP8 type (`tensors`: 'scale_fwd', 'scale_grad'), the
-    same on every rank, so a gathered FP8 tensor has one scale, as in the layer."""
+    same on every rank, so a gathered FP8 tensor has one scale, as in the layer. The column
+    dgrad gathers the FP8 input where the wgrad is FP8, else the input in `dtype`.
+    Tensorwise scaling only (row-wise: ValueError)."""
     from ..overlap import fp8
+
+    if precision.recipe != "tensorwise":
+        raise ValueError(f"{trial.name}: the tuner times FP8 passes with tensorwise scales; "
+                         f"{precision.recipe!r} scaling is predicted by the cost model only "
+                         "(megatron-overlap tune --measure model)")
 
     shape, p = trial.spec.shape, trial.spec.pass_name
     m, k, n, w = shape.m, shape.k, shape.n, tp.world_size
@@ -162,8 +179,9 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
     elif p == "dgrad":
         g8, sg = q8(precision.grad, m if shape.column else m // w, n)
         t.update(g=g8, wt=w8.t().contiguous(), grad_in=empty(m // w if shape.column else m, k))
-        if shape.column:
-            t["x"] = q8(precision.fwd, m // w, k)[0]  # the FP8 input the wgrad gathers
+        if shape.column:  # the input the wgrad gathers
+            x8 = q8(precision.fwd, m // w, k)[0]
+            t["x"] = x8 if precision.wgrad else x8.to(torch.float32).to(dtype)
         gemm = fp8.ScaledGemm(sg, sw, dtype)
 
         def body():
@@ -237,6 +255,7 @@ def timed_key(trial: Trial, tp: Transport) -> str:
     comm_p, streams = F.pass_streams(tp, s)
     return json.dumps({
         "pass": [shape.m, shape.k, shape.n, shape.column, t.spec.pass_name, t.comm_moved],
+        "numerics": dataclasses.asdict(shape.numerics),
         "world": tp.world_size, "transport": list(tp.backends), "settings": dataclasses.asdict(s),
         "streams": [streams.n, streams.priority, streams.sm_margin, comm_p],
         "nodes": layout_nodes(t)}, sort_keys=True)

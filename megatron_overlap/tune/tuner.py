@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 from ..config import OverlapConfig
 from ..simulate import Layout, Shape, Trial, choose, trials, ub_cfgs
+from ..simulate.numerics import yaml_comment
 from .cache import Cache, cache_key
 from .hooks import job_of
 
@@ -49,13 +50,26 @@ class TuneResult:
     command: str = ""
     choice_rows: list[dict[str, Any]] = field(default_factory=list)
 
+    @property
+    def precision(self) -> dict[str, Any]:
+        """What the tuned passes compute and move in (every shape's; one in a CLI run)."""
+        found = {s.numerics.label(): s.numerics for s in self.shapes}
+        if len(found) > 1:
+            return {"label": " / ".join(found), "mixed": [n.to_dict() for n in found.values()]}
+        return next(iter(found.values())).to_dict()
+
     def write_yaml(self, path: str, model: str | None = None) -> str:
+        """The model's ub_cfgs, after a comment saying the precision they were tuned for."""
         model = model or next(iter(self.configs))
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        return self.configs[model].to_yaml(path)
+        text = yaml_comment(self.precision["label"]) + self.configs[model].to_yaml()
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return text
 
     def to_json(self) -> dict[str, Any]:
         return {"command": self.command, "mode": self.mode, "note": self.note,
+                "precision": self.precision,
                 "hardware": self.hardware, "layout": dataclasses.asdict(self.layout),
                 "shapes": [dataclasses.asdict(s) for s in self.shapes],
                 "measured": self.measured, "cached": self.cached,

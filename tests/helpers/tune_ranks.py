@@ -223,3 +223,42 @@ def fp8_trial_passes_match_reference(rank: int, world: int) -> list[dict]:
             out.append({"pass": trial.name, "label": trial.candidate.label(), "moved": trial.comm_moved,
                         "errors": errors, "fp8": t["weight"].dtype == ref.E4M3})
     return out
+
+
+def fp8_distributed_measure(rank: int, world: int, fp8: str, fp8_wgrad: bool) -> list[dict]:
+    """The several-GPU hook on gloo CPU ranks (torch_p2p) for FP8 shapes (`Shape.numerics`):
+    every trial of a small column and row layer timed for real with a CPU timer; per trial,
+    its result and how many of its timed passes ran as FP8 (`fp8_trial_pass`)."""
+    import torch.distributed as dist
+
+    from megatron_overlap.simulate import Layout, Shape, trials
+    from megatron_overlap.simulate.numerics import Numerics
+    from megatron_overlap.tune import DistributedMeasure
+    from megatron_overlap.tune import passes as P
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    fp8_runs: list = []
+    real = P.fp8_trial_pass
+
+    def counted(*args, **kwargs):
+        fp8_runs.append(args[0].name)
+        return real(*args, **kwargs)
+
+    P.fp8_trial_pass = counted
+    try:
+        import torch
+
+        measure = DistributedMeasure(backend="torch_p2p", timer=_cpu_timer, dtype=torch.float32)
+        layout = Layout(tp=world, gpus_per_node=world, backend="torch_p2p")
+        num = Numerics("bf16", fp8, fp8_wgrad=fp8_wgrad)
+        out = []
+        for shape in (Shape("T", "qkv", 16 * world, 32, 48, world, numerics=num),
+                      Shape("T", "proj", 16 * world, 48, 32, world, numerics=num)):
+            for t in trials(shape, layout, rs_dgrad=True):
+                fp8_runs.clear()
+                result = measure(t)
+                out.append({"pass": t.name, "fp8_passes": len(fp8_runs), **result})
+        return out
+    finally:
+        P.fp8_trial_pass = real
+        dist.destroy_process_group()
