@@ -2,9 +2,8 @@
 `attention_layer.py`'s arms at one shape (one GPU).
 
 Per arm (the same build, weights and input as attention_layer.py):
-- memory: what the arm keeps after its warm-up steps (workspaces, pass-graph pools,
-  Megatron's global buffers: paid once per process, not per layer) and the peak of a
-  steady-state step beyond that (activations and temporaries: paid per layer);
+- memory (attention_layer's `memory`): a steady-state step's peak (per layer), what the
+  arm keeps once per process, its pass graphs' pool;
 - eager and graphed ms (as attention_layer.py times them, fewer repeats);
 - one profiled replay of the whole-layer graph and one profiled eager step: kernel count,
   the sum of kernel times, the span from the first kernel's start to the last one's end,
@@ -79,30 +78,6 @@ def summarize(ks: list[dict], top: int = 12) -> dict:
             "top": [dict(name=n, count=c, total_us=t) for n, (c, t) in tops]}
 
 
-def memory(arm, e) -> dict:
-    """GiB: kept after three warm-up steps (beyond what was there), and the peak of one
-    steady-state step beyond what is kept."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    for _ in range(3):
-        lc._zero_grads(arm)
-        arm.step(e)
-    lc._zero_grads(arm)
-    torch.cuda.synchronize()
-    warm_peak = torch.cuda.max_memory_allocated() - base
-    kept = torch.cuda.memory_allocated() - base
-    torch.cuda.reset_peak_memory_stats()
-    steady0 = torch.cuda.memory_allocated()
-    arm.step(e)
-    lc._zero_grads(arm)
-    torch.cuda.synchronize()
-    steady = torch.cuda.max_memory_allocated() - steady0
-    g = 2 ** 30
-    return {"first_steps_peak_gib": warm_peak / g, "kept_gib": kept / g, "steady_peak_gib": steady / g}
-
-
 def main(argv=None) -> int:
     from megatron_overlap.ab.emulated_tp import EmulatedTP
     from megatron_overlap.tune.measure import graphed, time_b2b, time_ms
@@ -128,9 +103,10 @@ def main(argv=None) -> int:
         arms, e = al.build_arms(shape, args, dtype, device)
         arms = [a for a in arms if a.name in args.arms]
         null = lc.timing_transport(emu, args.timing)
-        emu.use(null, [a.layer for a in arms])
         for arm in arms:
-            row = doc["arms"][arm.name] = memory(arm, e)
+            # attention_layer's measure (a fresh transport of its own), then this run's
+            row = doc["arms"][arm.name] = al.memory(emu, [arm], e, args.timing)[arm.name]
+            emu.use(null, [a.layer for a in arms])
             if args.fill_mpu:
                 from megatron.core.parallel_state import get_global_memory_buffer
 
@@ -154,8 +130,8 @@ def main(argv=None) -> int:
     with open(path, "w") as f:
         json.dump(doc, f, indent=1)
     for n, r in doc["arms"].items():
-        print(f"{n}: eager {r['eager_ms']:.3f} graph {r['graph_ms']:.3f} ms; memory first steps {r['first_steps_peak_gib']:.3f} "
-              f"kept {r['kept_gib']:.3f} steady peak {r['steady_peak_gib']:.3f} GiB")
+        print(f"{n}: eager {r['eager_ms']:.3f} graph {r['graph_ms']:.3f} ms; memory GiB: step {r['step']:.3f} "
+              f"kept {r['kept']:.3f} pools {r['pools']:.3f} (first steps {r['first']:.3f})")
         for mode in ("graph_kernels", "eager_kernels"):
             k = r[mode]
             print(f"  {mode}: {k['kernels']} kernels, sum {k['sum_us']:.0f} span {k['span_us']:.0f} "
