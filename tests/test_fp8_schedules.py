@@ -23,20 +23,7 @@ import pytest
 
 from helpers import dist
 
-TP_SIZES = (2, 4)
-ROWS, K, N = 16, 32, 48
-AG = {"ring": dict(method="ring_exchange"), "ring_aggregate": dict(method="ring_exchange",
-                                                                   aggregate=True),
-      "bulk": dict(method="bulk"), "hierarchical": dict(method="ring_exchange", nodes=True)}
-RS = {"pipeline2": ("pipeline", 2, True), "pipeline1": ("pipeline", 1, True),
-      "ring": ("ring_exchange", 1, True), "bulk": ("bulk", 1, True),
-      "hierarchical": ("ring_exchange", 1, "nodes"), "allreduce_pipeline2": ("pipeline", 2, False),
-      "allreduce_bulk": ("bulk", 1, False)}
-
-
-def _nodes(world):
-    half = max(world // 2, 1)
-    return [list(range(i, i + half)) for i in range(0, world, half)]
+from helpers.fp8_schedule_cases import AG, K, N, ROWS, RS, TP_SIZES, _nodes  # noqa: F401
 
 
 def _cases(rank, world):
