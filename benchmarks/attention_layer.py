@@ -300,43 +300,55 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    from megatron_overlap.ab.launch import plan_layout
-    from megatron_overlap.ab.machine import machine_info
-    from megatron_overlap.ab.results import write_json
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="all", help="all | comma list of " + ", ".join([*SHAPES, "tiny"]))
+def arguments(description: str, shapes) -> argparse.ArgumentParser:
+    """The command line of the one-GPU whole-layer benchmarks (this one, fp8_layer.py)."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="all", help="all | comma list of " + ", ".join([*shapes, "tiny"]))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default=None)
-    ap.add_argument("--timing", choices=("mirror", "null"), default="mirror",
-                    help="the transport while timed and measured (timing_transport)")
-    args = ap.parse_args(argv)
-    names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
-    bad = [n for n in names if n not in SHAPES and n != "tiny"]
+    return ap
+
+
+def run(benchmark: str, args, shapes, run_shape, table, dtype: torch.dtype | None = None) -> int:
+    """Each named shape through `run_shape(shape, args, dtype, device)`, the rows written to
+    <out>/<benchmark>_<tag>.json and printed by `table`; exit status 2 when a check failed.
+    `dtype`: the layers' (default bf16 on a GPU, fp32 on CPU)."""
+    from megatron_overlap.ab.launch import plan_layout
+    from megatron_overlap.ab.machine import machine_info
+    from megatron_overlap.ab.results import write_json
+
+    names = list(shapes) if args.shapes == "all" else args.shapes.split(",")
+    bad = [n for n in names if n not in shapes and n != "tiny"]
     if bad:
-        raise SystemExit(f"unknown shape(s) {bad}: use all or a comma list of {[*SHAPES, 'tiny']}")
+        raise SystemExit(f"unknown shape(s) {bad}: use all or a comma list of {[*shapes, 'tiny']}")
     layout = plan_layout(1, args.device)
     device = torch.device("cpu") if layout.mode == "cpu" else torch.device("cuda", 0)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
     lc.init_process(device, args.seed)
     t0 = time.perf_counter()
     rows = [run_shape(shape_of(n), args, dtype, device) for n in names]
     meta = machine_info(layout, device)
     meta.update(note="one GPU, one process playing the last TP rank" if device.type == "cuda" else
                 "CPU: FUNCTIONAL ONLY (the check ran, nothing was timed)", wall_s=time.perf_counter() - t0)
-    doc = {"benchmark": "attention_layer", "command": " ".join([sys.executable, *sys.argv]),
+    doc = {"benchmark": benchmark, "command": " ".join([sys.executable, *sys.argv]),
            "config": vars(args), "dtype": str(dtype).removeprefix("torch."), "meta": meta, "rows": rows,
            "checks_passed": all(r["check"]["passed"] for r in rows)}
-    path = os.path.join(args.out, f"attention_layer_{args.tag or device.type}.json")
+    path = os.path.join(args.out, f"{benchmark}_{args.tag or device.type}.json")
     write_json(path, doc)
     print(table(doc))
     print(f"results: {path}")
     return 0 if doc["checks_passed"] else 2
+
+
+def main(argv=None) -> int:
+    ap = arguments(__doc__, SHAPES)
+    ap.add_argument("--timing", choices=("mirror", "null"), default="mirror",
+                    help="the transport while timed and measured (timing_transport)")
+    return run("attention_layer", ap.parse_args(argv), SHAPES, run_shape, table)
 
 
 if __name__ == "__main__":

@@ -24,17 +24,15 @@ Writes <out>/fp8_layer_<tag>.json and prints a table; exit status 2 when a check
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-import time
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-import attention_layer as al  # noqa: E402  (its shapes and peak-memory measure)
+import attention_layer as al  # noqa: E402  (its shapes, memory measure and command line)
 import layer_compute as lc  # noqa: E402  (the layer set-up and timing)
 
 FP8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
@@ -144,39 +142,8 @@ def table(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from megatron_overlap.ab.launch import plan_layout
-    from megatron_overlap.ab.machine import machine_info
-    from megatron_overlap.ab.results import write_json
-
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", default="all", help="all | comma list of " + ", ".join([*SHAPES, "tiny"]))
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    ap.add_argument("--tag", default=None)
-    args = ap.parse_args(argv)
-    names = list(SHAPES) if args.shapes == "all" else args.shapes.split(",")
-    bad = [n for n in names if n not in SHAPES and n != "tiny"]
-    if bad:
-        raise SystemExit(f"unknown shape(s) {bad}: use all or a comma list of {[*SHAPES, 'tiny']}")
-    layout = plan_layout(1, args.device)
-    device = torch.device("cpu") if layout.mode == "cpu" else torch.device("cuda", 0)
-    dtype = torch.bfloat16  # FP8 against bf16, on CPU too
-    lc.init_process(device, args.seed)
-    t0 = time.perf_counter()
-    rows = [run_shape(al.shape_of(n), args, dtype, device) for n in names]
-    meta = machine_info(layout, device)
-    meta.update(note="one GPU, one process playing the last TP rank" if device.type == "cuda" else
-                "CPU: FUNCTIONAL ONLY (the check ran, nothing was timed)", wall_s=time.perf_counter() - t0)
-    doc = {"benchmark": "fp8_layer", "command": " ".join([sys.executable, *sys.argv]), "config": vars(args),
-           "meta": meta, "rows": rows, "checks_passed": all(r["check"]["passed"] for r in rows)}
-    path = os.path.join(args.out, f"fp8_layer_{args.tag or device.type}.json")
-    write_json(path, doc)
-    print(table(doc))
-    print(f"results: {path}")
-    return 0 if doc["checks_passed"] else 2
+    args = al.arguments(__doc__, SHAPES).parse_args(argv)
+    return al.run("fp8_layer", args, SHAPES, run_shape, table, torch.bfloat16)  # FP8 against bf16, on CPU too
 
 
 if __name__ == "__main__":

@@ -146,39 +146,40 @@ def check() -> None:
             "use megatron_overlap.install() from your own script, or patches/.")
 
 
+_FLAGS = {  # flag -> its argparse keywords
+    "--tp-comm-overlap-impl": dict(
+        type=str, default="te", choices=IMPLS,
+        help="Implementation of --tp-comm-overlap: te (Transformer Engine Userbuffers, TE "
+        "layers) or megatron_overlap (Megatron-core's own layers: --transformer-impl local). "
+        "megatron_overlap without --tp-comm-overlap: every overlap off, SP torch norms."),
+    "--tp-comm-overlap-backend": dict(
+        type=str, default="auto", choices=BACKENDS,
+        help="Transport for --tp-comm-overlap-impl megatron_overlap."),
+    "--megatron-overlap-attention": dict(
+        type=str, default="torch", choices=ATTENTION,
+        help="Core attention of the local spec's layers under --tp-comm-overlap-impl "
+        "megatron_overlap: torch (torch's fused attention: flash / cuDNN / memory-efficient "
+        "SDPA, varlen flash for packed sequences) or megatron (Megatron's "
+        "DotProductAttention; so does --attention-backend unfused)."),
+    "--megatron-overlap-fp8-scaling": dict(
+        type=str, default="tensorwise", choices=FP8_SCALINGS,
+        help="Scales of --fp8-recipe tensorwise in megatron_overlap's linears: tensorwise (one "
+        "per tensor) or rowwise (one per row, torchao's rowwise with the wgrad in bf16: needs "
+        "--no-fp8-wgrad and --bf16)."),
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Our flags, beside Megatron-LM's --tp-comm-overlap (skipped when present, e.g. in a
-    tree patched with patches/)."""
+    """Our flags, beside Megatron-LM's --tp-comm-overlap (each skipped when present, e.g. in
+    a tree patched with patches/)."""
     have = parser._option_string_actions  # noqa: SLF001 - argparse has no public lookup
-    if all(flag in have for flag in ("--tp-comm-overlap-impl", "--tp-comm-overlap-backend",
-                                     "--megatron-overlap-attention",
-                                     "--megatron-overlap-fp8-scaling")):
-        return parser
-    group = parser.add_argument_group("megatron_overlap", "tensor-parallel comm/GEMM overlap "
-                                      "of Megatron-core's own linears (--transformer-impl local)")
-    if "--tp-comm-overlap-impl" not in have:
-        group.add_argument("--tp-comm-overlap-impl", type=str, default="te", choices=IMPLS,
-                           help="Implementation of --tp-comm-overlap: te (Transformer Engine "
-                           "Userbuffers, TE layers) or megatron_overlap (Megatron-core's own "
-                           "layers: --transformer-impl local). megatron_overlap without "
-                           "--tp-comm-overlap: every overlap off, SP torch norms.")
-    if "--tp-comm-overlap-backend" not in have:
-        group.add_argument("--tp-comm-overlap-backend", type=str, default="auto",
-                           choices=BACKENDS,
-                           help="Transport for --tp-comm-overlap-impl megatron_overlap.")
-    if "--megatron-overlap-attention" not in have:
-        group.add_argument("--megatron-overlap-attention", type=str, default="torch",
-                           choices=ATTENTION,
-                           help="Core attention of the local spec's layers under --tp-comm-overlap-impl "
-                           "megatron_overlap: torch (torch's fused attention: flash / cuDNN / "
-                           "memory-efficient SDPA, varlen flash for packed sequences) or megatron "
-                           "(Megatron's DotProductAttention; so does --attention-backend unfused).")
-    if "--megatron-overlap-fp8-scaling" not in have:
-        group.add_argument("--megatron-overlap-fp8-scaling", type=str, default="tensorwise",
-                           choices=FP8_SCALINGS,
-                           help="Scales of --fp8-recipe tensorwise in megatron_overlap's linears: "
-                           "tensorwise (one per tensor) or rowwise (one per row, torchao's "
-                           "rowwise with the wgrad in bf16: needs --no-fp8-wgrad and --bf16).")
+    missing = [flag for flag in _FLAGS if flag not in have]
+    if missing:
+        group = parser.add_argument_group("megatron_overlap", "tensor-parallel comm/GEMM "
+                                          "overlap of Megatron-core's own linears "
+                                          "(--transformer-impl local)")
+        for flag in missing:
+            group.add_argument(flag, **_FLAGS[flag])
     return parser
 
 
