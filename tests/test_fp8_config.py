@@ -187,25 +187,9 @@ def test_the_settings_table_says_each_layers_precision(built):
 def _mixed(rank, world):
     """Rank 0 configured for FP8, rank 1 not: its passes would move other bytes (no amax
     exchange, bf16 gathers), so the first call is a diagnosed disagreement, no transfer."""
-    import megatron_overlap as mo
-    from helpers.fp8_layers import build, config
-    from helpers.megatron_cpu import init
-    from megatron_overlap.comm import stats
-    from megatron_overlap.layers.agree import DisagreementError
+    from helpers.fp8_layers import first_call
 
-    init(world)
-    fp8 = dict(fp8="hybrid", fp8_recipe="tensorwise") if rank == 0 else {}
-    mo.install()
-    try:
-        layer = build("column", config(world, True, torch.bfloat16, **fp8))
-    finally:
-        mo.uninstall()
-    stats.snapshot()
-    try:
-        layer(torch.randn(8, 2, 32, dtype=torch.bfloat16))
-        return {"error": None}
-    except DisagreementError as exc:
-        return {"error": str(exc), "moved": stats.snapshot()}
+    return first_call(world, {}, **(dict(fp8="hybrid", fp8_recipe="tensorwise") if rank == 0 else {}))
 
 
 def test_ranks_that_disagree_on_fp8_are_diagnosed_before_any_transfer():

@@ -17,12 +17,13 @@ Bounds, and why:
   gather moves (K + 16) / 2K of bf16's bytes.
 """
 
+import functools
+
 import pytest
 import torch
 
 from helpers import dist
 from helpers.fp8_layers import Fp8Case, rowwise_cases, run_cases
-
 from helpers.fp8_schedule_cases import AG, K, N, ROWS, RS, TP_SIZES, _nodes  # noqa: F401
 
 
@@ -104,13 +105,9 @@ def _schedules(rank, world):
     return res
 
 
-_sched: dict[int, list] = {}
-
-
+@functools.cache
 def _sched_for(tp):
-    if tp not in _sched:
-        _sched[tp] = dist.run(_schedules, tp, timeout=240)
-    return _sched[tp]
+    return dist.run(_schedules, tp, timeout=240)
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
@@ -327,25 +324,10 @@ def test_rowwise_door_refuses_activations_the_gemm_cannot_output(built):
 def _mixed(rank, world):
     """Rank 0 row-wise, rank 1 tensorwise: other bytes per row, an amax exchange on one
     side only; the first call is a diagnosed disagreement before any transfer."""
-    import megatron_overlap as mo
-    from helpers.fp8_layers import build, config
-    from helpers.megatron_cpu import init
-    from megatron_overlap.comm import stats
-    from megatron_overlap.layers.agree import DisagreementError
+    from helpers.fp8_layers import first_call
 
-    init(world)
-    mo.install(fp8_scaling="rowwise" if rank == 0 else "tensorwise")
-    try:
-        layer = build("column", config(world, True, torch.bfloat16, fp8="hybrid",
-                                       fp8_recipe="tensorwise", fp8_wgrad=False))
-    finally:
-        mo.uninstall()
-    stats.snapshot()
-    try:
-        layer(torch.randn(8, 2, 32, dtype=torch.bfloat16))
-        return {"error": None}
-    except DisagreementError as exc:
-        return {"error": str(exc), "moved": stats.snapshot()}
+    return first_call(world, {"fp8_scaling": "rowwise" if rank == 0 else "tensorwise"},
+                      fp8="hybrid", fp8_recipe="tensorwise", fp8_wgrad=False)
 
 
 def test_ranks_that_disagree_on_the_scaling_are_diagnosed_before_any_transfer():

@@ -93,6 +93,30 @@ def build(kind: str, cfg, bias: bool = True):
                                     tp_comm_buffer_name="proj")
 
 
+def first_call(world: int, install: dict, **fp8) -> dict:
+    """A column layer (SP, bf16) built under `install(**install)` with these FP8 fields on
+    this rank, called once: {'error': the DisagreementError's text or None, 'moved': what
+    the transports counted by then}. Ranks built differently must stop there, nothing
+    moved."""
+    import megatron_overlap as mo
+    from helpers.megatron_cpu import init
+    from megatron_overlap.comm import stats
+    from megatron_overlap.layers.agree import DisagreementError
+
+    init(world)
+    mo.install(**install)
+    try:
+        layer = build("column", config(world, True, torch.bfloat16, **fp8))
+    finally:
+        mo.uninstall()
+    stats.snapshot()
+    try:
+        layer(torch.randn(8, 2, 32, dtype=torch.bfloat16))
+        return {"error": None}
+    except DisagreementError as exc:
+        return {"error": str(exc), "moved": stats.snapshot()}
+
+
 def _whole(case: Fp8Case, tp: int, dtype: torch.dtype, seed: int = 0):
     """The whole weight, bias, input and upstream gradient (every rank the same)."""
     g = torch.Generator().manual_seed(seed)

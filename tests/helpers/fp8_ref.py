@@ -47,6 +47,20 @@ def mm(a8: torch.Tensor, sa: torch.Tensor, b8: torch.Tensor, sb: torch.Tensor,
                             scale_b=sb.reciprocal(), out_dtype=out_dtype)
 
 
+def summed(parts_in: list, parts_w: list, rank: int, rows: int, scatter: bool,
+           dtype: torch.dtype) -> torch.Tensor:
+    """What rank `rank` must hold after an FP8 GEMM -> reduce-scatter (or all-reduce,
+    `scatter` False): every rank's partial product (its input and weight each quantized
+    whole, in e4m3) summed in float64, then its block of `rows` rows."""
+    partials = []
+    for x, w in zip(parts_in, parts_w):
+        a8, sa = quantize(x, E4M3)
+        b8, sb = quantize(w, E4M3)
+        partials.append(mm(a8, sa, b8.t(), sb, dtype).double())
+    total = sum(partials)
+    return total[rank * rows:(rank + 1) * rows] if scatter else total
+
+
 def dequantize(t8: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (t8.to(torch.float32) / s).to(dtype)
 
