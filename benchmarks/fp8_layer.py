@@ -5,10 +5,13 @@ mirror transport so that each GEMM and each amax gets a training step's data
 (`layer_compute.timing_transport`; on `null` a gathered amax is read from a gather that
 moved nothing), the pass replay on).
 
-Both arms are the layer install() builds (our overlapped linears, its core attention:
-torch's fused attention), from the same weights and input; the fp8 arm with Megatron's
+Every arm is the layer install() builds (our overlapped linears, its core attention:
+torch's fused attention), from the same weights and input; the fp8 arms with Megatron's
 own fields (fp8='hybrid', fp8_recipe='tensorwise': e4m3 inputs and weights, e5m2
-gradients, all three GEMMs of each linear in FP8, quantization included). Measured: eager
+gradients, all three GEMMs of each linear in FP8, quantization included). fp8_eager_kernels
+is the fp8 layer with its FP8 casts and transposes as torch's eager kernels instead of the
+compiled ones (`overlap.fp8.set_fused(False)`): what those win, and the same numbers
+(1e-2 relative at most: the attention backward's own run-to-run differences). Measured: eager
 back to back and graphed (medians of --repeat samples of --reps calls; ratio = bf16 ms /
 fp8 ms), memory per arm (attention_layer's `memory`: per step, kept, pools). Before timing, the fp8 arm
 against the bf16 arm on the mirror transport: output, input grad and every parameter
@@ -16,8 +19,12 @@ grad within FP8's rounding, relative (norm) <= 0.25 (e4m3 keeps 3 mantissa bits,
 a gradient through two FP8 GEMMs measured 0.07-0.11 on CPU at the tiny shape; a wrong
 scale or operand is off by a factor, >= 0.5). Goal: the fp8 layer at least 1.35x faster than bf16.
 
-    python benchmarks/fp8_layer.py [--shapes all] [--reps 10] [--repeat 5]
+    python benchmarks/fp8_layer.py [--shapes all] [--reps 10] [--repeat 5] [--profile 12]
     python benchmarks/fp8_layer.py --shapes tiny --device cpu      # the check only
+
+--profile N (default 12; 0: off): after timing, each arm's kernels over eager steps
+(torch.profiler), in groups (GEMM, attention, compiled, copy, reduction, other) and the fp8
+arm's N largest: where FP8's time goes, beside benchmarks/layer_ledger.py's byte counts.
 
 Writes <out>/fp8_layer_<tag>.json and prints a table; exit status 2 when a check failed.
 """
@@ -36,9 +43,9 @@ import attention_layer as al  # noqa: E402  (its shapes, memory measure and comm
 import layer_compute as lc  # noqa: E402  (the layer set-up and timing)
 
 FP8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
-ARMS = ("bf16", "fp8")
+ARMS = ("bf16", "fp8", "fp8_eager_kernels")
 SHAPES = ("70b_tp8_s4096_b2", "8b_tp4_s4096_b2")
-GOAL, TOL = 1.35, 0.25
+GOAL, TOL, TOL_KERNELS = 1.35, 0.25, 1e-2
 
 
 def build_arms(shape: lc.LayerShape, args, dtype, device):
@@ -48,12 +55,13 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
 
     mo.install(backend="torch_p2p")  # each layer's transport is replaced by mirror / null
     try:
-        layers = {"bf16": lc.build_layer(shape, True, dtype, device),
-                  "fp8": lc.build_layer(shape, True, dtype, device, **FP8)}
+        layers = {a: lc.build_layer(shape, True, dtype, device, **({} if a == "bf16" else FP8))
+                  for a in ARMS}
     finally:
         mo.uninstall()
-    got = layers["fp8"].load_state_dict(layers["bf16"].state_dict(), strict=True)
-    assert not got.missing_keys and not got.unexpected_keys, got
+    for a in ARMS[1:]:
+        got = layers[a].load_state_dict(layers["bf16"].state_dict(), strict=True)
+        assert not got.missing_keys and not got.unexpected_keys, got
     d = shape.dims
     gen = torch.Generator().manual_seed(args.seed)
     x = torch.randn(d.seq_length // shape.tp, d.micro_batch, d.hidden, generator=gen).to(device, dtype)
@@ -61,8 +69,24 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
     rope = RotaryEmbedding(kv_channels=d.hidden // d.heads, rotary_percent=1.0,
                            rotary_base=500000)(d.seq_length).to(device)
     mask = None if device.type == "cuda" else torch.ones(d.seq_length, d.seq_length).triu(1).bool()[None, None]
-    arms = [lc.Arm(a, layers[a], x.clone().requires_grad_(True), True) for a in ARMS]
+    arms = [(EagerKernelsArm if a == "fp8_eager_kernels" else lc.Arm)(
+        a, layers[a], x.clone().requires_grad_(True), True) for a in ARMS]
     return arms, lc.Extras(g, rope, mask)
+
+
+class EagerKernelsArm(lc.Arm):
+    """The FP8 layer with its casts and transposes as torch's eager kernels (`overlap.fp8.
+    set_fused(False)`, around every call, its captures included): what the compiled
+    kernels win, measured beside them."""
+
+    def step(self, e: lc.Extras) -> torch.Tensor:
+        from megatron_overlap.overlap import fp8
+
+        before = fp8.set_fused(False)
+        try:
+            return super().step(e)
+        finally:
+            fp8.set_fused(before)
 
 
 def check(emu, arms, e) -> dict:
@@ -79,12 +103,57 @@ def check(emu, arms, e) -> dict:
         lc._zero_grads(arm)
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))  # noqa: E731
     errs = {k: rel(got["fp8"][k], v) for k, v in got["bf16"].items()}
+    # the compiled kernels compute the eager ones' bits: the two FP8 arms agree but for the
+    # attention backward's own run-to-run differences (bf16, far below FP8's rounding)
+    kernels = max(rel(got["fp8_eager_kernels"][k], v) for k, v in got["fp8"].items())
     precision = {a.name: sorted({m.precision.describe() for m in a.layer.modules() if hasattr(m, "precision")})
                  for a in arms}
     return {"tol_rel_norm": TOL, "rel_err": errs, "max_rel_err": max(errs.values()),
             "worst": max(errs, key=errs.get), "precision": precision,
+            "compiled_vs_eager_kernels_max_rel": kernels, "tol_kernels": TOL_KERNELS,
             "passed": max(errs.values()) <= TOL and precision["fp8"][0].startswith("fp8")
-            and precision["bf16"] == ["bf16"]}
+            and precision["bf16"] == ["bf16"] and kernels <= TOL_KERNELS}
+
+
+KERNEL_GROUPS = (("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas")),
+                 ("attention", ("flash", "fmha", "attn", "cudnn")),
+                 ("compiled (triton)", ("triton",)), ("copy", ("copy", "memcpy", "memset")),
+                 ("reduction", ("reduce", "norm")))
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    return next((g for g, keys in KERNEL_GROUPS if any(k in low for k in keys)), "other")
+
+
+def kernel_times(arms, e, top: int, steps: int = 3) -> dict:
+    """Each arm's device time per kernel over eager fwd+bwd steps (torch.profiler, CUDA
+    activity; per step): where the FP8 layer's time goes, beside benchmarks/
+    layer_ledger.py's byte counts of the same code."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = arms[0].x.is_cuda  # (on CPU: the aten ops' host time, functional only)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    out = {}
+    for arm in arms:
+        arm.step(e)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                arm.step(e)
+            sync()
+        us = (lambda ev: ev.self_device_time_total) if cuda else (lambda ev: ev.self_cpu_time_total)
+        rows = [{"kernel": ev.key, "calls": ev.count / steps, "us": us(ev) / steps}
+                for ev in prof.key_averages() if us(ev) > 0]
+        rows.sort(key=lambda r: -r["us"])
+        groups: dict = {}
+        for r in rows:
+            g = groups.setdefault(kernel_group(r["kernel"]), {"calls": 0.0, "us": 0.0})
+            g["calls"] += r["calls"]
+            g["us"] += r["us"]
+        out[arm.name] = {"total_us": sum(r["us"] for r in rows), "groups": groups, "top": rows[:top],
+                         "kernels": len(rows)}
+    return out
 
 
 def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
@@ -103,31 +172,52 @@ def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
             row["goals"] = {f"{mode}: fp8 vs bf16 >= {GOAL}": (row["arms"]["fp8"][f"{mode}_ratio"],
                                                              (row["arms"]["fp8"][f"{mode}_ratio"] or 0) >= GOAL)
                             for mode in ("graph", "eager")}
+            if args.profile:
+                row["kernels"] = kernel_times(arms, extras, args.profile)
         else:
             row["skipped"] = "timing and memory: CPU (the check ran; times and peaks need a GPU)"
+            if args.profile:
+                row["kernels"] = kernel_times(arms, extras, args.profile)
         del arms
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
 
 
+def profile_lines(r: dict, what: str) -> list[str]:
+    """kernel_times' result: per arm, the total and the groups (us, calls); fp8's largest."""
+    if "kernels" not in r:
+        return []
+    k = r["kernels"]
+    names = sorted({g for a in k.values() for g in a["groups"]})
+    lines = [f"{'':18s} {what}:"]
+    for a, v in k.items():
+        lines.append(f"{'':18s}   {a} {v['total_us']:.0f} = " + ", ".join(
+            f"{g} {v['groups'][g]['us']:.0f} ({v['groups'][g]['calls']:.0f})" for g in names
+            if g in v["groups"]))
+    lines += [f"{'':18s}   fp8 {t['us']:8.1f} us {t['calls']:5.1f}x  {t['kernel'][:90]}" for t in k["fp8"]["top"]]
+    return lines
+
+
 def table(doc: dict) -> str:
     m = doc["meta"]
     lines = [f"fp8_layer: one TransformerLayer fwd+bwd per TP rank, bf16 params, {m.get('gpu_name') or 'CPU'}, "
              f"torch {m['torch']}, {m['date']}; median of {doc['config']['repeat']} x {doc['config']['reps']} calls",
-             f"{'shape':18s} {'arm':5s} {'eager ms':>9s} {'x bf16':>7s} {'graph ms':>9s} {'x bf16':>7s} "
+             f"{'shape':18s} {'arm':17s} {'eager ms':>9s} {'x bf16':>7s} {'graph ms':>9s} {'x bf16':>7s} "
              f"{'GiB step':>9s} {'kept':>6s}"]
     f = lambda v, p: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for r in doc["rows"]:
         c = r["check"]
         check = (f"check {'ok' if c['passed'] else 'FAIL'}: fp8 vs bf16 max rel {c['max_rel_err']:.3f} "
-                 f"({c['worst']}) <= {c['tol_rel_norm']}")
+                 f"({c['worst']}) <= {c['tol_rel_norm']}; fp8 compiled vs eager kernels "
+                 f"{c['compiled_vs_eager_kernels_max_rel']:.1e} <= {c['tol_kernels']:g}")
         if "arms" not in r:
             lines.append(f"{r['shape']:18s} {check}; {r['skipped']}")
+            lines += profile_lines(r, "host us per step (CPU: aten ops, functional only)")
             continue
         for a in ARMS:
             t = r["arms"][a]
-            lines.append(f"{r['shape']:18s} {a:5s} {f(t['eager_ms'], 2):>9s} {f(t['eager_ratio'], 2):>7s} "
+            lines.append(f"{r['shape']:18s} {a:17s} {f(t['eager_ms'], 2):>9s} {f(t['eager_ratio'], 2):>7s} "
                          f"{f(t['graph_ms'], 2):>9s} {f(t['graph_ratio'], 2):>7s} "
                          f"{f(r['memory_gib'][a]['step'], 3):>9s} {f(r['memory_gib'][a]['kept'], 3):>6s}")
             if t.get("graph_error"):
@@ -135,6 +225,7 @@ def table(doc: dict) -> str:
         lines.append(f"{'':18s} {check}")
         for goal, (value, met) in r["goals"].items():
             lines.append(f"{'':18s} goal {goal}: {f(value, 3)} {'met' if met else 'NOT MET'}")
+        lines += profile_lines(r, "kernel us per step (eager, torch.profiler)")
     lines.append("x bf16 = bf16 ms / arm ms, same mode. eager: calls queued back to back; graph: the layer's "
                  "fwd+bwd in one CUDA graph. GiB step: a steady-state step's peak beyond what the arm keeps; kept: "
                  "buffers kept once per process. Every arm on the mirror transport.")
@@ -142,7 +233,11 @@ def table(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    args = al.arguments(__doc__, SHAPES).parse_args(argv)
+    ap = al.arguments(__doc__, SHAPES)
+    ap.add_argument("--profile", type=int, default=12, metavar="N",
+                    help="each arm's kernels per step (torch.profiler), the fp8 arm's N largest "
+                         "printed (0: no profile; on CPU: aten ops, functional only)")
+    args = ap.parse_args(argv)
     return al.run("fp8_layer", args, SHAPES, run_shape, table, torch.bfloat16)  # FP8 against bf16, on CPU too
 
 

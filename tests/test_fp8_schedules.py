@@ -147,3 +147,70 @@ def test_fp8_is_never_reduced_and_layouts_are_checked():
     assert "FP8 is gathered, never summed" in r["fp8_reduction"]
     assert "row-major x column-major" in r["layout"]
     assert r["bf16_gemm_unchanged"]
+
+
+def _count_scaled_mm(monkeypatch) -> list:
+    import torch
+
+    calls, real = [], torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("rowwise", [False, True])
+def test_a_pipeline_chunk_is_one_fp8_gemm_over_every_ranks_rows(monkeypatch, rowwise):
+    """A GEMM->RS pipeline chunk ([TP, rows, k], strided rows of the input, times the
+    expanded weight) runs as one _scaled_mm over all TP x rows rows, not one per rank, and
+    gives each entry's product as one GEMM of that entry alone does, bit for bit (row-wise:
+    with the scales carried in the rows). A batch whose weights differ stays per entry."""
+    import torch
+
+    pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
+    from megatron_overlap.overlap import fp8
+
+    g = torch.Generator().manual_seed(5)
+    world, splits, sub, k, n = 4, 2, 16, 64, 48
+    x = torch.randn(world * splits * sub, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    e4 = torch.float8_e4m3fn
+    if rowwise:
+        x8, ws = fp8.rows_quantized(x, e4), fp8.row_scales(w, e4)
+        gemm = fp8.RowScaledGemm(ws.t(), torch.bfloat16)
+        w8 = fp8.quantize(w, ws, e4)
+    else:
+        xs, ws = fp8.scale_for(fp8.amax(x), e4), fp8.scale_for(fp8.amax(w), e4)
+        x8, w8 = fp8.quantize(x, xs, e4), fp8.quantize(w, ws, e4)
+        gemm = fp8.ScaledGemm(xs, ws, torch.bfloat16)
+    chunk = x8.view(world, splits, sub, x8.shape[-1])[:, 1]  # the pipeline's chunk 1: strided
+    wt = w8.t()
+    calls = _count_scaled_mm(monkeypatch)
+    got = gemm(chunk, wt.expand(world, *wt.shape), torch.empty(world, sub, n, dtype=torch.bfloat16),
+               op="chunk")
+    assert calls == [torch.Size([world * sub, k])]
+    for r in range(world):
+        assert torch.equal(got[r], gemm(chunk[r], wt, op="entry")), r
+    calls.clear()
+    own = torch.stack([w8, w8]).transpose(1, 2)  # a weight per entry (stored twice): per entry
+    got2 = gemm(chunk[:2], own, op="own")
+    assert len(calls) == 2 and torch.equal(got2, got[:2])
+
+
+def test_transposed_copies_are_exact_and_the_compiled_kernels_can_be_switched_off():
+    """`transposed` (the FP8 GEMMs' layouts; a compiled kernel on a GPU, torch's copy
+    here) equals t.t() for FP8 and other dtypes; set_fused returns the previous setting."""
+    import torch
+
+    from megatron_overlap.overlap import fp8
+
+    t = torch.randn(33, 80).to(torch.float8_e5m2)
+    got = fp8.transposed(t)
+    assert got.is_contiguous() and got.shape == (80, 33)
+    assert torch.equal(got.view(torch.uint8), t.t().contiguous().view(torch.uint8))
+    assert torch.equal(fp8.transposed(t.t()).view(torch.uint8), t.view(torch.uint8))
+    b = torch.randn(5, 7, dtype=torch.bfloat16)
+    assert torch.equal(fp8.transposed(b), b.t())
+    assert fp8.set_fused(False) is True
+    try:
+        assert fp8.set_fused(False) is False
+    finally:
+        fp8.set_fused(True)

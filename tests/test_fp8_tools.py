@@ -52,10 +52,15 @@ def test_fp8_compute_cpu(tmp_path):
 
 
 def test_fp8_layer_cpu(tmp_path):
-    r = _run("benchmarks/fp8_layer.py", "--shapes", "tiny", "--device", "cpu", "--out", str(tmp_path))
+    r = _run("benchmarks/fp8_layer.py", "--shapes", "tiny", "--device", "cpu", "--profile", "3",
+             "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     row = json.load(open(tmp_path / "fp8_layer_cpu.json"))["rows"][0]
     assert row["check"]["passed"] and row["check"]["precision"]["fp8"][0].startswith("fp8 tensorwise")
+    # the eager-kernel arm is the same FP8 layer (on CPU both run torch's kernels: equal)
+    assert row["check"]["compiled_vs_eager_kernels_max_rel"] == 0.0
+    assert set(row["kernels"]) == {"bf16", "fp8", "fp8_eager_kernels"}
+    assert all(k["total_us"] > 0 and len(k["top"]) == 3 for k in row["kernels"].values())
     # FP8 moved the results, by FP8's rounding: not an arm that silently ran bf16
     assert 1e-3 < row["check"]["max_rel_err"] <= row["check"]["tol_rel_norm"], row["check"]
 
@@ -72,3 +77,30 @@ def test_fp8_train_cpu(tmp_path):
     assert bf16["losses"] != fp8["losses"]  # FP8 ran
     assert abs(doc["gap"]["relative"]) < 0.05, doc["gap"]  # same model, FP8 rounding apart
     assert (tmp_path / "fp8_train_cpu.txt").read_text().startswith("fp8_train:")
+
+
+def test_layer_ledger_counts_what_the_fp8_layer_adds(tmp_path):
+    """benchmarks/layer_ledger.py at the tiny shape: both arms' GEMMs are the layer's four
+    linears' forward, dgrad and wgrad (2 x tokens x per-rank weights each, counted from the
+    shapes the ledger recorded, not assumed), the bf16 arm casts and transposes nothing,
+    and the FP8 arm's transposes are the three per linear its FP8 GEMMs need (the dgrad's
+    weight, the wgrad's two operands), each found at its site in the code."""
+    r = _run("benchmarks/layer_ledger.py", "--shapes", "tiny", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    row = json.load(open(tmp_path / "layer_ledger_cpu.json"))["rows"][0]
+    d, tp, tokens = row["dims"], row["tp"], row["tokens"]
+    head = d["hidden"] // d["heads"]
+    per_rank = d["hidden"] * ((d["heads"] + 2 * d["query_groups"]) * head  # qkv
+                              + d["heads"] * head  # proj
+                              + 3 * d["ffn_hidden"]) // tp  # fc1 (SwiGLU: two halves), fc2
+    for arm in ("bf16", "fp8"):
+        assert row["totals"][arm]["gemm"]["gflop"] * 1e9 == pytest.approx(6 * tokens * per_rank), arm
+    bf16, fp8 = row["totals"]["bf16"], row["totals"]["fp8"]
+    assert bf16["fp8 cast"]["launches"] == 0
+    sites = [o["site"] for o in row["ops"]["fp8"] if o["cls"] == "transpose"
+             and o["site"].startswith("overlap/fp8.py:transposed")]
+    assert sites.count("overlap/fp8.py:transposed <- layers/fp8.py:dgrad") == 4, sites
+    assert sites.count("overlap/fp8.py:transposed <- layers/fp8.py:col_major") == 8, sites
+    assert len(sites) == 12 and fp8["transpose"]["launches"] == bf16["transpose"]["launches"] + 12
+    assert fp8["fp8 cast"]["launches"] == 12  # per linear: input and weight, then the grad
+    assert "fp8's largest sites" in r.stdout

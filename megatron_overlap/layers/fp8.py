@@ -31,13 +31,14 @@ import torch
 
 from ..comm.transport import Transport
 from ..overlap.fp8 import (TAIL, RowScaledGemm, ScaledGemm, amax, quantize, row_scales,
-                           rows_dequantized, rows_quantized, scale_for, shared_amax)
+                           rows_dequantized, rows_quantized, scale_for, shared_amax,
+                           transposed)
 from .precision import Precision
 
 
 def col_major(t: torch.Tensor) -> torch.Tensor:
     """`t` (2-D) with the same values, laid out column-major (a transposed copy)."""
-    return t.t().contiguous().t()
+    return transposed(t).t()
 
 
 def quantized(x: torch.Tensor, dtype: torch.dtype, tp: Optional[Transport] = None,
@@ -115,7 +116,7 @@ class Fp8Backward:
             wt = self.weight.t()
             s = row_scales(wt, self.p.fwd)  # [k, 1]: W^T's rows are W's columns
             return quantize(wt, s, self.p.fwd).contiguous(), RowScaledGemm(s.t(), out_dtype)
-        return self.w8.t().contiguous(), ScaledGemm(g_scale, self.w_scale, out_dtype)
+        return transposed(self.w8), ScaledGemm(g_scale, self.w_scale, out_dtype)
 
     def dequantized(self, g8: torch.Tensor, g_scale: Optional[torch.Tensor],
                     dtype: torch.dtype) -> torch.Tensor:

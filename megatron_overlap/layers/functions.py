@@ -131,7 +131,7 @@ def column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan: LayerPlan, tp: 
     (without SP, `pending` is grad_in), or nothing (None). `wgrad=False` (frozen weight):
     no GEMM to hide it under, so the reduction simply runs, named for the dgrad it
     finishes (a diagnosis then names the pass that actually ran). `fp8`: g and inp are
-    FP8 (g laid out for the wgrad), `gemm` their scaled GEMM."""
+    FP8, `gemm` their scaled GEMM (the pass lays them out as the GEMM takes them)."""
     if not wgrad:
         if pending is not None:
             op = plan.op_name("dgrad")
@@ -145,9 +145,15 @@ def column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan: LayerPlan, tp: 
                  else (lambda: tp.all_reduce(grad_in, op=op)))
     streams = pass_streams(tp, plan.wgrad)[1].margin_only() if plan.wgrad is not None else plain()
     with streams:  # bulk: the GEMM held num_sm SMs short where set_sm_margin acts
-        hide(start, lambda: weight_grad(weight, g, col_major(inp) if fp8 else inp, fuse,
+        hide(start, lambda: weight_grad(weight, *(_wgrad_layout(g, inp) if fp8 else (g, inp)), fuse,
                                         functools.partial(gemm, op=op), grad_w),
              overlap=plan.wgrad is not None)
+
+
+def _wgrad_layout(g: torch.Tensor, inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 wgrad's operands as cuBLAS takes them (g^T row-major, the input
+    column-major): transposed copies, made inside the wgrad pass that reads them."""
+    return col_major(g), col_major(inp)
 
 
 def _wgrad_dtype(weight, grad_w, fuse: bool) -> torch.dtype:
@@ -170,7 +176,7 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
         w8t, dgemm = q.dgrad(g_scale, grad_in.dtype)
         wd = w8t.t()
         if q.p.wgrad and wgrad:
-            gw, fp8_w = col_major(gd), True
+            gw, fp8_w = gd, True
             wgemm = q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse))
     inp, pending = column_dgrad(gd, x2, wd, grad_in, plan, tp, nodes, streams, dname,
                                 allreduce_dgrad, wgrad, dgemm)
@@ -221,9 +227,12 @@ def row_dgrad(g, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams
     return g
 
 
-def row_wgrad(g_full, x2, weight, grad_w, plan: LayerPlan, fuse: bool, gemm=matmul) -> None:
+def row_wgrad(g_full, x2, weight, grad_w, plan: LayerPlan, fuse: bool, gemm=matmul,
+              fp8: bool = False) -> None:
     """The row wgrad pass: grad_w = g_full^T @ x2 on the dgrad's gathered gradient; no
-    communication of its own ("external")."""
+    communication of its own ("external"). `fp8`: both FP8, `gemm` their scaled GEMM."""
+    if fp8:
+        g_full, x2 = _wgrad_layout(g_full, x2)
     weight_grad(weight, g_full, x2, fuse, functools.partial(gemm, op=plan.op_name("wgrad")),
                 grad_w)
 
@@ -246,8 +255,8 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
         w8t, dgemm = q.dgrad(g_scale, grad_in.dtype)
         g_full = row_dgrad(g8, w8t.t(), grad_in, plan, tp, nodes, streams, dname, dgemm)
         if wgrad and q.p.wgrad:
-            row_wgrad(col_major(g_full), col_major(x2), weight, grad_w, plan, fuse,
-                      q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse)))
+            row_wgrad(g_full, x2, weight, grad_w, plan, fuse,
+                      q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse)), fp8=True)
         elif wgrad:
             row_wgrad(q.dequantized(g_full, g_scale, x2.dtype), x2, weight, grad_w, plan, fuse)
     if grad_b is not None:

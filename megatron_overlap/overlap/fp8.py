@@ -6,7 +6,8 @@ Transformer Engine's and Megatron's 'tensorwise' recipe) or per-row scales (torc
 - Scaling and casting are torchao's float8 (`amax_to_scale`, `to_fp8_saturated`; the
   [fp8] extra), imported when FP8 first runs, so the runtime imports without it. A scale
   is torchao's: fp8 = saturate(x * scale), x ~ fp8 / scale. On a GPU the cast runs as one
-  fused kernel (`_fused_cast`), the amax as one reduction.
+  fused kernel (`_fused_cast`), the amax as one reduction, the transposed copies FP8
+  GEMMs need as one tiled kernel (`transposed`): torch.compile, `set_fused` turns it off.
 - Own code, and why:
   - `ScaledGemm` calls `torch._scaled_mm` itself: the schedules write every chunk's
     product into its place of the pass's output (`out=`, the addresses a CUDA-graph
@@ -80,8 +81,40 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tens
     return _cast_by(_ao().to_fp8_saturated, x, scale, out)
 
 
-_fused: dict = {}  # (input dtype, FP8 dtype) -> the compiled cast; None: eager from now on
+_compiled: dict = {}  # kernel key -> its torch.compile'd function; None: eager from now on
+_fusing = True
 log = logging.getLogger("megatron_overlap")
+
+
+def set_fused(enabled: bool) -> bool:
+    """Whether FP8 casts and transposes run as compiled kernels on a GPU (the default) or
+    eagerly; returns the previous setting. For side-by-side benchmarks: a pass captured
+    for replay keeps the kernels it was captured with."""
+    global _fusing
+    before, _fusing = _fusing, bool(enabled)
+    return before
+
+
+def _run_compiled(key: tuple, fn, *args: torch.Tensor) -> bool:
+    """Run `fn(*args)` compiled (torch.compile, inductor; dynamic shapes, so a model's
+    shapes compile once per key); False where it does not run so: on CPU, with
+    `set_fused(False)`, or after a failure (logged once; that key runs eagerly from then
+    on, with the same bits)."""
+    if not _fusing or args[0].device.type != "cuda":
+        return False
+    if key not in _compiled:
+        _compiled[key] = torch.compile(fn, dynamic=True)
+    compiled = _compiled[key]
+    if compiled is None:
+        return False
+    try:
+        compiled(*args)
+    except Exception as exc:  # noqa: BLE001  (no inductor / triton here: eager, slower, same bits)
+        _compiled[key] = None
+        log.warning("megatron_overlap: FP8 %s runs eagerly: torch.compile failed (%s: %s)",
+                    key[0], type(exc).__name__, exc)
+        return False
+    return True
 
 
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:
@@ -89,28 +122,33 @@ def _fused_cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> Opti
     four passes over fp32 temporaries (upcast, multiply, clamp, cast: ~27 bytes of memory
     traffic per element where 3 are needed), which cost an FP8 layer more than its GEMMs
     save. torch.compile (inductor) fuses the same ops, elementwise in fp32, rounding to
-    nearest even as eager does: the same bits (tests/gpu/test_fp8_cast_gpu.py). One
-    compiled function per dtype pair, on flat tensors of any length, so that a model's
-    shapes compile once (per-tensor scales; row-wise scales run eagerly); a failure is
-    logged once and the casts run eagerly."""
-    if (x.device.type != "cuda" or scale.numel() != 1
-            or not (x.is_contiguous() and out.is_contiguous())):
-        return None  # row-wise scales and strided views: eager
-    key = (x.dtype, out.dtype)
-    if key not in _fused:
-        _fused[key] = torch.compile(functools.partial(_cast_by, _ao().to_fp8_saturated),
-                                    dynamic=True)
-    fn = _fused[key]
-    if fn is None:
+    nearest even as eager does: the same bits (tests/gpu/test_fp8_cast_gpu.py). Compiled
+    per dtype pair, on flat tensors of any length; per-tensor scales only (row-wise
+    scales and strided views run eagerly)."""
+    if scale.numel() != 1 or not (x.is_contiguous() and out.is_contiguous()):
         return None
-    try:
-        fn(x.view(-1), scale, out.view(-1))
-    except Exception as exc:  # noqa: BLE001  (no inductor / triton here: eager, slower, same bits)
-        _fused[key] = None
-        log.warning("megatron_overlap: FP8 casts from %s run eagerly (4 memory passes each): "
-                    "torch.compile failed (%s: %s)", x.dtype, type(exc).__name__, exc)
-        return None
-    return out
+    fn = functools.partial(_cast_by, _ao().to_fp8_saturated)
+    if _run_compiled(("cast", x.dtype, out.dtype), fn, x.view(-1), scale, out.view(-1)):
+        return out
+    return None
+
+
+def _transpose_into(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(t.t())
+
+
+def transposed(t: torch.Tensor) -> torch.Tensor:
+    """2-D `t` transposed into a new contiguous tensor. FP8 operands need it: cuBLAS takes
+    the second operand of an FP8 GEMM column-major and the wgrad's first row-major.
+    torch's strided copy of 1-byte elements reads or writes one byte per 32-byte sector
+    (an FP8 layer's transposes measured ~0.8 TB/s of reads + writes on an H200); on a GPU
+    the copy is compiled instead, which inductor tiles so that both sides are coalesced.
+    FP8 moves as bytes (a copy: exact)."""
+    out = t.new_empty(t.shape[1], t.shape[0])
+    if t.element_size() == 1 and _run_compiled(("transpose",), _transpose_into,
+                                               t.view(torch.uint8), out.view(torch.uint8)):
+        return out
+    return out.copy_(t.t())
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
@@ -192,17 +230,30 @@ class ScaledGemm:
         trace.record("gemm", op, chunk)
         _check(a, b, op)
         dtype = out.dtype if out is not None else self.out_dtype
-        if a.dim() == 3:  # _scaled_mm has no batched form: one GEMM per batch entry
+        if a.dim() == 3:
             if out is None:
                 out = a.new_empty(a.shape[0], a.shape[1], b.shape[-1], dtype=dtype)
-            for i in range(a.shape[0]):
-                torch._scaled_mm(a[i], b[i], scale_a=self.a_inv, scale_b=self.b_inv,
-                                 out_dtype=dtype, out=out[i])
-            return out
+            return batched(a, b, out, lambda a2, b2, o: torch._scaled_mm(
+                a2, b2, scale_a=self.a_inv, scale_b=self.b_inv, out_dtype=dtype, out=o))
         if out is None:
             return torch._scaled_mm(a, b, scale_a=self.a_inv, scale_b=self.b_inv, out_dtype=dtype)
         return torch._scaled_mm(a, b, scale_a=self.a_inv, scale_b=self.b_inv, out_dtype=dtype,
                                 out=out)
+
+
+def batched(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, mm) -> torch.Tensor:
+    """3-D `a @ b` into `out` through the 2-D GEMM `mm(a2, b2, out2)` (_scaled_mm has no
+    batched form). Where `b` is one matrix for every entry (a GEMM->RS pipeline chunk: the
+    weight, expanded) and `out` is contiguous, one GEMM over all the entries' rows: the
+    entries (strided rows of the layer's input) copied together first, FP8 bytes that cost
+    far less than a launch and a wave tail per entry (TP of them per chunk). Otherwise one
+    GEMM per entry."""
+    if b.stride(0) == 0 and out.is_contiguous():
+        mm(a.reshape(-1, a.shape[-1]), b[0], out.view(-1, out.shape[-1]))
+        return out
+    for i in range(a.shape[0]):
+        mm(a[i], b[i], out[i])
+    return out
 
 
 def _check_rowwise(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: str) -> None:
@@ -230,15 +281,15 @@ class RowScaledGemm:
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                  op: str, chunk: int = 0) -> torch.Tensor:
         trace.record("gemm", op, chunk)
-        data, a_inv = row_data(a), row_scale(a).reciprocal()  # the scales, contiguous
+        data = row_data(a)
         dtype = out.dtype if out is not None else self.out_dtype
         _check_rowwise(data, b, dtype, op)
         if out is None:
             out = a.new_empty(*data.shape[:-1], b.shape[-1], dtype=dtype)
-        if a.dim() == 3:  # _scaled_mm has no batched form: one GEMM per batch entry
-            for i in range(a.shape[0]):
-                torch._scaled_mm(data[i], b[i], scale_a=a_inv[i], scale_b=self.b_inv,
-                                 out_dtype=dtype, out=out[i])
-            return out
-        return torch._scaled_mm(data, b, scale_a=a_inv, scale_b=self.b_inv, out_dtype=dtype,
-                                out=out)
+
+        def mm(a2: torch.Tensor, b2: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+            inv = row_scale(a2).reciprocal()  # the rows' scales, contiguous
+            return torch._scaled_mm(row_data(a2), b2, scale_a=inv, scale_b=self.b_inv,
+                                    out_dtype=dtype, out=o)
+        # 3-D: the scales travel with the rows, through batched()'s copy too
+        return batched(a, b, out, mm) if a.dim() == 3 else mm(a, b, out)

@@ -29,7 +29,6 @@ from ..comm.transport import Transport
 from ..config import LayerSettings
 from ..config.effects import ACTIVE
 from ..layers import functions as F
-from ..layers.fp8 import col_major
 from ..layers.plan import LayerPlan
 from ..layers.precision import Precision
 from ..simulate import Trial
@@ -139,13 +138,14 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
     """The trial's pass in FP8 (`precision`: its types; the wgrad in FP8): its operands
     quantized beforehand (the layer quantizes each once per pass, before any transfer, so
     chunking does not change that cost) and laid out as the layer hands them to the same
-    pass function, with their scaled GEMM; outputs in `dtype`. The column wgrad's
-    transposed copy of the gathered input is made inside its function, as in the layer.
+    pass function, with their scaled GEMM; outputs in `dtype`. A wgrad's transposed
+    copies of its operands are made inside its function, as in the layer.
     Random operands, one scale per FP8 type (`tensors`: 'scale_fwd', 'scale_grad'), the
     same on every rank, so a gathered FP8 tensor has one scale, as in the layer. The column
     dgrad gathers the FP8 input where the wgrad is FP8, else the input in `dtype`.
     Tensorwise scaling only (row-wise: ValueError)."""
     from ..overlap import fp8
+    from ..overlap.fp8 import transposed
 
     if precision.recipe != "tensorwise":
         raise ValueError(f"{trial.name}: the tuner times FP8 passes with tensorwise scales; "
@@ -178,7 +178,7 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
         body = lambda: run(t["x"], t["weight"], None, t["out"], plan, tp, nodes, gemm=gemm)  # noqa: E731
     elif p == "dgrad":
         g8, sg = q8(precision.grad, m if shape.column else m // w, n)
-        t.update(g=g8, wt=w8.t().contiguous(), grad_in=empty(m // w if shape.column else m, k))
+        t.update(g=g8, wt=transposed(w8), grad_in=empty(m // w if shape.column else m, k))
         if shape.column:  # the input the wgrad gathers
             x8 = q8(precision.fwd, m // w, k)[0]
             t["x"] = x8 if precision.wgrad else x8.to(torch.float32).to(dtype)
@@ -195,7 +195,7 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
         g8, sg = q8(precision.grad, m, n)
         x8, sx = q8(precision.fwd, m, k)
         gemm = fp8.ScaledGemm(sg, sx, dtype)
-        t.update(g=col_major(g8), grad_w=empty(n, k))
+        t.update(g=g8, grad_w=empty(n, k))
         if shape.column:
             t.update(inp=x8, grad_in=empty(m // w, k))
             if not (trial.comm_moved and overlap):
@@ -206,11 +206,12 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
                 F.column_wgrad(t["g"], t["inp"], t["weight"], t["grad_w"], t["grad_in"],
                                t.get("pending"), plan, tp, False, gemm=gemm, fp8=True)
         else:
-            t["x"] = col_major(x8)
+            t["x"] = x8
 
             def body():
                 F.begin(tp, plan, "wgrad")
-                F.row_wgrad(t["g"], t["x"], t["weight"], t["grad_w"], plan, False, gemm=gemm)
+                F.row_wgrad(t["g"], t["x"], t["weight"], t["grad_w"], plan, False, gemm=gemm,
+                            fp8=True)
     return TrialPass(body, t, op)
 
 

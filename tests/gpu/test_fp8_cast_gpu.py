@@ -1,5 +1,6 @@
 """FP8 on one GPU, one process: the fused cast (`overlap.fp8._fused_cast`, torch.compile of
-the one definition) gives the bits eager torchao gives, the one-pass amax torchao's amax;
+the one definition) gives the bits eager torchao gives, the one-pass amax torchao's amax,
+the compiled transpose torch's copy;
 row-wise scaled GEMMs run on the GPU's kernel with the operands the layers give them."""
 
 import pytest
@@ -35,7 +36,28 @@ def test_fused_cast_equals_eager_bit_for_bit(dtype, fp8):
         assert f.quantize(x, scale, fp8, out=out) is out
         assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), name
     # the fused kernel ran (a failed compile sets its entry to None and logs)
-    assert f._fused.get((dtype, fp8)) is not None, f._fused
+    assert f._compiled.get(("cast", dtype, fp8)) is not None, f._compiled
+
+
+@pytest.mark.parametrize("shape", [(1024, 8192), (8192, 1280), (1000, 272), (16, 16)])
+def test_compiled_transpose_equals_torchs_copy(shape):
+    """`transposed` (the FP8 GEMMs' layouts) as one compiled kernel: the bytes torch's
+    strided copy gives, for contiguous and transposed inputs; the same with the compiled
+    kernels switched off (set_fused(False): torch's copy)."""
+    from megatron_overlap.overlap import fp8 as f
+
+    t = (torch.randn(*shape, device="cuda") * 100).to(torch.float8_e4m3fn)
+    for src in (t, t.t()):
+        want = src.t().contiguous().view(torch.uint8)
+        got = f.transposed(src)
+        assert got.dtype == src.dtype and got.is_contiguous()
+        assert torch.equal(got.view(torch.uint8), want)
+        before = f.set_fused(False)
+        try:
+            assert torch.equal(f.transposed(src).view(torch.uint8), want)
+        finally:
+            f.set_fused(before)
+    assert f._compiled.get(("transpose",)) is not None, f._compiled
 
 
 @pytest.mark.parametrize("first", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -1,0 +1,301 @@
+"""The ledger of one transformer layer's forward + backward: every device operation it
+issues, with the bytes it reads and writes, its FLOPs and where in the code it comes from,
+for the bf16 and the FP8 layer install() builds. METHOD's first step for the FP8 layer
+(benchmarks/fp8_layer.py): count before timing, so that the time FP8 costs beyond its
+GEMMs has a name and a size.
+
+Runs on a CPU at the full per-rank shapes, in seconds: one process plays the last TP rank
+(fp8_layer's set-up, the mirror transport), and a dispatch mode records each aten call.
+The GEMMs and the core attention are recorded but not computed (their outputs are zeros
+of the right shape, strides and dtype, from the op's meta kernel): their FLOPs and bytes
+are what counts here, and their time is benchmarks/fp8_compute.py's. Everything else runs,
+so its shapes, dtypes and layouts are the layer's own. As on a GPU, a per-tensor FP8 cast
+of contiguous tensors is one fused kernel (`overlap.fp8._fused_cast`, which runs only on
+CUDA, is stood in for here by the same cast recorded as one operation).
+
+Each recorded operation is one kernel launch (an approximation: a few aten ops launch two),
+classed as gemm, attention, fp8 cast, transpose (a copy whose innermost dimension
+changes), copy,
+reduction or elementwise; views and allocations launch nothing and are left out. Where:
+the innermost frame in megatron_overlap (else in megatron, else torch). Predicted time of
+the memory-bound rest: bytes / --bandwidth + launches x --launch-us (stated assumptions,
+not measurements; the device's copy bandwidth is to be measured, METHOD.md).
+
+    python benchmarks/layer_ledger.py [--shapes all] [--top 12]
+    python benchmarks/layer_ledger.py --shapes tiny           # seconds; what tests run
+
+Writes <out>/layer_ledger_<tag>.json (every operation of both arms) and prints, per shape,
+the totals by class for each arm and the FP8 arm's largest sites beyond the GEMMs.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import attention_layer as al  # noqa: E402  (shapes, command line, the run loop)
+import fp8_layer  # noqa: E402  (the bf16 and FP8 arms)
+import layer_compute as lc  # noqa: E402
+
+aten = torch.ops.aten
+GEMMS = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten._scaled_mm}
+NO_KERNEL = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty,
+             aten.new_empty_strided, aten.detach, aten.lift_fresh, aten.record_stream,
+             aten.set_, aten.resize_, aten.is_nonzero, aten.sym_size, aten.sym_stride,
+             aten.sym_numel, aten.sym_storage_offset}
+OVERWRITE = {aten.copy_, aten.fill_, aten.zero_, aten.normal_, aten.uniform_}
+FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+CLASSES = ("gemm", "attention", "fp8 cast", "transpose", "copy", "reduction", "elementwise")
+REDUCTIONS = ("amax", "max", "min", "sum", "mean", "norm", "var", "prod", "argmax", "all", "any")
+ROOT = os.path.dirname(HERE)
+
+
+@dataclass
+class Op:
+    name: str
+    cls: str
+    site: str
+    phase: str
+    read: int  # bytes
+    written: int
+    flops: float = 0.0
+    shapes: list = field(default_factory=list)
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
+
+
+def _site() -> str:
+    """The innermost caller in megatron_overlap, with its caller there ('file:function <-
+    file:function'); else the innermost in megatron; else torch's autograd."""
+    f, ours, fallback = sys._getframe(2), [], None
+    while f is not None and len(ours) < 2:
+        path = f.f_code.co_filename
+        if "megatron_overlap" + os.sep in path and os.sep + "benchmarks" + os.sep not in path:
+            ours.append(f"{path.split('megatron_overlap' + os.sep, 1)[1]}:{f.f_code.co_name}")
+        elif ours:
+            break
+        elif fallback is None and os.sep + "megatron" + os.sep in path:
+            fallback = f"megatron/{path.split(os.sep + 'megatron' + os.sep, 1)[1]}:{f.f_code.co_name}"
+        f = f.f_back
+    return " <- ".join(ours) or fallback or "torch (autograd)"
+
+
+def _gemm_flops(func, args, out: torch.Tensor) -> float:
+    a = args[1] if func in (aten.addmm, aten.baddbmm) else args[0]
+    return 2.0 * out.numel() * a.shape[-1]
+
+
+def _inner(t: torch.Tensor) -> int:
+    """The dimension `t`'s consecutive elements run along (of those longer than 1)."""
+    dims = [d for d in range(t.dim()) if t.shape[d] > 1]
+    return min(dims, key=lambda d: t.stride(d)) if dims else -1
+
+
+def _classify(func, args, outs: list[torch.Tensor]) -> str:
+    name = func.__name__
+    if func in GEMMS:
+        return "gemm"
+    if "scaled_dot_product" in name or "flash_attention" in name or "efficient_attention" in name:
+        return "attention"
+    ins = _tensors(args)
+    if outs and outs[0].dtype in FP8_TYPES and ins and ins[0].dtype not in FP8_TYPES:
+        return "fp8 cast"
+    if name.startswith(("copy", "clone", "_to_copy", "contiguous")) and ins and outs:
+        src, dst = ins[-1] if name.startswith("copy") else ins[0], outs[0]
+        return "transpose" if _inner(src) != _inner(dst) else "copy"
+    if any(r in name for r in REDUCTIONS):
+        return "reduction"
+    return "elementwise"
+
+
+class Ledger(TorchDispatchMode):
+    """Records every kernel-launching aten call; GEMMs and attention are not computed."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[Op] = []
+        self.recording, self.phase = False, "forward"
+
+    def add(self, op: Op) -> None:
+        if self.recording:
+            self.ops.append(op)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet in NO_KERNEL or func.is_view:
+            return func(*args, **kwargs)
+        heavy = packet in GEMMS or _classify(packet, args, []) == "attention"
+        if heavy:
+            out = self._shaped_zeros(func, args, kwargs)
+        else:
+            out = func(*args, **kwargs)
+        outs = _tensors(out)
+        if not self.recording:
+            return out
+        ins = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
+        written = sum(map(_bytes, outs))
+        read = sum(map(_bytes, ins))
+        if packet.__name__.endswith("_") and ins:  # in place: self is written, and read
+            written = max(written, _bytes(ins[0]))  # unless overwritten whole
+            if packet in OVERWRITE:
+                read -= _bytes(ins[0])
+        cls = _classify(packet, args, outs)
+        flops = _gemm_flops(packet, args, outs[0]) if cls == "gemm" else 0.0
+        self.add(Op(packet.__name__, cls, _site(), self.phase, read, written, flops,
+                    [list(t.shape) for t in ins[:3]]))
+        return out
+
+    @staticmethod
+    def _shaped_zeros(func, args, kwargs):
+        """What `func` returns, as zeros: shapes, strides and dtypes from its meta kernel;
+        an `out=` tensor is zeroed and returned."""
+        if "out" in kwargs:
+            with _disable_current_modes():
+                return kwargs["out"].zero_()
+        meta = lambda t: (torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")  # noqa: E731
+                          if isinstance(t, torch.Tensor) else t)
+        got = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+        with _disable_current_modes():
+            return tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype).zero_()
+                            if isinstance(t, torch.Tensor) else t, got)
+
+
+@contextlib.contextmanager
+def fused_casts(ledger: Ledger):
+    """A GPU's fused FP8 cast (`_fused_cast`, CUDA only) as one recorded operation: the
+    same numbers (the eager cast, unrecorded), one launch, x read and out written once."""
+    from megatron_overlap.overlap import fp8
+
+    def fused(x, scale, out):
+        if scale.numel() != 1 or not (x.is_contiguous() and out.is_contiguous()):
+            return None  # as on a GPU: eager
+        with _disable_current_modes():
+            fp8._cast(x, scale, out)
+        ledger.add(Op("fused_cast", "fp8 cast", _site(), ledger.phase,
+                      _bytes(x) + _bytes(scale), _bytes(out), 0.0, [list(x.shape)]))
+        return out
+
+    original, fp8._fused_cast = fp8._fused_cast, fused
+    try:
+        yield
+    finally:
+        fp8._fused_cast = original
+
+
+def record(arm: lc.Arm, e: lc.Extras) -> list[Op]:
+    """One warm-up step (first-call work out of the record), then one recorded step."""
+    ledger = Ledger()
+    with fused_casts(ledger), ledger:
+        for recording in (False, True):
+            ledger.recording, ledger.phase = recording, "forward"
+            out, _ = arm.layer(arm.x, attention_mask=e.mask, rotary_pos_emb=e.rope)
+            ledger.phase = "backward"
+            out.backward(e.grad)
+            arm.x.grad = None
+            for p in arm.layer.parameters():
+                p.grad = None
+    return ledger.ops
+
+
+def totals(ops: list[Op], bandwidth: float, launch_us: float) -> dict:
+    """Per class: launches, MiB read + written, GFLOP; the memory-bound rest's predicted us."""
+    by = {c: {"launches": 0, "mib": 0.0, "gflop": 0.0} for c in CLASSES}
+    for op in ops:
+        t = by[op.cls]
+        t["launches"] += 1
+        t["mib"] += (op.read + op.written) / 2**20
+        t["gflop"] += op.flops / 1e9
+    for c, t in by.items():
+        t["predicted_us"] = (None if c in ("gemm", "attention") else
+                             t["mib"] * 2**20 / (bandwidth * 1e12) * 1e6 + t["launches"] * launch_us)
+    rest = [t for c, t in by.items() if c not in ("gemm", "attention")]
+    by["rest"] = {k: sum(t[k] for t in rest) for k in ("launches", "mib", "gflop", "predicted_us")}
+    return by
+
+
+def sites(ops: list[Op], top: int) -> list[dict]:
+    """The largest sites beyond the GEMMs and attention, by bytes: (site, op, class)."""
+    agg: dict = collections.defaultdict(lambda: {"launches": 0, "mib": 0.0})
+    for op in ops:
+        if op.cls in ("gemm", "attention"):
+            continue
+        a = agg[(op.site, op.name, op.cls, op.phase)]
+        a["launches"] += 1
+        a["mib"] += (op.read + op.written) / 2**20
+    rows = [{"site": s, "op": n, "class": c, "phase": p, **v} for (s, n, c, p), v in agg.items()]
+    return sorted(rows, key=lambda r: -r["mib"])[:top]
+
+
+def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
+    from megatron_overlap.ab.emulated_tp import EmulatedTP, MirrorTransport
+
+    with EmulatedTP(shape.tp, rank=shape.tp - 1) as emu:
+        lc.seed_rng(device, args.seed)
+        arms, e = fp8_layer.build_arms(shape, args, dtype, device)
+        e = lc.Extras(e.grad, e.rope, None)  # causal from the mask type: SDPA without a mask tensor
+        emu.use(MirrorTransport(emu.world, emu.rank), [a.layer for a in arms])
+        ledgers = {a.name: record(a, e) for a in arms}
+    row = {"shape": shape.name, "model": shape.model, "tp": shape.tp, "dims": shape.dims.__dict__,
+           "tokens": shape.dims.seq_length * shape.dims.micro_batch,
+           "totals": {n: totals(ops, args.bandwidth, args.launch_us) for n, ops in ledgers.items()},
+           "top_fp8_sites": sites(ledgers["fp8"], args.top),
+           "ops": {n: [asdict(o) for o in ops] for n, ops in ledgers.items()}}
+    g = {n: row["totals"][n]["gemm"]["gflop"] for n in ledgers}
+    row["check"] = {"passed": math.isclose(g["bf16"], g["fp8"], rel_tol=1e-9) and g["bf16"] > 0,
+                    "gemm_gflop": g, "what": "both arms run the same GEMMs (FLOPs equal)"}
+    return row
+
+
+def table(doc: dict) -> str:
+    c = doc["config"]
+    lines = [f"layer_ledger: one TransformerLayer fwd+bwd per TP rank, the layer install() builds, bf16 vs "
+             f"fp8 (hybrid, tensorwise); predicted us = MiB / {c['bandwidth']} TB/s + launches x "
+             f"{c['launch_us']} us (assumed)"]
+    for r in doc["rows"]:
+        lines.append(f"{r['shape']} ({r['tokens']} tokens): {'' if r['check']['passed'] else 'CHECK FAILED: '}"
+                     f"{r['check']['what']}")
+        lines.append(f"  {'class':12s} {'launches':>17s} {'MiB':>19s} {'GFLOP':>15s} {'predicted us':>19s}")
+        lines.append(f"  {'':12s} {'bf16':>8s} {'fp8':>8s} {'bf16':>9s} {'fp8':>9s} {'bf16':>7s} {'fp8':>7s} "
+                     f"{'bf16':>9s} {'fp8':>9s}")
+        b, f = r["totals"]["bf16"], r["totals"]["fp8"]
+        us = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+        for cls in (*CLASSES, "rest"):
+            lines.append(f"  {cls:12s} {b[cls]['launches']:8d} {f[cls]['launches']:8d} {b[cls]['mib']:9.0f} "
+                         f"{f[cls]['mib']:9.0f} {b[cls]['gflop']:7.0f} {f[cls]['gflop']:7.0f} "
+                         f"{us(b[cls]['predicted_us']):>9s} {us(f[cls]['predicted_us']):>9s}")
+        lines.append(f"  fp8's largest sites beyond GEMMs and attention (MiB, launches):")
+        for s in r["top_fp8_sites"]:
+            lines.append(f"    {s['mib']:8.0f} {s['launches']:4d}  {s['phase']:8s} {s['class']:11s} "
+                         f"{s['op']:22s} {s['site']}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = al.arguments(__doc__, fp8_layer.SHAPES)
+    ap.add_argument("--bandwidth", type=float, default=3.5, help="TB/s assumed for the memory-bound ops")
+    ap.add_argument("--launch-us", type=float, default=2.0, help="us assumed per kernel (graphed)")
+    ap.add_argument("--top", type=int, default=12)
+    ap.set_defaults(device="cpu")
+    return al.run("layer_ledger", ap.parse_args(argv), fp8_layer.SHAPES, run_shape, table, torch.bfloat16)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
