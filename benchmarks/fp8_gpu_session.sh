@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# FP8 on one GPU, in one device call: its GPU tests, the two FP8 benchmarks and
-# a small GPT trained in FP8 and in bf16. From the repo root, with .whl/ carried (ignored by
-# git: megatron-core 0.19.2 as ../shared/device/wheels.sh fetches it, torchao 0.18.0):
+# FP8 on one GPU, in one device call: the two FP8 benchmarks, a small GPT trained in FP8 and
+# in bf16, and the same training three more ways, each changing one thing the FP8 arm does
+# on a GPU only (the pass replay, the compiled kernels, the symm transport), to find what
+# makes FP8 train differently there. From the repo root, with .whl/ carried (ignored by git:
+# megatron-core 0.19.2 as ../shared/device/wheels.sh fetches it, torchao 0.18.0):
 #
-#   OUT=$OUT bash benchmarks/fp8_gpu_session.sh          # about 5 minutes on one H200
+#   OUT=$OUT bash benchmarks/fp8_gpu_session.sh          # about 7 minutes on one H200
 #
 # Estimated wall time per piece on one H200 (each under its own timeout, which together
-# with the wheels keep the whole under 9 minutes even when every piece runs to its limit):
+# with the wheels keep the whole under 9.5 minutes even when every piece runs to its limit):
 #   wheels into /tmp/site                                       ~10-20 s
-#   tests/gpu/test_fp8_gpu.py (2 ranks share the GPU, symm)     ~60-90 s   (timeout 150)
-#   benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)     ~40-60 s   (timeout 100)
-#   benchmarks/fp8_layer.py   (2 layer shapes x 2 arms)         ~40-70 s   (timeout 120)
-#   benchmarks/fp8_train.py   (2 ranks, 2 arms x 200 steps)     ~60-100 s  (timeout 140)
-# $OUT gets 7 files: session.log (everything printed), fp8_gpu_tests.log,
-# fp8_compute_gpu.json, fp8_layer_gpu.json, fp8_train_shared_gpu_tp2.{json,txt,png}.
-# REPS / REPEAT / STEPS shorten or lengthen the benchmarks (defaults below).
+#   tests/gpu/test_fp8_gpu.py, only with TESTS=1 (make test-gpu runs it)  ~60-90 s (timeout 150)
+#   benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)     ~40-60 s   (timeout 90)
+#   benchmarks/fp8_layer.py   (2 shapes x 3 arms, a profile)    ~60-90 s   (timeout 130)
+#   benchmarks/fp8_train.py   (2 ranks, 2 arms x 200 steps)     ~60-100 s  (timeout 130)
+#   fp8_train.py x 3, 100 steps: MEGATRON_OVERLAP_GRAPHS=0, --eager-kernels, --backend
+#     torch_p2p                                                  ~40-60 s each (timeout 75)
+# $OUT gets: session.log (everything printed), fp8_compute_gpu.json, fp8_layer_gpu.json,
+# fp8_train_{shared_gpu_tp2,noreplay,eager_kernels,torch_p2p}.{json,txt,png}
+# (and fp8_gpu_tests.log with TESTS=1). REPS / REPEAT / STEPS / DIAG_STEPS change the lengths.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fp8_out}; mkdir -p "$OUT"
@@ -36,23 +40,37 @@ torchao.__version__, 'megatron-core', getattr(m, '__version__', '?'), 'capabilit
 echo "sources $(find megatron_overlap tests benchmarks -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"
 step() { echo "== $1 rc=$2 in $(( $(date +%s) - t )) s"; }
 
-t=$(date +%s)
-timeout 150 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 \
-  tests/gpu/test_fp8_gpu.py > "$OUT/fp8_gpu_tests.log" 2>&1
-step "tests/gpu/test_fp8_gpu.py" $?; tail -25 "$OUT/fp8_gpu_tests.log"
+if [ "${TESTS:-0}" = 1 ]; then
+  t=$(date +%s)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rfEs --tb=short --durations=5 \
+    tests/gpu/test_fp8_gpu.py > "$OUT/fp8_gpu_tests.log" 2>&1
+  step "tests/gpu/test_fp8_gpu.py" $?; tail -25 "$OUT/fp8_gpu_tests.log"
+fi
 
 t=$(date +%s)
-timeout 100 python3 benchmarks/fp8_compute.py --reps "${REPS:-20}" --repeat "${REPEAT:-3}" \
+timeout 90 python3 benchmarks/fp8_compute.py --reps "${REPS:-20}" --repeat "${REPEAT:-3}" \
   --out "$OUT" --tag gpu
 step "benchmarks/fp8_compute.py" $?
 
 t=$(date +%s)
-timeout 120 python3 benchmarks/fp8_layer.py --reps "${REPS:-10}" --repeat "${REPEAT:-5}" --out "$OUT" --tag gpu
+timeout 130 python3 benchmarks/fp8_layer.py --reps "${REPS:-10}" --repeat "${REPEAT:-5}" --out "$OUT" --tag gpu
 step "benchmarks/fp8_layer.py" $?
 
 t=$(date +%s)
-timeout 140 python3 benchmarks/fp8_train.py --steps "${STEPS:-200}" --out "$OUT"
+timeout 130 python3 benchmarks/fp8_train.py --steps "${STEPS:-200}" --out "$OUT"
 step "benchmarks/fp8_train.py" $?
+
+# one change each: pass replay off, eager FP8 kernels, gloo instead of symm
+DIAG=${DIAG_STEPS:-100}
+t=$(date +%s)
+MEGATRON_OVERLAP_GRAPHS=0 timeout 75 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag noreplay
+step "fp8_train.py, pass replay off" $?
+t=$(date +%s)
+timeout 75 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag eager_kernels --eager-kernels
+step "fp8_train.py, eager FP8 kernels" $?
+t=$(date +%s)
+timeout 75 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag torch_p2p --backend torch_p2p
+step "fp8_train.py, torch_p2p (gloo) transport" $?
 ls -la "$OUT"
 }
 main 2>&1 | tee "$OUT/session.log"

@@ -47,6 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="the parameters' (default: bfloat16 on a GPU, float32 on CPU)")
+    ap.add_argument("--backend", default="auto",
+                    help="install()'s transport (auto: symm where ranks share a GPU, gloo on CPU)")
+    ap.add_argument("--eager-kernels", action="store_true",
+                    help="FP8 casts and transposes as torch's eager kernels (overlap.fp8.set_fused)")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default=None)
     return ap.parse_args(argv)
@@ -83,6 +87,13 @@ def text_table(doc: dict, every: int = 10) -> str:
     return "\n".join(lines)
 
 
+def transports(arms: dict) -> str:
+    """The transports the arms' overlapped linears ran on ('symm', 'torch_p2p', ...)."""
+    names = {type(m._transport).__name__ for a in arms.values() for m in a.model.modules()
+             if getattr(m, "_transport", None) is not None}
+    return "transport " + "/".join(sorted(names)) if names else "no overlapped linear"
+
+
 def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     import megatron_overlap as mo
     from megatron_overlap.ab import TrainArm
@@ -91,12 +102,17 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     from megatron_overlap.ab.model import GPTSpec, batches, build_gpt, gpt_loss, init_megatron
     from megatron_overlap.ab.results import write_json
     from megatron_overlap.ab.timing import rotated, summary
+    from megatron_overlap.overlap import replay
 
     layout = plan_layout(world, args.device)
     device = init_megatron(layout, rank, world, args.seed, _cpu_init)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     spec = GPTSpec(args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab, None)
-    mo.install()
+    mo.install(backend=args.backend)
+    if args.eager_kernels:
+        from megatron_overlap.overlap import fp8
+
+        fp8.set_fused(False)
     try:
         models = {"bf16": build_gpt(spec, world, True, dtype, device),
                   "fp8": build_gpt(spec, world, True, dtype, device, **FP8)}
@@ -122,7 +138,9 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                "config": vars(args), "model": spec.__dict__, "dtype": str(dtype)[6:], "meta": meta,
                "title": (f"GPT {args.layers}L h{args.hidden} seq{args.seq} mb{args.micro_batch} "
                          f"vocab {args.vocab}, TP={world} + SP, {meta.get('gpu_name') or 'CPU'}, "
-                         f"{args.steps} steps, AdamW lr {args.lr}, seed {args.seed}"),
+                         f"{args.steps} steps, AdamW lr {args.lr}, seed {args.seed}, "
+                         f"{transports(arms)}{', eager FP8 kernels' if args.eager_kernels else ''}, "
+                         f"pass replay {'on' if replay.enabled() and device.type == 'cuda' else 'off'}"),
                "arms": {k: {"losses": losses[k], "precision": ", ".join(precision[k]),
                             "step_time_s": summary([r.step_time_s for r in a.results][3:] or
                                                    [r.step_time_s for r in a.results])}

@@ -1,8 +1,9 @@
 """The ledger of one transformer layer's forward + backward: every device operation it
 issues, with the bytes it reads and writes, its FLOPs and where in the code it comes from,
-for the bf16 and the FP8 layer install() builds. METHOD's first step for the FP8 layer
-(benchmarks/fp8_layer.py): count before timing, so that the time FP8 costs beyond its
-GEMMs has a name and a size.
+for two arms of the same layer (--pair): fp8, the bf16 and the FP8 layer install() builds;
+overlap, Megatron's linears against our overlapped linears (bf16, install()'s attention in
+both). METHOD's first step for benchmarks/fp8_layer.py and attention_layer.py: count before
+timing, so that the time one arm costs beyond the other has a name and a size.
 
 Runs on a CPU at the full per-rank shapes, in seconds: one process plays the last TP rank
 (fp8_layer's set-up, the mirror transport), and a dispatch mode records each aten call.
@@ -21,11 +22,11 @@ the innermost frame in megatron_overlap (else in megatron, else torch). Predicte
 the memory-bound rest: bytes / --bandwidth + launches x --launch-us (stated assumptions,
 not measurements; the device's copy bandwidth is to be measured, METHOD.md).
 
-    python benchmarks/layer_ledger.py [--shapes all] [--top 12]
+    python benchmarks/layer_ledger.py [--pair fp8|overlap] [--shapes all] [--top 12]
     python benchmarks/layer_ledger.py --shapes tiny           # seconds; what tests run
 
-Writes <out>/layer_ledger_<tag>.json (every operation of both arms) and prints, per shape,
-the totals by class for each arm and the FP8 arm's largest sites beyond the GEMMs.
+Writes <out>/layer_ledger_<pair>_<tag>.json (every operation of both arms) and prints, per
+shape, the totals by class for each arm and the second arm's largest sites beyond GEMMs.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ aten = torch.ops.aten
 GEMMS = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten._scaled_mm}
 NO_KERNEL = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty,
              aten.new_empty_strided, aten.detach, aten.lift_fresh, aten.record_stream,
+             aten._unsafe_view,
              aten.set_, aten.resize_, aten.is_nonzero, aten.sym_size, aten.sym_stride,
              aten.sym_numel, aten.sym_storage_offset}
 OVERWRITE = {aten.copy_, aten.fill_, aten.zero_, aten.normal_, aten.uniform_}
@@ -244,45 +246,60 @@ def sites(ops: list[Op], top: int) -> list[dict]:
     return sorted(rows, key=lambda r: -r["mib"])[:top]
 
 
+def _fp8_pair(shape, args, dtype, device):
+    arms, e = fp8_layer.build_arms(shape, args, dtype, device)
+    return [a for a in arms if a.name in ("bf16", "fp8")], e
+
+
+def _overlap_pair(shape, args, dtype, device):
+    arms, e = al.build_arms(shape, args, dtype, device)
+    return [a for a in arms if a.name in ("ours_attention", "ours")], e
+
+
+# --pair: (what differs, the arms' builder); the second arm is the one whose sites are listed
+PAIRS = {"fp8": ("the layer install() builds, bf16 vs fp8 (hybrid, tensorwise)", _fp8_pair),
+         "overlap": ("bf16, Megatron's linears (ours_attention) vs our overlapped linears (ours), "
+                     "both with install()'s attention", _overlap_pair)}
+
+
 def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
     from megatron_overlap.ab.emulated_tp import EmulatedTP, MirrorTransport
 
     with EmulatedTP(shape.tp, rank=shape.tp - 1) as emu:
         lc.seed_rng(device, args.seed)
-        arms, e = fp8_layer.build_arms(shape, args, dtype, device)
+        arms, e = PAIRS[args.pair][1](shape, args, dtype, device)
         e = lc.Extras(e.grad, e.rope, None)  # causal from the mask type: SDPA without a mask tensor
         emu.use(MirrorTransport(emu.world, emu.rank), [a.layer for a in arms])
         ledgers = {a.name: record(a, e) for a in arms}
+    first, second = ledgers
     row = {"shape": shape.name, "model": shape.model, "tp": shape.tp, "dims": shape.dims.__dict__,
-           "tokens": shape.dims.seq_length * shape.dims.micro_batch,
+           "tokens": shape.dims.seq_length * shape.dims.micro_batch, "arms": [first, second],
            "totals": {n: totals(ops, args.bandwidth, args.launch_us) for n, ops in ledgers.items()},
-           "top_fp8_sites": sites(ledgers["fp8"], args.top),
+           "top_sites": sites(ledgers[second], args.top),
            "ops": {n: [asdict(o) for o in ops] for n, ops in ledgers.items()}}
     g = {n: row["totals"][n]["gemm"]["gflop"] for n in ledgers}
-    row["check"] = {"passed": math.isclose(g["bf16"], g["fp8"], rel_tol=1e-9) and g["bf16"] > 0,
+    row["check"] = {"passed": math.isclose(g[first], g[second], rel_tol=1e-9) and g[first] > 0,
                     "gemm_gflop": g, "what": "both arms run the same GEMMs (FLOPs equal)"}
     return row
 
 
 def table(doc: dict) -> str:
     c = doc["config"]
-    lines = [f"layer_ledger: one TransformerLayer fwd+bwd per TP rank, the layer install() builds, bf16 vs "
-             f"fp8 (hybrid, tensorwise); predicted us = MiB / {c['bandwidth']} TB/s + launches x "
-             f"{c['launch_us']} us (assumed)"]
+    lines = [f"layer_ledger: one TransformerLayer fwd+bwd per TP rank, {PAIRS[c['pair']][0]}; predicted us "
+             f"= MiB / {c['bandwidth']} TB/s + launches x {c['launch_us']} us (assumed)"]
     for r in doc["rows"]:
+        a, b = r["arms"]
         lines.append(f"{r['shape']} ({r['tokens']} tokens): {'' if r['check']['passed'] else 'CHECK FAILED: '}"
-                     f"{r['check']['what']}")
+                     f"{r['check']['what']}; {a} | {b}")
         lines.append(f"  {'class':12s} {'launches':>17s} {'MiB':>19s} {'GFLOP':>15s} {'predicted us':>19s}")
-        lines.append(f"  {'':12s} {'bf16':>8s} {'fp8':>8s} {'bf16':>9s} {'fp8':>9s} {'bf16':>7s} {'fp8':>7s} "
-                     f"{'bf16':>9s} {'fp8':>9s}")
-        b, f = r["totals"]["bf16"], r["totals"]["fp8"]
+        ta, tb = r["totals"][a], r["totals"][b]
         us = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
         for cls in (*CLASSES, "rest"):
-            lines.append(f"  {cls:12s} {b[cls]['launches']:8d} {f[cls]['launches']:8d} {b[cls]['mib']:9.0f} "
-                         f"{f[cls]['mib']:9.0f} {b[cls]['gflop']:7.0f} {f[cls]['gflop']:7.0f} "
-                         f"{us(b[cls]['predicted_us']):>9s} {us(f[cls]['predicted_us']):>9s}")
-        lines.append(f"  fp8's largest sites beyond GEMMs and attention (MiB, launches):")
-        for s in r["top_fp8_sites"]:
+            lines.append(f"  {cls:12s} {ta[cls]['launches']:8d} {tb[cls]['launches']:8d} {ta[cls]['mib']:9.0f} "
+                         f"{tb[cls]['mib']:9.0f} {ta[cls]['gflop']:7.0f} {tb[cls]['gflop']:7.0f} "
+                         f"{us(ta[cls]['predicted_us']):>9s} {us(tb[cls]['predicted_us']):>9s}")
+        lines.append(f"  {b}'s largest sites beyond GEMMs and attention (MiB, launches):")
+        for s in r["top_sites"]:
             lines.append(f"    {s['mib']:8.0f} {s['launches']:4d}  {s['phase']:8s} {s['class']:11s} "
                          f"{s['op']:22s} {s['site']}")
     return "\n".join(lines)
@@ -290,11 +307,13 @@ def table(doc: dict) -> str:
 
 def main(argv=None) -> int:
     ap = al.arguments(__doc__, fp8_layer.SHAPES)
+    ap.add_argument("--pair", choices=sorted(PAIRS), default="fp8", help="which two arms (PAIRS)")
     ap.add_argument("--bandwidth", type=float, default=3.5, help="TB/s assumed for the memory-bound ops")
     ap.add_argument("--launch-us", type=float, default=2.0, help="us assumed per kernel (graphed)")
     ap.add_argument("--top", type=int, default=12)
     ap.set_defaults(device="cpu")
-    return al.run("layer_ledger", ap.parse_args(argv), fp8_layer.SHAPES, run_shape, table, torch.bfloat16)
+    args = ap.parse_args(argv)
+    return al.run(f"layer_ledger_{args.pair}", args, fp8_layer.SHAPES, run_shape, table, torch.bfloat16)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ On one H200 (< 3 minutes; tune files and the check land in $OUT):
 
     export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}; OUT=${OUT:-/tmp/tune_check}; mkdir -p $OUT && for m in "70b 8" "8b 2"; do set -- $m; python -m megatron_overlap.cli tune --model $1 --tp $2 --measure compute --reps 5 --yaml $OUT/tune_$1_tp$2.yaml --json $OUT/tune_$1_tp$2.json --no-cache --wandb off --no-progress || exit 1; done && python benchmarks/tune_check.py --tune $OUT/tune_70b_tp8.json $OUT/tune_8b_tp2.json --reps 20 --out $OUT/tune_check_h200.json
 
+A tune made in FP8 (`tune --fp8 hybrid`: its shapes say so) is checked in FP8: each pass
+through its FP8 trial pass, against the whole FP8 GEMM as the tuner timed it.
+
 `--device cpu` runs the same passes on CPU (fp32, perf_counter): FUNCTIONAL ONLY.
 """
 
@@ -34,8 +37,8 @@ from megatron_overlap.comm import NullTransport
 from megatron_overlap.config import LayerSettings
 from megatron_overlap.simulate import Candidate, Layout, PassSpec, Shape, Trial
 from megatron_overlap.simulate.shapes import GEMM_LAYOUTS
-from megatron_overlap.tune.measure import gemm_operands
-from megatron_overlap.tune.passes import layout_nodes, trial_pass
+from megatron_overlap.tune.measure import mono_gemm
+from megatron_overlap.tune.passes import layout_nodes, precision_of, trial_pass
 
 
 def chosen_trials(doc: dict[str, Any]) -> list[tuple[dict[str, Any], Trial]]:
@@ -70,10 +73,12 @@ def measure(trial: Trial, device: str, reps: int, rounds: int = 3) -> dict[str, 
     8192 x 7168 x 8192 GEMM 1.22-1.48 ms within one script on the H200), so a pass and its
     reference are compared only when timed side by side."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    precision = precision_of(trial.spec.shape.numerics)  # FP8 where the tune was (`tune --fp8`)
     run = trial_pass(trial, NullTransport(trial.spec.shape.tp), device, dtype,
-                     nodes=layout_nodes(trial)).run
-    a, b = gemm_operands(*trial.spec.gemm, trial.spec.gemm_layout, device=device, dtype=dtype)
-    mono = lambda: torch.matmul(a, b)  # noqa: E731
+                     nodes=layout_nodes(trial), precision=precision).run
+    gemm_dtype = trial.spec.gemm_dtype if precision is not None else dtype
+    mono = mono_gemm(*trial.spec.gemm, trial.spec.gemm_layout, device=device, dtype=gemm_dtype,
+                     out_dtype=dtype)
     if device != "cuda":
         ms = _cpu_ms(run, reps)
         return {"graph_ms": ms, "b2b_ms": ms, "mono_ms": _cpu_ms(mono, reps)}

@@ -285,6 +285,31 @@ def test_tune_check_times_the_tuners_picks_cpu(tmp_path):
         assert r["measured_ms"] > 0 and r["ratio"] == pytest.approx(r["predicted_ms"] / r["measured_ms"])
 
 
+def test_tune_check_times_an_fp8_tune_in_fp8_cpu(tmp_path, monkeypatch):
+    """A tune made with --fp8 hybrid is checked in FP8: every pass through its FP8 trial
+    pass (the precision read back from the tune's shapes; every wgrad too, fp8_wgrad on),
+    and the reference is the whole FP8 GEMM in the pass's first-operand type."""
+    pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
+    import torch
+
+    from megatron_overlap.tune import passes
+
+    doc, mod = _small_tune(tmp_path, "--fp8", "hybrid"), _tune_check()
+    seen = []
+    monkeypatch.setattr(mod, "trial_pass", lambda *a, **k: seen.append(k["precision"]) or
+                        passes.trial_pass(*a, **k))
+    monos, real_mono = [], mod.mono_gemm
+    monkeypatch.setattr(mod, "mono_gemm", lambda *a, **k: monos.append(k["dtype"]) or real_mono(*a, **k))
+    for row, trial in mod.chosen_trials(doc):
+        got = mod.measure(trial, "cpu", reps=1)
+        assert got["graph_ms"] > 0 and got["mono_ms"] > 0
+    assert len(seen) == len(doc["chosen"]) and all(
+        p is not None and p.fp8 and p.fwd == torch.float8_e4m3fn and p.grad == torch.float8_e5m2
+        and p.wgrad for p in seen)
+    passes_ = [row["pass"].rsplit("_", 1)[1] for row in doc["chosen"]]
+    assert monos == [torch.float8_e4m3fn if p == "fprop" else torch.float8_e5m2 for p in passes_]
+
+
 def test_tune_check_compares_each_side_with_its_own_monolithic_gemm(tmp_path, monkeypatch):
     """rel_ratio takes the prediction relative to the tuner's monolithic GEMM of that pass
     (the median of the tune's timings of that GEMM size and operand layout, as its cost

@@ -87,7 +87,7 @@ def test_layer_ledger_counts_what_the_fp8_layer_adds(tmp_path):
     weight, the wgrad's two operands), each found at its site in the code."""
     r = _run("benchmarks/layer_ledger.py", "--shapes", "tiny", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    row = json.load(open(tmp_path / "layer_ledger_cpu.json"))["rows"][0]
+    row = json.load(open(tmp_path / "layer_ledger_fp8_cpu.json"))["rows"][0]
     d, tp, tokens = row["dims"], row["tp"], row["tokens"]
     head = d["hidden"] // d["heads"]
     per_rank = d["hidden"] * ((d["heads"] + 2 * d["query_groups"]) * head  # qkv

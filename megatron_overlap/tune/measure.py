@@ -164,26 +164,32 @@ def gemm_operands(m: int, k: int, n: int, layout: str, *, device: Any = "cuda",
     return a, b
 
 
-def measure_gemm(m: int, k: int, n: int, layout: str, *, reps: int = 50,
-                 dtype: torch.dtype = torch.bfloat16,
-                 out_dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
-    """One monolithic GEMM [m, k] x [k, n] in operand `layout` (`gemm_operands`; a pass's
-    is `PassSpec.gemm_layout`), graphed (device time) and eager. FP8 `dtype`: the scaled
+def mono_gemm(m: int, k: int, n: int, layout: str, *, device: Any = "cuda",
+              dtype: torch.dtype = torch.bfloat16,
+              out_dtype: torch.dtype = torch.bfloat16) -> Callable[[], torch.Tensor]:
+    """One monolithic GEMM [m, k] x [k, n] on random operands, as a closure: in operand
+    `layout` (`gemm_operands`; a pass's is `PassSpec.gemm_layout`). FP8 `dtype`: the scaled
     GEMM (`overlap.fp8.ScaledGemm`, the second operand e4m3, output `out_dtype`) in the
     one layout cuBLAS multiplies FP8 in (row-major x column-major), whatever `layout`
     says: the layer makes its FP8 operands so before its GEMMs."""
     if dtype.itemsize == 1:
         from ..overlap.fp8 import ScaledGemm
 
-        one = torch.ones((), device="cuda")
-        a = torch.randn(m, k, device="cuda").to(dtype)
-        b = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn).t()
-        gemm, out = ScaledGemm(one, one, out_dtype), torch.empty(m, n, device="cuda",
+        one = torch.ones((), device=device)
+        a = torch.randn(m, k, device=device).to(dtype)
+        b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+        gemm, out = ScaledGemm(one, one, out_dtype), torch.empty(m, n, device=device,
                                                                  dtype=out_dtype)
-        mono = lambda: gemm(a, b, out, op="mono")  # noqa: E731
-        return dict(mono_ms=time_ms(mono, reps), mono_graph_ms=time_ms(graphed(mono), reps))
-    a, b = gemm_operands(m, k, n, layout, device="cuda", dtype=dtype)
-    mono = lambda: torch.matmul(a, b)  # noqa: E731
+        return lambda: gemm(a, b, out, op="mono")
+    a, b = gemm_operands(m, k, n, layout, device=device, dtype=dtype)
+    return lambda: torch.matmul(a, b)
+
+
+def measure_gemm(m: int, k: int, n: int, layout: str, *, reps: int = 50,
+                 dtype: torch.dtype = torch.bfloat16,
+                 out_dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+    """`mono_gemm` on the GPU, graphed (device time) and eager."""
+    mono = mono_gemm(m, k, n, layout, dtype=dtype, out_dtype=out_dtype)
     return dict(mono_ms=time_ms(mono, reps), mono_graph_ms=time_ms(graphed(mono), reps))
 
 
