@@ -105,9 +105,14 @@ def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, 
     Returns (the wgrad's input, what column_wgrad still reduces into grad_in or None).
     `wgrad=False` (frozen weight): the gather, which only feeds the wgrad, is skipped.
     FP8: g and weight are FP8 (weight column-major), `gemm` their scaled GEMM, and x2
-    the forward's FP8 input when the wgrad runs in FP8 (then the gather moves FP8)."""
+    the forward's FP8 input when the wgrad runs in FP8 (then the gather moves FP8).
+    Under SP the gathered input and the product the wgrad pass reduce-scatters live in
+    the transport's workspace (both are read within this transport pass only): no
+    per-pass allocation, and a symmetric-memory transport's peers read the product where
+    the GEMM wrote it, without a staging copy."""
     gather = plan.sequence_parallel and wgrad
-    full = _gathered(x2, tp) if gather else x2
+    full = tp.workspace((tp.world_size * x2.shape[0], x2.shape[1]), x2.dtype, x2.device) \
+        if gather else x2
     start = (lambda: tp.all_gather(full, x2, op=op)) if gather else None
     if plan.sequence_parallel and plan.rs_dgrad:
         handle = start and start()
@@ -118,7 +123,9 @@ def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, 
         return full, None
     if plan.sequence_parallel:
         with (streams or plain()).margin_only():  # bulk: num_sm SMs short where set_sm_margin acts
-            dgrad = hide(start, lambda: gemm(g, weight, op=op), overlap=plan.dgrad is not None)
+            dgrad = hide(start, lambda: gemm(g, weight, tp.workspace(
+                (g.shape[0], weight.shape[-1]), grad_in.dtype, g.device), op=op),
+                overlap=plan.dgrad is not None)
         return full, dgrad
     gemm(g, weight, grad_in, op=op)
     return x2, (grad_in if allreduce_dgrad else None)
