@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # FP8 on one GPU, in one device call: the two FP8 benchmarks, a small GPT trained in FP8 and
 # in bf16, and the same training three more ways, each changing one thing the FP8 arm does
-# on a GPU only (the pass replay, the compiled kernels, the symm transport), to find what
-# makes FP8 train differently there. From the repo root, with .whl/ carried (ignored by git:
+# on a GPU (the pass replay, the compiled kernels, the TP communication: TP=1 has none; gloo
+# cannot stand in for symm here, it has no CUDA send/recv), to find what makes FP8 train
+# differently there. From the repo root, with .whl/ carried (ignored by git:
 # megatron-core 0.19.2 as ../shared/device/wheels.sh fetches it, torchao 0.18.0):
 #
 #   OUT=$OUT bash benchmarks/fp8_gpu_session.sh          # about 7 minutes on one H200
@@ -11,13 +12,13 @@
 # with the wheels keep the whole under 9.5 minutes even when every piece runs to its limit):
 #   wheels into /tmp/site                                       ~10-20 s
 #   tests/gpu/test_fp8_gpu.py, only with TESTS=1 (make test-gpu runs it)  ~60-90 s (timeout 150)
-#   benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)     ~40-60 s   (timeout 90)
-#   benchmarks/fp8_layer.py   (2 shapes x 3 arms, a profile)    ~60-90 s   (timeout 130)
-#   benchmarks/fp8_train.py   (2 ranks, 2 arms x 200 steps)     ~60-100 s  (timeout 130)
-#   fp8_train.py x 3, 100 steps: MEGATRON_OVERLAP_GRAPHS=0, --eager-kernels, --backend
-#     torch_p2p                                                  ~40-60 s each (timeout 75)
+#   benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)     ~40-60 s   (timeout 80)
+#   benchmarks/fp8_layer.py   (2 shapes x 3 arms, a profile)    ~60-90 s   (timeout 120)
+#   benchmarks/fp8_train.py   (2 ranks, 2 arms x 200 steps)     ~60-100 s  (timeout 120)
+#   fp8_train.py x 3, 100 steps: MEGATRON_OVERLAP_GRAPHS=0, --eager-kernels, --tp 1
+#                                                                ~30-60 s each (timeout 70)
 # $OUT gets: session.log (everything printed), fp8_compute_gpu.json, fp8_layer_gpu.json,
-# fp8_train_{shared_gpu_tp2,noreplay,eager_kernels,torch_p2p}.{json,txt,png}
+# fp8_train_{shared_gpu_tp2,noreplay,eager_kernels,tp1}.{json,txt,png}
 # (and fp8_gpu_tests.log with TESTS=1). REPS / REPEAT / STEPS / DIAG_STEPS change the lengths.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,29 +49,29 @@ if [ "${TESTS:-0}" = 1 ]; then
 fi
 
 t=$(date +%s)
-timeout 90 python3 benchmarks/fp8_compute.py --reps "${REPS:-20}" --repeat "${REPEAT:-3}" \
+timeout 80 python3 benchmarks/fp8_compute.py --reps "${REPS:-20}" --repeat "${REPEAT:-3}" \
   --out "$OUT" --tag gpu
 step "benchmarks/fp8_compute.py" $?
 
 t=$(date +%s)
-timeout 130 python3 benchmarks/fp8_layer.py --reps "${REPS:-10}" --repeat "${REPEAT:-5}" --out "$OUT" --tag gpu
+timeout 120 python3 benchmarks/fp8_layer.py --reps "${REPS:-10}" --repeat "${REPEAT:-5}" --out "$OUT" --tag gpu
 step "benchmarks/fp8_layer.py" $?
 
 t=$(date +%s)
-timeout 130 python3 benchmarks/fp8_train.py --steps "${STEPS:-200}" --out "$OUT"
+timeout 120 python3 benchmarks/fp8_train.py --steps "${STEPS:-200}" --out "$OUT"
 step "benchmarks/fp8_train.py" $?
 
-# one change each: pass replay off, eager FP8 kernels, gloo instead of symm
+# one change each: pass replay off, eager FP8 kernels, no TP communication (TP=1)
 DIAG=${DIAG_STEPS:-100}
 t=$(date +%s)
-MEGATRON_OVERLAP_GRAPHS=0 timeout 75 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag noreplay
+MEGATRON_OVERLAP_GRAPHS=0 timeout 70 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag noreplay
 step "fp8_train.py, pass replay off" $?
 t=$(date +%s)
-timeout 75 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag eager_kernels --eager-kernels
+timeout 70 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag eager_kernels --eager-kernels
 step "fp8_train.py, eager FP8 kernels" $?
 t=$(date +%s)
-timeout 75 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag torch_p2p --backend torch_p2p
-step "fp8_train.py, torch_p2p (gloo) transport" $?
+timeout 70 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag tp1 --tp 1
+step "fp8_train.py, TP=1 (no TP communication)" $?
 ls -la "$OUT"
 }
 main 2>&1 | tee "$OUT/session.log"

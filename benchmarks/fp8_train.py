@@ -105,6 +105,12 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     from megatron_overlap.overlap import replay
 
     layout = plan_layout(world, args.device)
+    if args.backend != "auto":  # refused where it cannot run here (ab.backends: the reason)
+        from megatron_overlap.ab.backends import select
+
+        why = select(args.backend, layout)[1].get(args.backend)
+        if why:
+            raise SystemExit(f"fp8_train: --backend {args.backend} cannot run here: {why}")
     device = init_megatron(layout, rank, world, args.seed, _cpu_init)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     spec = GPTSpec(args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab, None)
@@ -137,7 +143,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         doc = {"benchmark": "fp8_train", "command": " ".join([sys.executable, *sys.argv]),
                "config": vars(args), "model": spec.__dict__, "dtype": str(dtype)[6:], "meta": meta,
                "title": (f"GPT {args.layers}L h{args.hidden} seq{args.seq} mb{args.micro_batch} "
-                         f"vocab {args.vocab}, TP={world} + SP, {meta.get('gpu_name') or 'CPU'}, "
+                         f"vocab {args.vocab}, TP={world}{' + SP' if world > 1 else ''}, {meta.get('gpu_name') or 'CPU'}, "
                          f"{args.steps} steps, AdamW lr {args.lr}, seed {args.seed}, "
                          f"{transports(arms)}{', eager FP8 kernels' if args.eager_kernels else ''}, "
                          f"pass replay {'on' if replay.enabled() and device.type == 'cuda' else 'off'}"),

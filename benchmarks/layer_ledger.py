@@ -15,9 +15,10 @@ of contiguous tensors is one fused kernel (`overlap.fp8._fused_cast`, which runs
 CUDA, is stood in for here by the same cast recorded as one operation).
 
 Each recorded operation is one kernel launch (an approximation: a few aten ops launch two),
-classed as gemm, attention, fp8 cast, transpose (a copy whose innermost dimension
-changes), copy,
-reduction or elementwise; views and allocations launch nothing and are left out. Where:
+classed as gemm, attention, comm (the emulated transport's copies: what a real transport
+moves), fp8 cast, transpose (a copy whose innermost dimension changes), copy, reduction or
+elementwise; the last five are the memory-bound rest. Views and allocations launch nothing
+and are left out; an expanded (stride 0) operand counts its bytes once. Where:
 the innermost frame in megatron_overlap (else in megatron, else torch). Predicted time of
 the memory-bound rest: bytes / --bandwidth + launches x --launch-us (stated assumptions,
 not measurements; the device's copy bandwidth is to be measured, METHOD.md).
@@ -58,7 +59,9 @@ NO_KERNEL = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty,
              aten.sym_numel, aten.sym_storage_offset}
 OVERWRITE = {aten.copy_, aten.fill_, aten.zero_, aten.normal_, aten.uniform_}
 FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-CLASSES = ("gemm", "attention", "fp8 cast", "transpose", "copy", "reduction", "elementwise")
+CLASSES = ("gemm", "attention", "comm", "fp8 cast", "transpose", "copy", "reduction",
+           "elementwise")
+HEAVY = ("gemm", "attention", "comm")  # not in the memory-bound rest
 REDUCTIONS = ("amax", "max", "min", "sum", "mean", "norm", "var", "prod", "argmax", "all", "any")
 ROOT = os.path.dirname(HERE)
 
@@ -76,7 +79,8 @@ class Op:
 
 
 def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    """The distinct bytes `t` holds: an expanded dimension (stride 0) counted once."""
+    return math.prod(n for n, st in zip(t.shape, t.stride()) if st != 0) * t.element_size()
 
 
 def _tensors(tree) -> list[torch.Tensor]:
@@ -106,7 +110,7 @@ def _gemm_flops(func, args, out: torch.Tensor) -> float:
 
 def _inner(t: torch.Tensor) -> int:
     """The dimension `t`'s consecutive elements run along (of those longer than 1)."""
-    dims = [d for d in range(t.dim()) if t.shape[d] > 1]
+    dims = [d for d in range(t.dim()) if t.shape[d] > 1 and t.stride(d) != 0]
     return min(dims, key=lambda d: t.stride(d)) if dims else -1
 
 
@@ -159,9 +163,10 @@ class Ledger(TorchDispatchMode):
             written = max(written, _bytes(ins[0]))  # unless overwritten whole
             if packet in OVERWRITE:
                 read -= _bytes(ins[0])
-        cls = _classify(packet, args, outs)
+        site = _site()
+        cls = "comm" if site.startswith("ab/emulated_tp.py") else _classify(packet, args, outs)
         flops = _gemm_flops(packet, args, outs[0]) if cls == "gemm" else 0.0
-        self.add(Op(packet.__name__, cls, _site(), self.phase, read, written, flops,
+        self.add(Op(packet.__name__, cls, site, self.phase, read, written, flops,
                     [list(t.shape) for t in ins[:3]]))
         return out
 
@@ -226,18 +231,18 @@ def totals(ops: list[Op], bandwidth: float, launch_us: float) -> dict:
         t["mib"] += (op.read + op.written) / 2**20
         t["gflop"] += op.flops / 1e9
     for c, t in by.items():
-        t["predicted_us"] = (None if c in ("gemm", "attention") else
+        t["predicted_us"] = (None if c in HEAVY else
                              t["mib"] * 2**20 / (bandwidth * 1e12) * 1e6 + t["launches"] * launch_us)
-    rest = [t for c, t in by.items() if c not in ("gemm", "attention")]
+    rest = [t for c, t in by.items() if c not in HEAVY]
     by["rest"] = {k: sum(t[k] for t in rest) for k in ("launches", "mib", "gflop", "predicted_us")}
     return by
 
 
 def sites(ops: list[Op], top: int) -> list[dict]:
-    """The largest sites beyond the GEMMs and attention, by bytes: (site, op, class)."""
+    """The largest sites of the memory-bound rest, by bytes: (site, op, class)."""
     agg: dict = collections.defaultdict(lambda: {"launches": 0, "mib": 0.0})
     for op in ops:
-        if op.cls in ("gemm", "attention"):
+        if op.cls in HEAVY:
             continue
         a = agg[(op.site, op.name, op.cls, op.phase)]
         a["launches"] += 1
@@ -298,7 +303,7 @@ def table(doc: dict) -> str:
             lines.append(f"  {cls:12s} {ta[cls]['launches']:8d} {tb[cls]['launches']:8d} {ta[cls]['mib']:9.0f} "
                          f"{tb[cls]['mib']:9.0f} {ta[cls]['gflop']:7.0f} {tb[cls]['gflop']:7.0f} "
                          f"{us(ta[cls]['predicted_us']):>9s} {us(tb[cls]['predicted_us']):>9s}")
-        lines.append(f"  {b}'s largest sites beyond GEMMs and attention (MiB, launches):")
+        lines.append(f"  {b}'s largest sites of the rest (MiB, launches):")
         for s in r["top_sites"]:
             lines.append(f"    {s['mib']:8.0f} {s['launches']:4d}  {s['phase']:8s} {s['class']:11s} "
                          f"{s['op']:22s} {s['site']}")

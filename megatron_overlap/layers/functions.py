@@ -73,7 +73,9 @@ def _run(graphs: Graphs, key: str, tp: Transport, body, *tensors, static: tuple 
 
 
 def _gathered(x2: torch.Tensor, tp: Transport) -> torch.Tensor:
-    return x2.new_empty(tp.world_size * x2.shape[0], x2.shape[1])
+    """Where a gather of `x2` lands inside a pass that reads it only there: the transport's
+    workspace (no per-pass allocation; valid until the next begin_pass)."""
+    return tp.workspace((tp.world_size * x2.shape[0], x2.shape[1]), x2.dtype, x2.device)
 
 
 # -- the passes: every tensor they touch is an argument --------------------------------------
@@ -111,8 +113,7 @@ def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, 
     per-pass allocation, and a symmetric-memory transport's peers read the product where
     the GEMM wrote it, without a staging copy."""
     gather = plan.sequence_parallel and wgrad
-    full = tp.workspace((tp.world_size * x2.shape[0], x2.shape[1]), x2.dtype, x2.device) \
-        if gather else x2
+    full = _gathered(x2, tp) if gather else x2
     start = (lambda: tp.all_gather(full, x2, op=op)) if gather else None
     if plan.sequence_parallel and plan.rs_dgrad:
         handle = start and start()
@@ -397,7 +398,7 @@ def gather_last(t: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     not take workspace that pass may still be using."""
     tp.begin_pass(op)
     rows = _flat(t).contiguous()
-    full = _gathered(rows, tp)
+    full = rows.new_empty(tp.world_size * rows.shape[0], rows.shape[1])  # returned: not a workspace
     tp.all_gather(full, rows, op=op).wait()
     return full.view(tp.world_size, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], -1)
 

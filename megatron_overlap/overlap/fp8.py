@@ -99,17 +99,28 @@ def _run_compiled(key: tuple, fn, *args: torch.Tensor) -> bool:
     """Run `fn(*args)` compiled (torch.compile, inductor; dynamic shapes, so a model's
     shapes compile once per key); False where it does not run so: on CPU, with
     `set_fused(False)`, or after a failure (logged once; that key runs eagerly from then
-    on, with the same bits)."""
+    on, with the same bits). Inside a CUDA-graph capture it never compiles (a compile
+    synchronizes, which a capture forbids): a kernel not compiled yet, or one whose guards
+    ask for a recompile (a new layout, a dimension of 1), runs eagerly there, captured so."""
     if not _fusing or args[0].device.type != "cuda":
         return False
+    capturing = torch.cuda.is_current_stream_capturing()
     if key not in _compiled:
+        if capturing:
+            return False
         _compiled[key] = torch.compile(fn, dynamic=True)
     compiled = _compiled[key]
     if compiled is None:
         return False
     try:
-        compiled(*args)
+        if capturing:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                compiled(*args)
+        else:
+            compiled(*args)
     except Exception as exc:  # noqa: BLE001  (no inductor / triton here: eager, slower, same bits)
+        if capturing:  # a recompile refused: eager in this capture, compiled again outside
+            return False
         _compiled[key] = None
         log.warning("megatron_overlap: FP8 %s runs eagerly: torch.compile failed (%s: %s)",
                     key[0], type(exc).__name__, exc)

@@ -138,8 +138,9 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
     """The trial's pass in FP8 (`precision`: its types; the wgrad in FP8): its operands
     quantized beforehand (the layer quantizes each once per pass, before any transfer, so
     chunking does not change that cost) and laid out as the layer hands them to the same
-    pass function, with their scaled GEMM; outputs in `dtype`. A wgrad's transposed
-    copies of its operands are made inside its function, as in the layer.
+    pass function, with their scaled GEMM; outputs in `dtype`. The transposed copies FP8
+    GEMMs need (the dgrad's weight, the wgrad's operands) are made inside the timed pass,
+    as in the layer.
     Random operands, one scale per FP8 type (`tensors`: 'scale_fwd', 'scale_grad'), the
     same on every rank, so a gathered FP8 tensor has one scale, as in the layer. The column
     dgrad gathers the FP8 input where the wgrad is FP8, else the input in `dtype`.
@@ -178,7 +179,7 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
         body = lambda: run(t["x"], t["weight"], None, t["out"], plan, tp, nodes, gemm=gemm)  # noqa: E731
     elif p == "dgrad":
         g8, sg = q8(precision.grad, m if shape.column else m // w, n)
-        t.update(g=g8, wt=transposed(w8), grad_in=empty(m // w if shape.column else m, k))
+        t.update(g=g8, grad_in=empty(m // w if shape.column else m, k))
         if shape.column:  # the input the wgrad gathers
             x8 = q8(precision.fwd, m // w, k)[0]
             t["x"] = x8 if precision.wgrad else x8.to(torch.float32).to(dtype)
@@ -186,10 +187,11 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
 
         def body():
             _, streams = F.begin(tp, plan, "dgrad")
+            wd = transposed(t["weight"]).t()  # in the pass, as the layer's dgrad makes it
             if shape.column:
-                return F.column_dgrad(t["g"], t["x"], t["wt"].t(), t["grad_in"], plan, tp, nodes,
+                return F.column_dgrad(t["g"], t["x"], wd, t["grad_in"], plan, tp, nodes,
                                       streams, op, False, gemm=gemm)
-            return F.row_dgrad(t["g"], t["wt"].t(), t["grad_in"], plan, tp, nodes, streams, op,
+            return F.row_dgrad(t["g"], wd, t["grad_in"], plan, tp, nodes, streams, op,
                                gemm=gemm)
     else:  # wgrad: g^T @ input, both FP8 (the gathered input, the gathered gradient)
         g8, sg = q8(precision.grad, m, n)

@@ -87,3 +87,23 @@ def test_rowwise_gemm_runs_on_the_gpu_as_on_cpu(first):
         assert got.dtype == torch.bfloat16
         rel = ((got.float() - exact).abs().max() / exact.abs().max()).item()
         assert rel <= 2 ** -7, rel
+
+
+def test_compiled_kernels_never_compile_inside_a_capture():
+    """A compiled FP8 kernel whose guards would recompile (here a dimension of 1, which
+    dynamic shapes specialise) inside a CUDA-graph capture runs eagerly there instead
+    (a compile synchronizes, which breaks a capture), gives the same bytes on replay, and
+    stays compiled for later calls outside the capture."""
+    from megatron_overlap.overlap import fp8 as f
+
+    warm = (torch.randn(64, 48, device="cuda") * 10).to(torch.float8_e4m3fn)
+    assert torch.equal(f.transposed(warm).view(torch.uint8), warm.t().contiguous().view(torch.uint8))
+    src = (torch.randn(1, 48, device="cuda") * 10).to(torch.float8_e4m3fn)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f.transposed(src)
+    src.copy_((torch.randn(1, 48, device="cuda") * 10).to(torch.float8_e4m3fn))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.uint8), src.t().contiguous().view(torch.uint8))
+    assert f._compiled.get(("transpose",)) is not None, f._compiled

@@ -206,16 +206,16 @@ def fp8_trial_passes_match_reference(rank: int, world: int) -> list[dict]:
                 errors["out"] = (ref.rel(t["out"], total[mine]), True)
             elif p == "dgrad" and shape.column:
                 if returned[1] is None:  # reduce-scattered into grad_in
-                    total = sum(ref.mm(g, sg, wt.t(), sf, torch.float32).double()
-                                for g, wt in zip(every(t["g"]), every(t["wt"])))
+                    total = sum(ref.mm(g, sg, w, sf, torch.float32).double()
+                                for g, w in zip(every(t["g"]), every(w8)))
                     errors["grad_in"] = (ref.rel(t["grad_in"], total[mine]), True)
                 else:  # bulk: this rank's product, the FP8 input gathered beside it
-                    errors["dgrad"] = (ref.rel(returned[1], ref.mm(t["g"], sg, t["wt"].t(), sf,
+                    errors["dgrad"] = (ref.rel(returned[1], ref.mm(t["g"], sg, w8, sf,
                                                                     torch.float32)), False)
                     errors["gathered"] = (0.0 if torch.equal(returned[0].view(torch.uint8),
                                                              _gather(t["x"]).view(torch.uint8)) else 1.0, False)
             elif p == "dgrad":
-                errors["grad_in"] = (ref.rel(t["grad_in"], ref.mm(_gather(t["g"]), sg, t["wt"].t(), sf,
+                errors["grad_in"] = (ref.rel(t["grad_in"], ref.mm(_gather(t["g"]), sg, w8, sf,
                                                                   torch.float32)), False)
             else:  # wgrad: g^T @ input, both whole (gathered)
                 x = t["inp"] if shape.column else t["x"]
