@@ -10,9 +10,10 @@ Runs on a CPU at the full per-rank shapes, in seconds: one process plays the las
 The GEMMs and the core attention are recorded but not computed (their outputs are zeros
 of the right shape, strides and dtype, from the op's meta kernel): their FLOPs and bytes
 are what counts here, and their time is benchmarks/fp8_compute.py's. Everything else runs,
-so its shapes, dtypes and layouts are the layer's own. As on a GPU, a per-tensor FP8 cast
-of contiguous tensors is one fused kernel (`overlap.fp8._fused_cast`, which runs only on
-CUDA, is stood in for here by the same cast recorded as one operation).
+so its shapes, dtypes and layouts are the layer's own. As on a GPU, each of the compiled
+FP8 kernels (the fused cast, the transposed copy, the scale: `overlap.fp8._run_compiled`,
+which compiles only on CUDA) is one operation here (the same function run eagerly,
+recorded once).
 
 Each recorded operation is one kernel launch (an approximation: a few aten ops launch two),
 classed as gemm, attention, comm (the emulated transport's copies: what a real transport
@@ -88,19 +89,32 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _site() -> str:
-    """The innermost caller in megatron_overlap, with its caller there ('file:function <-
-    file:function'); else the innermost in megatron; else torch's autograd."""
+    """The innermost public function in megatron_overlap that issued it, with its public
+    caller there ('file:function <- file:function'; private helpers skipped); else the
+    innermost in megatron; else torch's autograd."""
     f, ours, fallback = sys._getframe(2), [], None
     while f is not None and len(ours) < 2:
         path = f.f_code.co_filename
         if "megatron_overlap" + os.sep in path and os.sep + "benchmarks" + os.sep not in path:
-            ours.append(f"{path.split('megatron_overlap' + os.sep, 1)[1]}:{f.f_code.co_name}")
+            if not f.f_code.co_name.startswith("_") or f.f_code.co_name.startswith("__"):
+                ours.append(f"{path.split('megatron_overlap' + os.sep, 1)[1]}:{f.f_code.co_name}")
         elif ours:
             break
         elif fallback is None and os.sep + "megatron" + os.sep in path:
             fallback = f"megatron/{path.split(os.sep + 'megatron' + os.sep, 1)[1]}:{f.f_code.co_name}"
         f = f.f_back
     return " <- ".join(ours) or fallback or "torch (autograd)"
+
+
+def _emulated_transfer() -> bool:
+    """Whether the innermost megatron_overlap frame is the emulated transport's."""
+    f = sys._getframe(2)
+    while f is not None:
+        path = f.f_code.co_filename
+        if "megatron_overlap" + os.sep in path:
+            return path.endswith(os.path.join("ab", "emulated_tp.py"))
+        f = f.f_back
+    return False
 
 
 def _gemm_flops(func, args, out: torch.Tensor) -> float:
@@ -164,7 +178,7 @@ class Ledger(TorchDispatchMode):
             if packet in OVERWRITE:
                 read -= _bytes(ins[0])
         site = _site()
-        cls = "comm" if site.startswith("ab/emulated_tp.py") else _classify(packet, args, outs)
+        cls = "comm" if _emulated_transfer() else _classify(packet, args, outs)
         flops = _gemm_flops(packet, args, outs[0]) if cls == "gemm" else 0.0
         self.add(Op(packet.__name__, cls, site, self.phase, read, written, flops,
                     [list(t.shape) for t in ins[:3]]))
@@ -185,32 +199,38 @@ class Ledger(TorchDispatchMode):
                             if isinstance(t, torch.Tensor) else t, got)
 
 
+COMPILED = {"cast": "fp8 cast", "transpose": "transpose", "scale": "elementwise"}
+
+
 @contextlib.contextmanager
-def fused_casts(ledger: Ledger):
-    """A GPU's fused FP8 cast (`_fused_cast`, CUDA only) as one recorded operation: the
-    same numbers (the eager cast, unrecorded), one launch, x read and out written once."""
+def compiled_kernels(ledger: Ledger):
+    """A GPU's compiled FP8 kernels (`overlap.fp8._run_compiled`, CUDA only: the fused
+    cast, the transposed copy, the scale) as one recorded operation each: the same numbers
+    (the function run eagerly, unrecorded), one launch, its inputs read once and its output
+    (the last argument) written once."""
     from megatron_overlap.overlap import fp8
 
-    def fused(x, scale, out):
-        if scale.numel() != 1 or not (x.is_contiguous() and out.is_contiguous()):
-            return None  # as on a GPU: eager
+    def run(key: tuple, fn, *args: torch.Tensor) -> bool:
+        if not fp8._fusing:
+            return False
         with _disable_current_modes():
-            fp8._cast(x, scale, out)
-        ledger.add(Op("fused_cast", "fp8 cast", _site(), ledger.phase,
-                      _bytes(x) + _bytes(scale), _bytes(out), 0.0, [list(x.shape)]))
-        return out
+            fn(*args)
+        *ins, out = args
+        ledger.add(Op(f"compiled {key[0]}", COMPILED[key[0]], _site(), ledger.phase,
+                      sum(map(_bytes, ins)), _bytes(out), 0.0, [list(t.shape) for t in ins]))
+        return True
 
-    original, fp8._fused_cast = fp8._fused_cast, fused
+    original, fp8._run_compiled = fp8._run_compiled, run
     try:
         yield
     finally:
-        fp8._fused_cast = original
+        fp8._run_compiled = original
 
 
 def record(arm: lc.Arm, e: lc.Extras) -> list[Op]:
     """One warm-up step (first-call work out of the record), then one recorded step."""
     ledger = Ledger()
-    with fused_casts(ledger), ledger:
+    with compiled_kernels(ledger), ledger:
         for recording in (False, True):
             ledger.recording, ledger.phase = recording, "forward"
             out, _ = arm.layer(arm.x, attention_mask=e.mask, rotary_pos_emb=e.rope)

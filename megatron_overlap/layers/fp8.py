@@ -80,9 +80,9 @@ class Fp8Forward:
             quantize(weight, self.w_scale, fwd, out=self.w8)
             return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype)
         a = shared_amax(x2, tp, f"{op}_amax") if gathered else amax(x2)
-        self.x_scale.copy_(scale_for(a, fwd))
+        scale_for(a, fwd, out=self.x_scale)
         quantize(x2, self.x_scale, fwd, out=self.x8)
-        self.w_scale.copy_(scale_for(amax(weight), fwd))
+        scale_for(amax(weight), fwd, out=self.w_scale)
         quantize(weight, self.w_scale, fwd, out=self.w8)
         return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
 

@@ -6,8 +6,9 @@ Transformer Engine's and Megatron's 'tensorwise' recipe) or per-row scales (torc
 - Scaling and casting are torchao's float8 (`amax_to_scale`, `to_fp8_saturated`; the
   [fp8] extra), imported when FP8 first runs, so the runtime imports without it. A scale
   is torchao's: fp8 = saturate(x * scale), x ~ fp8 / scale. On a GPU the cast runs as one
-  fused kernel (`_fused_cast`), the amax as one reduction, the transposed copies FP8
-  GEMMs need as one tiled kernel (`transposed`): torch.compile, `set_fused` turns it off.
+  fused kernel (`_fused_cast`), the amax as one reduction, the scale as one kernel
+  (`scale_for`), the transposed copies FP8 GEMMs need as one tiled kernel (`transposed`):
+  torch.compile, `set_fused` turns it off.
 - Own code, and why:
   - `ScaledGemm` calls `torch._scaled_mm` itself: the schedules write every chunk's
     product into its place of the pass's output (`out=`, the addresses a CUDA-graph
@@ -67,9 +68,22 @@ def shared_amax(x: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     return every.max()
 
 
-def scale_for(a: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The scale that maps amax `a` to `dtype`'s largest value (torchao's rounding)."""
-    return _ao().amax_to_scale(a, dtype)
+def _scale_by(to_scale, dtype: torch.dtype, a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return out.copy_(to_scale(a, dtype))
+
+
+def scale_for(a: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None
+              ) -> torch.Tensor:
+    """The scale that maps amax `a` to `dtype`'s largest value (torchao's `amax_to_scale`),
+    into `out` (an fp32 scalar) when given. On a GPU one compiled kernel where eagerly it is
+    five (to fp64, clamp, divide, to fp32, copy): torchao computes it in fp64 so that
+    compiled and eager give the same bits (tests/gpu/test_fp8_cast_gpu.py)."""
+    if out is None:
+        out = torch.empty((), dtype=torch.float32, device=a.device)
+    fn = functools.partial(_scale_by, _ao().amax_to_scale, dtype)
+    if a.dim() == 0 and _run_compiled(("scale", dtype), fn, a, out):
+        return out
+    return fn(a, out)
 
 
 def _cast_by(saturate, x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -107,3 +107,22 @@ def test_compiled_kernels_never_compile_inside_a_capture():
     torch.cuda.synchronize()
     assert torch.equal(out.view(torch.uint8), src.t().contiguous().view(torch.uint8))
     assert f._compiled.get(("transpose",)) is not None, f._compiled
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_compiled_scale_equals_torchaos(fp8):
+    """`scale_for` as one compiled kernel: torchao's `amax_to_scale` bits (it computes in
+    fp64 so that compiled and eager agree), from zero and subnormal amaxes to huge ones."""
+    pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
+    from torchao.float8.float8_utils import amax_to_scale
+
+    from megatron_overlap.overlap import fp8 as f
+
+    g = torch.Generator().manual_seed(11)
+    vals = torch.cat([torch.tensor([0.0, 1e-30, 1e-12, 448.0, 57344.0, 1e30]),
+                      torch.rand(300, generator=g) * 10.0 ** torch.randint(-8, 8, (300,), generator=g)])
+    out = torch.empty((), device="cuda")
+    for v in vals.cuda():
+        assert f.scale_for(v, fp8, out=out) is out
+        assert torch.equal(out, amax_to_scale(v, fp8)), v
+    assert f._compiled.get(("scale", fp8)) is not None, f._compiled
