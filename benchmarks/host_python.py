@@ -9,7 +9,7 @@ signature, checks, stats) runs as it does on the GPU. The pass itself runs once,
 its capture (the stand-in keys graphs without addresses, which on the GPU recur from
 step to step: see its `_key`). Host µs per call, median of --reps blocks of --calls calls.
 
-    python benchmarks/host_python.py [--calls 2000] [--reps 5] [--profile]
+    python benchmarks/host_python.py [--calls 2000] [--reps 5] [--profile] [--precision bf16,fp8]
 """
 
 from __future__ import annotations
@@ -57,8 +57,13 @@ def _stand_in_graphs(name: str):
     return StandIn(name)
 
 
-def build(hidden: int):
-    """qkv (column) and proj (row) of one layer at TP=1, overlap on, passes stood in."""
+FP8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
+
+
+def build(hidden: int, fp8: bool = False):
+    """qkv (column) and proj (row) of one layer at TP=1, overlap on, passes stood in;
+    `fp8`: with Megatron's FP8 fields (the FP8 passes' host side: their operands'
+    allocation and signature)."""
     import megatron_overlap as mo
     from megatron.core.transformer import TransformerConfig
 
@@ -68,7 +73,7 @@ def build(hidden: int):
     cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=4,
                             tensor_model_parallel_size=1, sequence_parallel=False,
                             tp_comm_overlap=True, use_cpu_initialization=True,
-                            gradient_accumulation_fusion=False)
+                            gradient_accumulation_fusion=False, **(FP8 if fp8 else {}))
     init = torch.nn.init.xavier_normal_
     layers = {"qkv": ColumnParallelLinear(hidden, 3 * hidden, config=cfg, init_method=init,
                                           bias=False, skip_bias_add=True, gather_output=False,
@@ -106,6 +111,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--profile", action="store_true", help="cProfile of the forwards (own time)")
+    ap.add_argument("--precision", default="bf16,fp8",
+                    help="comma list: bf16 (the parameters' dtype), fp8 (hybrid, tensorwise)")
     args = ap.parse_args()
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))  # megatron-core on CPU: the tests' shims
     from helpers.dist import _free_port
@@ -114,25 +121,26 @@ def main() -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
                       WORLD_SIZE="1")
     init(1)
-    layers = build(args.hidden)
+    arms = {p: build(args.hidden, fp8=p == "fp8") for p in args.precision.split(",")}
     print(f"host µs per call, Python side of the replay path (CPU, torch {torch.__version__}, "
-          f"median of {args.reps} x {args.calls} calls)")
-    for name, layer in layers.items():
-        width = layer.input_size
-        x = torch.randn(8, 1, width, requires_grad=True)
-        g = torch.randn(8, 1, layer.output_size_per_partition if name == "qkv" else layer.output_size)
-        r = measure(layer, x, g, args.calls, args.reps)
-        print(f"{name:5s} fwd {r['fwd_us']:6.1f}  bwd {r['bwd_us']:6.1f}  replays {r['replays']}")
-        if args.profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(args.calls):
-                layer(x)
-            prof.disable()
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
-            print(out.getvalue())
-
+          f"median of {args.reps} x {args.calls} calls; 16 tokens)")
+    for name in ("qkv", "proj"):  # each layer's arms one after the other
+        for precision, layers in arms.items():
+            layer = layers[name]
+            x = torch.randn(16, 1, layer.input_size, requires_grad=True)  # (FP8 wgrad: 16 | tokens)
+            g = torch.randn(16, 1, layer.output_size_per_partition if name == "qkv" else layer.output_size)
+            r = measure(layer, x, g, args.calls, args.reps)
+            print(f"{precision:4s} {name:5s} fwd {r['fwd_us']:6.1f}  bwd {r['bwd_us']:6.1f}  "
+                  f"replays {r['replays']}")
+            if args.profile:
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(args.calls):
+                    layer(x)
+                prof.disable()
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+                print(out.getvalue())
 
 if __name__ == "__main__":
     main()

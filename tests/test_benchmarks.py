@@ -370,13 +370,15 @@ def test_tune_check_times_hierarchical_picks_in_their_ring_order(tmp_path, monke
 
 def test_host_python_replays_on_cpu():
     """host_python.py (the replay path's Python side on CPU) runs and does measure replays:
-    after the capture, every call of both layers goes through PassGraphs.run's replay."""
+    after the capture, every call of both layers, bf16 and FP8, goes through PassGraphs.run's
+    replay."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "host_python.py"),
                            "--calls", "30", "--reps", "1"], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("qkv ", "proj "))]
-    assert len(lines) == 2, proc.stdout
+    lines = [ln for ln in proc.stdout.splitlines() if ln.split()[:2] in (
+        ["bf16", "qkv"], ["bf16", "proj"], ["fp8", "qkv"], ["fp8", "proj"])]
+    assert len(lines) == 4, proc.stdout  # both layers, in bf16 and in FP8
     for ln in lines:
         fprop = int(ln.split("'fprop': ")[1].split(",")[0])
         assert fprop >= 30, ln  # the 30 timed forwards all replayed (plus warm-up replays)
