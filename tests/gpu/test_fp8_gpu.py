@@ -23,6 +23,9 @@ one set of processes for the whole file (a module fixture, one xdist worker).
 3. The public FP8 layers on symm with the pass replay (CUDA graphs captured, replayed):
    every step bit-equal to the same steps run eagerly, replays counted
    (`overlap.replay.totals()`), and the results against the FP8 reference within 2^-7.
+4. Row-wise FP8 layers (install(fp8_scaling='rowwise')) on symm against the row-wise
+   reference of tests/test_fp8_rowwise.py, within one bf16 rounding (plus the sum over
+   ranks where there is one).
 """
 
 import pytest
@@ -38,6 +41,15 @@ LAYER_CASES = [("column", True, None), ("row", True, None), ("column", False, No
                ("row", True, {"proj_fprop": {"method": "ring_exchange"}})]
 REPLAY_CASES = [("column", "ring"), ("column", "rs_dgrad_pipeline2"), ("row", "pipeline2"),
                 ("row", "ring")]
+ROWWISE = [("column", "ring", True), ("column", "rs_dgrad_ring", True), ("row", "pipeline2", True),
+           ("row", "ring", True), ("column", "ring", False), ("row", "pipeline2", False)]
+
+
+def _rowwise_cases():
+    from helpers.fp8_layers import Fp8Case
+
+    return [Fp8Case(kind, v, sp, "bfloat16", fp8_wgrad=False, scaling="rowwise")
+            for kind, v, sp in ROWWISE]
 
 
 def _method(ub: dict | None) -> str:
@@ -194,8 +206,12 @@ def _all(rank, world):
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     model_parallel_cuda_manual_seed(0)
+    from helpers.fp8_layers import run_case
+
     return {"torchao": _vs_torchao(rank, world), "schedules": _schedules(rank, world),
-            "replay": _layers_replay(rank, world), "device": torch.cuda.get_device_name()}
+            "replay": _layers_replay(rank, world),
+            "rowwise": {c.id: run_case(c, rank, world, device="cuda") for c in _rowwise_cases()},
+            "device": torch.cuda.get_device_name()}
 
 
 @pytest.fixture(scope="module")
@@ -253,3 +269,21 @@ def test_fp8_layers_replay_equal_eager_and_the_reference(results, case):
         assert all(rp > cp for rp, cp in got["per_pass"].values()), (rank, got)
         for key, rel in got["rel"].items():
             assert rel <= 2.0 ** -7, (rank, key, got["rel"])
+
+
+@pytest.mark.parametrize("case", ROWWISE, ids=lambda c: f"{c[0]}-{c[1]}-sp{int(c[2])}")
+def test_rowwise_fp8_layers_on_the_gpu_match_the_rowwise_reference(results, case):
+    """Row-wise FP8 layers (scales in each row's tail, torch's row-wise GEMM kernel, the
+    wgrad in bf16) on symm against the CPU's row-wise reference (tests/test_fp8_rowwise.py):
+    the same FP8 operands, so what differs is the GPU GEMMs' accumulation order, one bf16
+    rounding (2^-8), plus, where summed over ranks, TP + 1 roundings of 2^-9."""
+    (c,) = [c for c in _rowwise_cases() if (c.kind, c.variant, c.sp) == case]
+    reduced = "input_grad" if c.kind == "column" else "output"
+    for rank, r in enumerate(results):
+        got = r["rowwise"][c.id]
+        assert got["precision"].startswith("fp8 rowwise") and not got["megatron_forward"], got
+        assert got["transport"] == "symm", got
+        for key in ("output", "input_grad", "weight_grad", "bias_grad"):
+            v = got[key]
+            bound = 2.0 ** -8 + ((TP + 1) * 2.0 ** -9 if key == reduced else 0.0)
+            assert v["dtype"] and v["rel"] <= bound, (rank, key, v, bound)

@@ -228,7 +228,9 @@ def rowwise_reference(case: Fp8Case, rank: int, tp: int, w, b, x, dy) -> dict[st
             "bias_grad": flat(mine(dy)).sum(0)}
 
 
-def run_case(case: Fp8Case, rank: int, tp: int) -> dict:
+def run_case(case: Fp8Case, rank: int, tp: int, device: str = "cpu") -> dict:
+    """The case's layer on this rank against the reference (computed on CPU); `device`:
+    where the layer runs (tests/gpu/test_fp8_gpu.py: "cuda")."""
     import megatron_overlap as mo
 
     dtype = getattr(torch, case.dtype)
@@ -240,19 +242,21 @@ def run_case(case: Fp8Case, rank: int, tp: int) -> dict:
                                         gradient_accumulation_fusion=case.main_grad))
     finally:
         mo.uninstall()
+    layer = layer.to(device)
     whole = _whole(case, tp, dtype)
-    w_r, b_r, x_r, dy_r = _shards(case, rank, tp, *whole)
+    w_r, b_r, x_r, dy_r = (t.to(device) for t in _shards(case, rank, tp, *whole))
     with torch.no_grad():
         layer.weight.copy_(w_r)
         layer.bias.copy_(b_r)
     if case.main_grad:
-        layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32)
+        layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32, device=device)
     xi = x_r.clone().requires_grad_(True)
     y, _ = layer(xi)
     y.backward(dy_r)
     got = {"output": y.detach().reshape(-1, y.shape[-1]), "input_grad": xi.grad,
            "weight_grad": layer.weight.main_grad if case.main_grad else layer.weight.grad,
            "bias_grad": layer.bias.grad}
+    got = {k: v.cpu() for k, v in got.items()}
     want = reference(case, rank, tp, *whole)
     out = {"megatron_forward": layer._use_megatron, "precision": layer.precision.describe(),
            "transport": layer.transport.name,
