@@ -50,23 +50,73 @@ def quantized(x: torch.Tensor, dtype: torch.dtype, tp: Optional[Transport] = Non
     return quantize(x, s, dtype), s
 
 
+class Fp8WeightCache:
+    """A layer's FP8 weight kept across the micro-batches of a step (tensorwise), as
+    Transformer Engine's parameter cache under Megatron: the weight quantized (and
+    transposed, for the dgrad) at a step's first micro-batch, reused by the rest. Megatron's
+    schedules say which micro-batch is first (`set_is_first_microbatch` sets the layer's
+    `is_first_microbatch`; `disable_parameter_transpose_cache=True` turns the cache off).
+
+    Never stale: it is reused only once a schedule has been seen driving that flag (set
+    again after the layer's first forward: a training loop that never sets it quantizes
+    every forward), and only while the weight is the tensor it was made from, unchanged
+    since (its address and autograd version: an in-place update between micro-batches
+    makes it anew). The tensors live as long as the layer: a replayed pass reads and
+    writes them at the same addresses."""
+
+    def __init__(self) -> None:
+        self.w8: Optional[torch.Tensor] = None
+        self.w_scale: Optional[torch.Tensor] = None
+        self.w8t: Optional[torch.Tensor] = None
+        self._made_from: Optional[tuple] = None
+        self.driven = False  # a schedule set is_first_microbatch after the first forward
+
+    def reuse(self, weight: torch.Tensor, first: Optional[bool]) -> bool:
+        """Whether this forward reuses the cache (`first`: the layer's is_first_microbatch
+        as the schedule left it); when not, the forward makes it anew from `weight`."""
+        if first and self._made_from is not None:
+            self.driven = True
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype)
+        if self.driven and first is False and key == self._made_from:
+            return True
+        self._made_from = key
+        return False
+
+    def tensors(self, weight: torch.Tensor, fwd: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(w8, w_scale, w8t), allocated once."""
+        if self.w8 is None or self.w8.shape != weight.shape or self.w8.dtype != fwd:
+            self.w8 = torch.empty(weight.shape, dtype=fwd, device=weight.device)
+            self.w8t = torch.empty(weight.shape[::-1], dtype=fwd, device=weight.device)
+            self.w_scale = torch.empty((), dtype=torch.float32, device=weight.device)
+        return self.w8, self.w_scale, self.w8t
+
+
 class Fp8Forward:
     """What an FP8 forward pass writes for its backward: the FP8 input rows and weight,
-    with their scales. `rows`: the input flattened to [tokens, k]."""
+    with their scales. `rows`: the input flattened to [tokens, k]. `cache` (tensorwise):
+    the layer's Fp8WeightCache, whose weight this pass quantizes (and transposes), or,
+    with `reuse`, only reads."""
 
-    def __init__(self, p: Precision, rows: torch.Tensor, weight: torch.Tensor):
+    def __init__(self, p: Precision, rows: torch.Tensor, weight: torch.Tensor,
+                 cache: Optional[Fp8WeightCache] = None, reuse: bool = False):
         self.p = p
         self.rowwise = p.recipe == "rowwise"
         tokens, k = rows.shape
         f32 = dict(dtype=torch.float32, device=rows.device)
         self.x8 = torch.empty((tokens, k + TAIL) if self.rowwise else rows.shape, dtype=p.fwd,
                               device=rows.device)
-        self.w8 = torch.empty(weight.shape, dtype=p.fwd, device=weight.device)
         self.x_scale = torch.empty((), **f32)  # (row-wise: unused, the scales are in x8)
-        self.w_scale = torch.empty((weight.shape[0], 1) if self.rowwise else (), **f32)
+        self.quantize_weight = not reuse
+        if cache is not None and not self.rowwise:
+            self.w8, self.w_scale, self.w8t = cache.tensors(weight, p.fwd)
+        else:
+            self.w8 = torch.empty(weight.shape, dtype=p.fwd, device=weight.device)
+            self.w_scale = torch.empty((weight.shape[0], 1) if self.rowwise else (), **f32)
+            self.w8t = None
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.x8, self.w8, self.x_scale, self.w_scale
+    def tensors(self) -> tuple[Optional[torch.Tensor], ...]:
+        return self.x8, self.w8, self.x_scale, self.w_scale, self.w8t
 
     def operands(self, x2: torch.Tensor, weight: torch.Tensor, tp: Transport, op: str,
                  gathered: bool, out_dtype: torch.dtype
@@ -82,8 +132,11 @@ class Fp8Forward:
         a = shared_amax(x2, tp, f"{op}_amax") if gathered else amax(x2)
         scale_for(a, fwd, out=self.x_scale)
         quantize(x2, self.x_scale, fwd, out=self.x8)
-        scale_for(amax(weight), fwd, out=self.w_scale)
-        quantize(weight, self.w_scale, fwd, out=self.w8)
+        if self.quantize_weight:
+            scale_for(amax(weight), fwd, out=self.w_scale)
+            quantize(weight, self.w_scale, fwd, out=self.w8)
+            if self.w8t is not None:  # the cached weight's dgrad layout, made once per step
+                transposed(self.w8, out=self.w8t)
         return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
 
 
@@ -93,12 +146,13 @@ class Fp8Backward:
     gradient with `grad()`."""
 
     def __init__(self, p: Precision, w8: torch.Tensor, w_scale: torch.Tensor,
-                 x_scale: torch.Tensor, weight: Optional[torch.Tensor] = None):
+                 x_scale: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                 w8t: Optional[torch.Tensor] = None):
         self.p, self.w8, self.w_scale, self.x_scale = p, w8, w_scale, x_scale
-        self.rowwise, self.weight = p.recipe == "rowwise", weight
+        self.rowwise, self.weight, self.w8t = p.recipe == "rowwise", weight, w8t
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.w8, self.w_scale, self.x_scale
+    def tensors(self) -> tuple[Optional[torch.Tensor], ...]:
+        return self.w8, self.w_scale, self.x_scale, self.w8t
 
     def grad(self, g: torch.Tensor, tp: Optional[Transport] = None, op: str = ""
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,7 +170,8 @@ class Fp8Backward:
             wt = self.weight.t()
             s = row_scales(wt, self.p.fwd)  # [k, 1]: W^T's rows are W's columns
             return quantize(wt, s, self.p.fwd).contiguous(), RowScaledGemm(s.t(), out_dtype)
-        return transposed(self.w8), ScaledGemm(g_scale, self.w_scale, out_dtype)
+        w8t = self.w8t if self.w8t is not None else transposed(self.w8)  # (cached: made once)
+        return w8t, ScaledGemm(g_scale, self.w_scale, out_dtype)
 
     def dequantized(self, g8: torch.Tensor, g_scale: Optional[torch.Tensor],
                     dtype: torch.dtype) -> torch.Tensor:

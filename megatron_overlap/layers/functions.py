@@ -272,9 +272,17 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
 
 
 # -- autograd ------------------------------------------------------------------------------
-def _fp8_forward(precision: Optional[Precision], x: torch.Tensor, weight: torch.Tensor
-                 ) -> Optional[Fp8Forward]:
-    return Fp8Forward(precision, _flat(x), weight) if precision is not None and precision.fp8 else None
+def _fp8_forward(precision: Optional[Precision], x: torch.Tensor, weight: torch.Tensor,
+                 fp8_weight: Optional[tuple] = None) -> Optional[Fp8Forward]:
+    """The FP8 forward's operands; `fp8_weight`: (the layer's Fp8WeightCache, reuse) or None."""
+    if precision is None or not precision.fp8:
+        return None
+    return Fp8Forward(precision, _flat(x), weight, *(fp8_weight or ()))
+
+
+def _fp8_static(q: Optional[Fp8Forward]) -> tuple:
+    """What of an FP8 forward is decided on the host: whether it quantizes the weight."""
+    return () if q is None else (q.quantize_weight,)
 
 
 def _save(ctx, x: torch.Tensor, weight: torch.Tensor, q: Optional[Fp8Forward] = None) -> None:
@@ -286,15 +294,15 @@ def _save(ctx, x: torch.Tensor, weight: torch.Tensor, q: Optional[Fp8Forward] = 
     ctx.precision = None if q is None else q.p
     keep = (q.x8 if q is not None and q.p.wgrad else x) if weight.requires_grad else None
     # (row-wise: the backward quantizes the weight again, per column, from the weight)
-    extra = (None, None, None) if q is None or q.rowwise else (q.w8, q.w_scale, q.x_scale)
+    extra = ((None,) * 4 if q is None or q.rowwise else (q.w8, q.w_scale, q.x_scale, q.w8t))
     ctx.save_for_backward(keep, weight, *extra)
 
 
 def _saved(ctx):
     """(input or FP8 input, weight, the backward's Fp8Backward or None)."""
-    x, weight, w8, w_scale, x_scale = ctx.saved_tensors
+    x, weight, w8, w_scale, x_scale, w8t = ctx.saved_tensors
     q = None if ctx.precision is None else Fp8Backward(ctx.precision, w8, w_scale, x_scale,
-                                                        weight)
+                                                        weight, w8t)
     return x, weight, q
 
 
@@ -319,18 +327,19 @@ class ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool, allreduce_dgrad: bool,
                 layouts: dict | None = None, graphs: Graphs = None, audit=None,
-                precision: Optional[Precision] = None):
+                precision: Optional[Precision] = None, fp8_weight: Optional[tuple] = None):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.allreduce_dgrad = plan, tp, fuse_wgrad, allreduce_dgrad
         ctx.layouts = layouts = layouts or {}
         ctx.graphs, ctx.use_bias, ctx.audit = graphs, bias is not None, audit
-        q = _fp8_forward(precision, x, weight)
+        q = _fp8_forward(precision, x, weight, fp8_weight)
         _save(ctx, x, weight, q)
         # the output in its final shape (no host-side view after a replay): SP gathers the sequence
         seq = x.shape[0] * (tp.world_size if plan.sequence_parallel else 1)
         out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
         _run(graphs, "fprop", tp,
              lambda: column_fprop(_flat(x), weight, bias, _flat(out), plan, tp, layouts.get("fprop"), q),
-             x, weight, bias, out, *(q.tensors() if q is not None else ()), audit=audit)
+             x, weight, bias, out, *(q.tensors() if q is not None else ()), static=_fp8_static(q),
+             audit=audit)
         return out
 
     @staticmethod
@@ -340,7 +349,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
         need_in, wgrad, need_b = ctx.needs_input_grad[:3]
         if not (need_in or wgrad):  # frozen weight, input without grad: only a bias trains
             grad_b = _flat(grad_out).sum(0) if need_b else None
-            return None, None, grad_b, None, None, None, None, None, None, None, None
+            return None, None, grad_b, None, None, None, None, None, None, None, None, None
         grad_in, grad_w = _grad_in(ctx, weight), grad_buffer(weight, grad_out, fuse, wgrad)
         grad_b = grad_out.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
         # whether the wgrad runs changes what the pass issues: part of its replay key
@@ -351,7 +360,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
              *(q.tensors() if q is not None else ()), static=(ctx.allreduce_dgrad, wgrad),
              audit=ctx.audit)
         grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
-        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 class RowParallelMatmul(torch.autograd.Function):
@@ -360,18 +369,19 @@ class RowParallelMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool,
                 layouts: dict | None = None, graphs: Graphs = None, audit=None,
-                precision: Optional[Precision] = None):
+                precision: Optional[Precision] = None, fp8_weight: Optional[tuple] = None):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs, ctx.audit = plan, tp, fuse_wgrad, graphs, audit
         ctx.use_bias = bias is not None
         ctx.layouts = layouts = layouts or {}
-        q = _fp8_forward(precision, x, weight)
+        q = _fp8_forward(precision, x, weight, fp8_weight)
         _save(ctx, x, weight, q)
         # SP reduce-scatters the sequence (the layer's door checked that TP divides it)
         seq = x.shape[0] // (tp.world_size if plan.sequence_parallel else 1)
         out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
         _run(graphs, "fprop", tp,
              lambda: row_fprop(_flat(x), weight, bias, _flat(out), plan, tp, layouts.get("fprop"), q),
-             x, weight, bias, out, *(q.tensors() if q is not None else ()), audit=audit)
+             x, weight, bias, out, *(q.tensors() if q is not None else ()), static=_fp8_static(q),
+             audit=audit)
         return out
 
     @staticmethod
@@ -387,7 +397,7 @@ class RowParallelMatmul(torch.autograd.Function):
              grad_out, x, weight, grad_in, grad_w, grad_b, main_grad_written(weight, fuse, wgrad),
              *(q.tensors() if q is not None else ()), static=(wgrad,), audit=ctx.audit)
         grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
-        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 # -- the last-dim gather / split around a layer (gather_output, a row's unsplit input) ----

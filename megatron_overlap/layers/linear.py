@@ -28,6 +28,7 @@ from ..overlap.fp8 import TAIL
 from ..overlap.hierarchical import RingOrder
 from ..overlap.replay import PassGraphs
 from . import agree, checks
+from .fp8 import Fp8WeightCache
 from .precision import layer_precision, enclosing_layer_number
 from .graphs import megatron_graphs
 from .functions import (ColumnParallelMatmul, GatherLastDim, RowParallelMatmul, ScatterLastDim,
@@ -77,6 +78,13 @@ class _OverlapMixin:
         off = self.megatron_graphs and f"Megatron's CUDA graphs ({self.megatron_graphs}) capture it"
         self.pass_graphs = {p: PassGraphs(f"{self.overlap_plan.layer} {p}", off=off)
                             for p in ("fprop", "bwd")}
+        # Megatron's schedules set it at each step's first micro-batch (set_is_first_microbatch,
+        # for TE's FP8 parameter cache); the FP8 weight is then made once per step (tensorwise).
+        # Not under Megatron's own CUDA graphs: a replay would not see the flag.
+        self.is_first_microbatch = True
+        self._fp8_cache = (Fp8WeightCache() if self.precision.fp8 and self.precision.recipe == "tensorwise"
+                           and not getattr(self.config, "disable_parameter_transpose_cache", False)
+                           and not self.megatron_graphs else None)
 
     @property
     def transport(self) -> comm.Transport:
@@ -128,6 +136,18 @@ class _OverlapMixin:
         fallback = checks.megatron_fallback(self)
         missing_apex = self.gradient_accumulation_fusion and not HAVE_APEX_WGRAD
         return (fallback or not self.overlap_plan.enabled) and not missing_apex
+
+    def _fp8_weight(self, w: torch.Tensor) -> Optional[tuple]:
+        """(the FP8 weight cache, whether this forward reuses it) for the layer's own
+        weight, or None: no cache (bf16, row-wise, disable_parameter_transpose_cache) or a
+        weight supplied to this call. Reads and clears is_first_microbatch, as Megatron's TE
+        layers do."""
+        first = self.is_first_microbatch
+        if first is not False:
+            self.is_first_microbatch = False
+        if self._fp8_cache is None or w is not self.weight:
+            return None
+        return self._fp8_cache, self._fp8_cache.reuse(w, first)
 
     def _note_tokens(self, x: torch.Tensor, full: bool) -> None:
         tokens = token_rows(x) * (1 if full else self.transport.world_size)
@@ -201,7 +221,8 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
             self._note_tokens(input_, full=not self.sequence_parallel)
             out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
                                              self.gradient_accumulation_fusion, self._allreduce_dgrad,
-                                             self._layouts, self.pass_graphs, audit, self.precision)
+                                             self._layouts, self.pass_graphs, audit, self.precision,
+                                             self._fp8_weight(w))
         if gather and self.transport.world_size > 1:  # bounded, unlike Megatron's gather
             out = GatherLastDim.apply(out, self.transport, self.overlap_plan.op_name("gather_output"))
         return out, (self.bias if self.skip_bias_add else None)
@@ -235,5 +256,5 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
             self._note_tokens(input_, full=True)
             out = RowParallelMatmul.apply(x, w, bias, self.overlap_plan, self.transport,
                                           self.gradient_accumulation_fusion, self._layouts, self.pass_graphs,
-                                          audit, self.precision)
+                                          audit, self.precision, self._fp8_weight(w))
         return out, (self.bias if self.skip_bias_add else None)

@@ -162,14 +162,14 @@ def _transpose_into(t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out.copy_(t.t())
 
 
-def transposed(t: torch.Tensor) -> torch.Tensor:
+def transposed(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """2-D `t` transposed into a new contiguous tensor. FP8 operands need it: cuBLAS takes
     the second operand of an FP8 GEMM column-major and the wgrad's first row-major.
     torch's strided copy of 1-byte elements reads or writes one byte per 32-byte sector
     (an FP8 layer's transposes measured ~0.8 TB/s of reads + writes on an H200); on a GPU
     the copy is compiled instead, which inductor tiles so that both sides are coalesced.
-    FP8 moves as bytes (a copy: exact)."""
-    out = t.new_empty(t.shape[1], t.shape[0])
+    FP8 moves as bytes (a copy: exact). Into `out` (contiguous) when given."""
+    out = t.new_empty(t.shape[1], t.shape[0]) if out is None else out
     if t.element_size() == 1 and _run_compiled(("transpose",), _transpose_into,
                                                t.view(torch.uint8), out.view(torch.uint8)):
         return out

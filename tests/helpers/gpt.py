@@ -59,10 +59,11 @@ def forward(model, b):
     return model(tokens, pos, mask, labels=labels).float().mean()
 
 
-def forward_backward(ddp, b) -> float:
-    """One micro-batch's forward and backward through Megatron's own schedule
-    (`get_forward_backward_func`, no pipelining), which is also where Megatron's local
-    CUDA graphs are created (at the end of the step that recorded them)."""
+def forward_backward(ddp, b, microbatches: int = 1) -> float:
+    """`microbatches` forwards and backwards of the batch through Megatron's own schedule
+    (`get_forward_backward_func`, no pipelining; it sets the model's is_first_microbatch at
+    the first), which is also where Megatron's local CUDA graphs are created (at the end of
+    the step that recorded them). The first micro-batch's loss."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def step(data_iterator, model):
@@ -75,16 +76,17 @@ def forward_backward(ddp, b) -> float:
         return out, loss_func
 
     reduced = get_forward_backward_func()(
-        forward_step_func=step, data_iterator=iter([b]), model=[ddp], num_microbatches=1,
+        forward_step_func=step, data_iterator=iter([b] * microbatches), model=[ddp],
+        num_microbatches=microbatches,
         seq_length=SEQ, micro_batch_size=BATCH, forward_only=False)
     return reduced[0]["loss"].item()
 
 
 def train(ddp, steps: int = 5, lr: float = 0.05, device: str = "cpu", schedule: bool = False,
-          after_step=None, bf16: bool = False) -> list[float]:
+          after_step=None, bf16: bool = False, microbatches: int = 1) -> list[float]:
     """Megatron's own training step, as `megatron.training.train_step` runs it:
     zero DDP's grad buffer and the optimizer, forward and backward (directly, or
-    through Megatron's schedule with `schedule`), `finalize_model_grads`, then
+    through Megatron's schedule with `schedule`, `microbatches` per step), `finalize_model_grads`, then
     Megatron's optimizer (`get_megatron_optimizer`: SGD with momentum, no weight
     decay, no clipping) steps on each `main_grad`; `after_step(step)` is called after
     each. `bf16`: bf16 parameters; Megatron's optimizer for them takes CUDA tensors
@@ -112,7 +114,8 @@ def train(ddp, steps: int = 5, lr: float = 0.05, device: str = "cpu", schedule: 
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         if schedule:
-            losses.append(forward_backward(ddp, batch(step, device)))
+            with on_device():  # (the schedule counts tokens in a tensor it makes on 'cuda')
+                losses.append(forward_backward(ddp, batch(step, device), microbatches))
         else:
             loss = forward(ddp, batch(step, device))
             loss.backward()

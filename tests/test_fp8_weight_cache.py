@@ -1,0 +1,152 @@
+"""The FP8 weight made once per step (layers/fp8.py `Fp8WeightCache`): under Megatron's
+schedule, which sets each layer's `is_first_microbatch` at a step's first micro-batch (as
+it does for Transformer Engine's FP8 parameter cache), the weight's amax, cast and dgrad
+transpose run at that micro-batch and the others reuse them. The numbers are those of a
+layer that quantizes its weight at every forward (`disable_parameter_transpose_cache=True`,
+Megatron's switch for that cache): bit-equal, since the same weight gives the same FP8
+weight. And it is never stale: a training loop that never sets the flag quantizes at every
+forward, and a weight changed in place between micro-batches is quantized anew."""
+
+import pytest
+
+from helpers import dist
+
+STEPS, MICRO = 3, 3
+
+
+def _count_weight_casts(monkeypatch_target, weights) -> list:
+    """Patch layers.fp8.quantize to count the casts of the given weights."""
+    from megatron_overlap.layers import fp8 as lf
+
+    calls, real = [], lf.quantize
+    ids = {id(w) for w in weights}
+
+    def counting(x, *a, **k):
+        if id(x) in ids:
+            calls.append(id(x))
+        return real(x, *a, **k)
+    monkeypatch_target(lf, "quantize", counting)
+    return calls
+
+
+def _schedule(rank, world):
+    import torch
+
+    import megatron_overlap as mo
+    from helpers.gpt import make_config, make_model, train
+    from helpers.megatron_cpu import init
+    from megatron_overlap.layers import fp8 as lf
+
+    init(world)
+    fp8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
+    mo.install()
+    try:
+        cached, wrap_cached = make_model(make_config(world, "gelu_bias", overlap=True, **fp8))
+        plain, wrap_plain = make_model(make_config(world, "gelu_bias", overlap=True, **fp8,
+                                                   disable_parameter_transpose_cache=True))
+    finally:
+        mo.uninstall()
+    plain.load_state_dict(cached.state_dict())
+    linears = lambda m: [x for x in m.modules() if hasattr(x, "_fp8_cache")]  # noqa: E731
+    out = {}
+    for name, model, wrap in (("cached", cached, wrap_cached), ("plain", plain, wrap_plain)):
+        patch = []
+        calls = _count_weight_casts(lambda mod, attr, f: (patch.append(getattr(mod, attr)),
+                                                          setattr(mod, attr, f)),
+                                    [x.weight for x in linears(model)])
+        try:
+            losses = train(wrap(model), steps=STEPS, schedule=True, microbatches=MICRO)
+        finally:
+            lf.quantize = patch[0]
+        out[name] = dict(losses=losses, casts=len(calls), linears=len(linears(model)),
+                         caches=[x._fp8_cache is not None for x in linears(model)],
+                         driven=[x._fp8_cache.driven for x in linears(model) if x._fp8_cache],
+                         weights=[p.detach().clone() for p in model.parameters()])
+    out["weights_equal"] = all(torch.equal(a, b) for a, b in zip(out["cached"].pop("weights"),
+                                                                   out["plain"].pop("weights")))
+    return out
+
+
+def test_fp8_weights_are_made_once_per_step_under_megatrons_schedule():
+    for r in dist.run(_schedule, 2, timeout=300):
+        c, p = r["cached"], r["plain"]
+        assert all(c["caches"]) and not any(p["caches"]), r
+        assert c["losses"] == p["losses"] and r["weights_equal"], r  # bit-equal
+        n = c["linears"]
+        assert p["casts"] == n * STEPS * MICRO, r  # every forward
+        # the first step cannot tell a schedule from a loop that never sets the flag (the
+        # flag starts set): every forward; then once per step
+        assert c["casts"] == n * (MICRO + STEPS - 1), r
+        assert all(c["driven"]), r
+
+
+def _loops(rank, world):
+    import torch
+
+    import megatron_overlap as mo
+    from helpers import fp8_layers as fl
+    from helpers.layers import VARIANTS
+
+    from helpers.megatron_cpu import init
+
+    init(world)
+    case = fl.Fp8Case("column", "ring", True, "float32")
+    overrides, flags = VARIANTS["column"]["ring"]
+    mo.install(ub_cfgs=overrides)
+    try:
+        layers = {k: fl.build("column", fl.config(world, True, torch.float32, flags, fp8="hybrid",
+                                                   fp8_recipe="tensorwise",
+                                                   disable_parameter_transpose_cache=k == "plain"))
+                  for k in ("cached", "plain")}
+    finally:
+        mo.uninstall()
+    w_r, b_r, x_r, dy_r = fl._shards(case, rank, world, *fl._whole(case, world, torch.float32))
+    for layer in layers.values():
+        with torch.no_grad():
+            layer.weight.copy_(w_r)
+            layer.bias.copy_(b_r)
+
+    def step(layer):
+        x = x_r.clone().requires_grad_(True)
+        layer.weight.grad = None
+        y, _ = layer(x)
+        y.backward(dy_r)
+        return [y.detach().clone(), x.grad.clone(), layer.weight.grad.clone()]
+
+    def same(update, set_flag):
+        """Three micro-batches per step for 3 steps; `update(layer, step, micro)` changes
+        the weight; `set_flag`: the schedule sets is_first_microbatch at each step's first."""
+        results = {}
+        for k, layer in layers.items():
+            got = []
+            for s in range(3):
+                for m in range(3):
+                    if set_flag and m == 0:
+                        layer.is_first_microbatch = True
+                    update(layer, s, m)
+                    got.append(step(layer))
+            results[k] = got
+        return all(torch.equal(a, b) for ga, gb in zip(results["cached"], results["plain"])
+                   for a, b in zip(ga, gb))
+
+    def data_update(layer, s, m):  # as an optimizer that writes .data (no version bump)
+        if m == 0 and s > 0:
+            layer.weight.data.mul_(0.5)
+
+    def in_place_mid_step(layer, s, m):  # changed between micro-batches: a new version
+        if m == 1:
+            with torch.no_grad():
+                layer.weight.add_(0.25)
+
+    return {"never_set_data_updates": same(data_update, False),
+            "schedule_data_updates": same(data_update, True),
+            "schedule_in_place_mid_step": same(in_place_mid_step, True),
+            "driven": layers["cached"]._fp8_cache.driven}
+
+
+def test_the_fp8_weight_cache_is_never_stale():
+    for r in dist.run(_loops, 2, timeout=200):
+        assert r["never_set_data_updates"], r  # a loop that never sets the flag
+        assert r["schedule_data_updates"], r  # updates at step boundaries, flag set
+        assert r["schedule_in_place_mid_step"], r  # a new version within a step
+        assert r["driven"], r
