@@ -73,9 +73,11 @@ def _run(graphs: Graphs, key: str, tp: Transport, body, *tensors, static: tuple 
 
 
 def _gathered(x2: torch.Tensor, tp: Transport) -> torch.Tensor:
-    """Where a gather of `x2` lands inside a pass that reads it only there: the transport's
-    workspace (no per-pass allocation; valid until the next begin_pass)."""
-    return tp.workspace((tp.world_size * x2.shape[0], x2.shape[1]), x2.dtype, x2.device)
+    """Where a gather of `x2` lands: a new tensor (in a replayed pass, the graphs' scratch
+    pool). Not the transport's workspace: on a symmetric heap that would add a gathered
+    activation to the pass's high-water, which the heap rounds up to a power of two and
+    keeps for the whole run."""
+    return x2.new_empty(tp.world_size * x2.shape[0], x2.shape[1])
 
 
 # -- the passes: every tensor they touch is an argument --------------------------------------
@@ -108,10 +110,10 @@ def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, 
     `wgrad=False` (frozen weight): the gather, which only feeds the wgrad, is skipped.
     FP8: g and weight are FP8 (weight column-major), `gemm` their scaled GEMM, and x2
     the forward's FP8 input when the wgrad runs in FP8 (then the gather moves FP8).
-    Under SP the gathered input and the product the wgrad pass reduce-scatters live in
-    the transport's workspace (both are read within this transport pass only): no
-    per-pass allocation, and a symmetric-memory transport's peers read the product where
-    the GEMM wrote it, without a staging copy."""
+    Under SP the product the wgrad pass reduce-scatters is written into the transport's
+    workspace (it is read within this transport pass only): a symmetric-memory transport's
+    peers read it where the GEMM wrote it, without the staging copy, in the place that copy
+    would have taken (the pass's workspace high-water unchanged)."""
     gather = plan.sequence_parallel and wgrad
     full = _gathered(x2, tp) if gather else x2
     start = (lambda: tp.all_gather(full, x2, op=op)) if gather else None
@@ -408,7 +410,7 @@ def gather_last(t: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     not take workspace that pass may still be using."""
     tp.begin_pass(op)
     rows = _flat(t).contiguous()
-    full = rows.new_empty(tp.world_size * rows.shape[0], rows.shape[1])  # returned: not a workspace
+    full = _gathered(rows, tp)
     tp.all_gather(full, rows, op=op).wait()
     return full.view(tp.world_size, *t.shape).movedim(0, -2).reshape(*t.shape[:-1], -1)
 
