@@ -12,11 +12,11 @@
 # with the wheels keep the whole under 9.5 minutes even when every piece runs to its limit):
 #   wheels into /tmp/site                                       ~10-20 s
 #   tests/gpu/test_fp8_gpu.py, only with TESTS=1 (make test-gpu runs it)  ~60-90 s (timeout 150)
-#   benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)     ~40-60 s   (timeout 80)
-#   benchmarks/fp8_layer.py   (2 shapes x 3 arms, a profile)    ~60-90 s   (timeout 120)
+#   benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)     ~40-60 s   (timeout 70)
+#   benchmarks/fp8_layer.py   (2 shapes x 3 arms, a profile)    ~70-110 s  (timeout 150)
 #   benchmarks/fp8_train.py   (2 ranks, 2 arms x 200 steps)     ~60-100 s  (timeout 120)
-#   fp8_train.py x 3, 100 steps: MEGATRON_OVERLAP_GRAPHS=0, --eager-kernels, --tp 1
-#                                                                ~30-60 s each (timeout 70)
+#   fp8_train.py x 3, 80 steps: MEGATRON_OVERLAP_GRAPHS=0, --eager-kernels, --tp 1
+#                                                                ~30-50 s each (timeout 60)
 # $OUT gets: session.log (everything printed), fp8_compute_gpu.json, fp8_layer_gpu.json,
 # fp8_train_{shared_gpu_tp2,noreplay,eager_kernels,tp1}.{json,txt,png}
 # (and fp8_gpu_tests.log with TESTS=1). REPS / REPEAT / STEPS / DIAG_STEPS change the lengths.
@@ -49,12 +49,12 @@ if [ "${TESTS:-0}" = 1 ]; then
 fi
 
 t=$(date +%s)
-timeout 80 python3 benchmarks/fp8_compute.py --reps "${REPS:-20}" --repeat "${REPEAT:-3}" \
+timeout 70 python3 benchmarks/fp8_compute.py --reps "${REPS:-20}" --repeat "${REPEAT:-3}" \
   --out "$OUT" --tag gpu
 step "benchmarks/fp8_compute.py" $?
 
 t=$(date +%s)
-timeout 120 python3 benchmarks/fp8_layer.py --reps "${REPS:-10}" --repeat "${REPEAT:-5}" --out "$OUT" --tag gpu
+timeout 150 python3 benchmarks/fp8_layer.py --reps "${REPS:-10}" --repeat "${REPEAT:-5}" --out "$OUT" --tag gpu
 step "benchmarks/fp8_layer.py" $?
 
 t=$(date +%s)
@@ -62,15 +62,15 @@ timeout 120 python3 benchmarks/fp8_train.py --steps "${STEPS:-200}" --out "$OUT"
 step "benchmarks/fp8_train.py" $?
 
 # one change each: pass replay off, eager FP8 kernels, no TP communication (TP=1)
-DIAG=${DIAG_STEPS:-100}
+DIAG=${DIAG_STEPS:-80}
 t=$(date +%s)
-MEGATRON_OVERLAP_GRAPHS=0 timeout 70 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag noreplay
+MEGATRON_OVERLAP_GRAPHS=0 timeout 60 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag noreplay
 step "fp8_train.py, pass replay off" $?
 t=$(date +%s)
-timeout 70 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag eager_kernels --eager-kernels
+timeout 60 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag eager_kernels --eager-kernels
 step "fp8_train.py, eager FP8 kernels" $?
 t=$(date +%s)
-timeout 70 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag tp1 --tp 1
+timeout 60 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag tp1 --tp 1
 step "fp8_train.py, TP=1 (no TP communication)" $?
 ls -la "$OUT"
 }
