@@ -5,7 +5,8 @@ transpose run at that micro-batch and the others reuse them. The numbers are tho
 layer that quantizes its weight at every forward (`disable_parameter_transpose_cache=True`,
 Megatron's switch for that cache): bit-equal, since the same weight gives the same FP8
 weight. And it is never stale: a training loop that never sets the flag quantizes at every
-forward, and a weight changed in place between micro-batches is quantized anew."""
+forward, a weight changed in place between micro-batches is quantized anew, and forwards
+in flight together (pipeline parallelism) never overwrite what an earlier one saved."""
 
 import pytest
 
@@ -86,46 +87,69 @@ def _loops(rank, world):
     import megatron_overlap as mo
     from helpers import fp8_layers as fl
     from helpers.layers import VARIANTS
-
     from helpers.megatron_cpu import init
 
     init(world)
     case = fl.Fp8Case("column", "ring", True, "float32")
     overrides, flags = VARIANTS["column"]["ring"]
-    mo.install(ub_cfgs=overrides)
-    try:
-        layers = {k: fl.build("column", fl.config(world, True, torch.float32, flags, fp8="hybrid",
-                                                   fp8_recipe="tensorwise",
-                                                   disable_parameter_transpose_cache=k == "plain"))
-                  for k in ("cached", "plain")}
-    finally:
-        mo.uninstall()
     w_r, b_r, x_r, dy_r = fl._shards(case, rank, world, *fl._whole(case, world, torch.float32))
-    for layer in layers.values():
-        with torch.no_grad():
-            layer.weight.copy_(w_r)
-            layer.bias.copy_(b_r)
 
-    def step(layer):
-        x = x_r.clone().requires_grad_(True)
+    def fresh() -> dict:
+        """A cached and an uncached layer, new, from the same weights."""
+        mo.install(ub_cfgs=overrides)
+        try:
+            made = {k: fl.build("column", fl.config(world, True, torch.float32, flags, fp8="hybrid",
+                                                     fp8_recipe="tensorwise",
+                                                     disable_parameter_transpose_cache=k == "plain"))
+                    for k in ("cached", "plain")}
+        finally:
+            mo.uninstall()
+        for layer in made.values():
+            with torch.no_grad():
+                layer.weight.copy_(w_r)
+                layer.bias.copy_(b_r)
+        return made
+
+    def run(layer, micro: list, weight=None) -> list:
+        """Forwards of the micro-batches in `micro` (input scale factors) before any
+        backward, as a pipeline stage keeps several in flight; then their backwards."""
         layer.weight.grad = None
-        y, _ = layer(x)
-        y.backward(dy_r)
-        return [y.detach().clone(), x.grad.clone(), layer.weight.grad.clone()]
+        ys, xs = [], []
+        for f in micro:
+            x = (x_r * f).requires_grad_(True)
+            y, _ = layer(x) if weight is None else layer(x, weight=weight)
+            ys.append(y)
+            xs.append(x)
+        for y in ys:
+            y.backward(dy_r)
+        return [y.detach().clone() for y in ys] + [x.grad.clone() for x in xs] + [
+            layer.weight.grad.clone() if weight is None else weight.grad.clone()]
 
-    def same(update, set_flag):
-        """Three micro-batches per step for 3 steps; `update(layer, step, micro)` changes
-        the weight; `set_flag`: the schedule sets is_first_microbatch at each step's first."""
-        results = {}
+    def same(update, set_flag, in_flight=1, supplied_first=False):
+        """3 steps of 3 micro-batches (`in_flight` forwards before their backwards);
+        `update(layer, step, micro)` changes the weight; `set_flag`: the schedule sets
+        is_first_microbatch at each step's first; `supplied_first`: the last step's first
+        micro-batch runs on a weight passed to the call instead of the layer's own."""
+        results, layers = {}, fresh()
         for k, layer in layers.items():
             got = []
+            other = layer.weight.detach().clone().mul_(3).requires_grad_(True)
             for s in range(3):
-                for m in range(3):
+                m = 0
+                while m < 3:
                     if set_flag and m == 0:
                         layer.is_first_microbatch = True
                     update(layer, s, m)
-                    got.append(step(layer))
+                    if supplied_first and m == 0 and s == 2:  # once the cache is in use
+                        other.grad = None
+                        got.append(run(layer, [1.0], weight=other))
+                        m += 1
+                        continue
+                    n = min(in_flight, 3 - m)
+                    got.append(run(layer, [1.0 + 0.5 * i for i in range(m, m + n)]))
+                    m += n
             results[k] = got
+        driven.append(layers["cached"]._fp8_cache.driven)
         return all(torch.equal(a, b) for ga, gb in zip(results["cached"], results["plain"])
                    for a, b in zip(ga, gb))
 
@@ -138,15 +162,23 @@ def _loops(rank, world):
             with torch.no_grad():
                 layer.weight.add_(0.25)
 
-    return {"never_set_data_updates": same(data_update, False),
-            "schedule_data_updates": same(data_update, True),
-            "schedule_in_place_mid_step": same(in_place_mid_step, True),
-            "driven": layers["cached"]._fp8_cache.driven}
+    driven: list = []
+    out = {"never_set_data_updates": same(data_update, False),
+           "schedule_data_updates": same(data_update, True),
+           "schedule_in_place_mid_step": same(in_place_mid_step, True),
+           "in_flight_first_step_and_after": same(data_update, True, in_flight=3),
+           "in_flight_never_set": same(data_update, False, in_flight=2),
+           "supplied_weight_takes_the_first": same(data_update, True, supplied_first=True)}
+    return out, driven
 
 
 def test_the_fp8_weight_cache_is_never_stale():
-    for r in dist.run(_loops, 2, timeout=200):
-        assert r["never_set_data_updates"], r  # a loop that never sets the flag
-        assert r["schedule_data_updates"], r  # updates at step boundaries, flag set
-        assert r["schedule_in_place_mid_step"], r  # a new version within a step
-        assert r["driven"], r
+    """Bit-equal to quantizing at every forward: a loop that never sets the flag; updates
+    at step boundaries with the flag set; a new version within a step; several micro-batches
+    in flight before their backwards (a pipeline stage: the first step, whose forwards do
+    not reuse, must not overwrite what earlier ones saved, nor may a step's first); a
+    supplied weight taking a step's first micro-batch."""
+    for r, driven in dist.run(_loops, 2, timeout=300):
+        assert all(r.values()), r
+        # the cache was in use where a schedule set the flag, and only there
+        assert driven == [False, True, True, True, False, True], driven

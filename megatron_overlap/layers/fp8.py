@@ -50,6 +50,9 @@ def quantized(x: torch.Tensor, dtype: torch.dtype, tp: Optional[Transport] = Non
     return quantize(x, s, dtype), s
 
 
+_STALE = object()  # a cache key no weight has
+
+
 class Fp8WeightCache:
     """A layer's FP8 weight kept across the micro-batches of a step (tensorwise), as
     Transformer Engine's parameter cache under Megatron: the weight quantized (and
@@ -57,35 +60,53 @@ class Fp8WeightCache:
     schedules say which micro-batch is first (`set_is_first_microbatch` sets the layer's
     `is_first_microbatch`; `disable_parameter_transpose_cache=True` turns the cache off).
 
-    Never stale: it is reused only once a schedule has been seen driving that flag (set
-    again after the layer's first forward: a training loop that never sets it quantizes
-    every forward), and only while the weight is the tensor it was made from, unchanged
-    since (its address and autograd version: an in-place update between micro-batches
-    makes it anew). The tensors live as long as the layer: a replayed pass reads and
-    writes them at the same addresses."""
+    - Written only at a step's first micro-batch (the flag set): nothing in flight reads
+      it then (under pipeline parallelism earlier micro-batches' backwards do, later in a
+      step). Any other forward that does not reuse it quantizes into tensors of its own.
+    - Reused only once a schedule has been seen driving the flag (set again after the
+      first forward: a loop that never sets it quantizes at every forward), and only while
+      the weight is the tensor it was made from, unchanged since (its address and autograd
+      version; a change within a step leaves the cache unused until the next step).
+      Like TE's, it relies on the flag for updates that bump no version (`.data` writes,
+      as Megatron's optimizers make): a forward outside the schedule after such an update
+      (evaluation with the layer's own loop) should set `is_first_microbatch` first.
+    - Its tensors live as long as the layer: a replayed pass reads and writes them at the
+      same addresses."""
 
     def __init__(self) -> None:
         self.w8: Optional[torch.Tensor] = None
         self.w_scale: Optional[torch.Tensor] = None
         self.w8t: Optional[torch.Tensor] = None
-        self._made_from: Optional[tuple] = None
+        self._made_from: object = None  # None: never made; _STALE: not to be reused
         self.driven = False  # a schedule set is_first_microbatch after the first forward
 
-    def reuse(self, weight: torch.Tensor, first: Optional[bool]) -> bool:
-        """Whether this forward reuses the cache (`first`: the layer's is_first_microbatch
-        as the schedule left it); when not, the forward makes it anew from `weight`."""
+    def reuse(self, weight: torch.Tensor, first: Optional[bool]) -> Optional[bool]:
+        """For this forward (`first`: the layer's is_first_microbatch as the schedule left
+        it): True, reuse the cache; False, make it anew from `weight` (a step's first
+        micro-batch); None, leave it alone (this forward quantizes into its own tensors)."""
         if first and self._made_from is not None:
             self.driven = True
-        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype)
+        key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype,
+               weight.device)
+        if first:
+            self._made_from = key
+            return False
         if self.driven and first is False and key == self._made_from:
             return True
-        self._made_from = key
-        return False
+        self.invalidate()
+        return None
+
+    def invalidate(self) -> None:
+        """Not reused again before the next step's first micro-batch makes it anew."""
+        if self._made_from is not None:
+            self._made_from = _STALE
 
     def tensors(self, weight: torch.Tensor, fwd: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w8, w_scale, w8t), allocated once."""
-        if self.w8 is None or self.w8.shape != weight.shape or self.w8.dtype != fwd:
+        """(w8, w_scale, w8t), allocated once (again if the weight's shape, type or
+        device changed)."""
+        if (self.w8 is None or self.w8.shape != weight.shape or self.w8.dtype != fwd
+                or self.w8.device != weight.device):
             self.w8 = torch.empty(weight.shape, dtype=fwd, device=weight.device)
             self.w8t = torch.empty(weight.shape[::-1], dtype=fwd, device=weight.device)
             self.w_scale = torch.empty((), dtype=torch.float32, device=weight.device)

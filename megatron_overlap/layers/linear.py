@@ -72,9 +72,10 @@ class _OverlapMixin:
         self._orders: dict[str, RingOrder] | None = None
         self._max_tokens = 0  # largest [sequence x batch] seen, across the TP group
         # each pass captured in a CUDA graph and replayed where it can be (overlap.replay),
-        # unless Megatron graphs the layer itself (layers.graphs; refuses what cannot run)
+        # unless Megatron graphs the layer itself (layers.graphs; refuses what cannot run);
+        # an FP8 layer runs our path even without overlap (_use_megatron), so it counts too
         self.megatron_graphs = (megatron_graphs(self.config, self.overlap_plan.layer)
-                                if self.overlap_plan.enabled else None)
+                                if self.overlap_plan.enabled or self.precision.fp8 else None)
         off = self.megatron_graphs and f"Megatron's CUDA graphs ({self.megatron_graphs}) capture it"
         self.pass_graphs = {p: PassGraphs(f"{self.overlap_plan.layer} {p}", off=off)
                             for p in ("fprop", "bwd")}
@@ -145,9 +146,14 @@ class _OverlapMixin:
         first = self.is_first_microbatch
         if first is not False:
             self.is_first_microbatch = False
-        if self._fp8_cache is None or w is not self.weight:
+        cache = self._fp8_cache
+        if cache is None:
             return None
-        return self._fp8_cache, self._fp8_cache.reuse(w, first)
+        if w is not self.weight:  # it took the step's first micro-batch: no reuse this step
+            cache.invalidate()
+            return None
+        reuse = cache.reuse(w, first)
+        return None if reuse is None else (cache, reuse)
 
     def _note_tokens(self, x: torch.Tensor, full: bool) -> None:
         tokens = token_rows(x) * (1 if full else self.transport.world_size)
