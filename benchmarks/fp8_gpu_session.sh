@@ -13,7 +13,7 @@
 #   wheels into /tmp/site                                       ~10-20 s
 #   tests/gpu/test_fp8_gpu.py, only with TESTS=1 (make test-gpu runs it)  ~60-90 s (timeout 150)
 #   benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)     ~40-60 s   (timeout 70)
-#   benchmarks/fp8_layer.py   (2 shapes x 3 arms, a profile)    ~70-110 s  (timeout 150)
+#   benchmarks/fp8_layer.py   (2 shapes x 4 arms, a profile)    ~80-130 s  (timeout 170)
 #   benchmarks/fp8_train.py   (2 ranks, 2 arms x 200 steps)     ~60-100 s  (timeout 120)
 #   fp8_train.py x 3, 80 steps: MEGATRON_OVERLAP_GRAPHS=0, --eager-kernels, --tp 1
 #                                                                ~30-50 s each (timeout 60)
@@ -54,7 +54,7 @@ timeout 70 python3 benchmarks/fp8_compute.py --reps "${REPS:-20}" --repeat "${RE
 step "benchmarks/fp8_compute.py" $?
 
 t=$(date +%s)
-timeout 150 python3 benchmarks/fp8_layer.py --reps "${REPS:-10}" --repeat "${REPEAT:-5}" --out "$OUT" --tag gpu
+timeout 170 python3 benchmarks/fp8_layer.py --reps "${REPS:-10}" --repeat "${REPEAT:-5}" --out "$OUT" --tag gpu
 step "benchmarks/fp8_layer.py" $?
 
 t=$(date +%s)

@@ -10,8 +10,11 @@ torch's fused attention), from the same weights and input; the fp8 arms with Meg
 own fields (fp8='hybrid', fp8_recipe='tensorwise': e4m3 inputs and weights, e5m2
 gradients, all three GEMMs of each linear in FP8, quantization included). fp8_eager_kernels
 is the fp8 layer with its FP8 casts and transposes as torch's eager kernels instead of the
-compiled ones (`overlap.fp8.set_fused(False)`): what those win, and the same numbers
-(1e-2 relative at most: the attention backward's own run-to-run differences). Measured: eager
+compiled ones (`overlap.fp8.set_fused(False)`): what those win. fp8_later_micro is the fp8
+layer at a step's later micro-batches under Megatron's schedules, its FP8 weights (and
+their dgrad transposes) made at the step's first and reused (`is_first_microbatch`): what
+a step of several micro-batches mostly runs. Both compute the fp8 arm's numbers (1e-2
+relative at most: the attention backward's own run-to-run differences). Measured: eager
 back to back and graphed (medians of --repeat samples of --reps calls; ratio = bf16 ms /
 fp8 ms), memory per arm (attention_layer's `memory`: per step, kept, pools). Before timing, the fp8 arm
 against the bf16 arm on the mirror transport: output, input grad and every parameter
@@ -43,7 +46,7 @@ import attention_layer as al  # noqa: E402  (its shapes, memory measure and comm
 import layer_compute as lc  # noqa: E402  (the layer set-up and timing)
 
 FP8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
-ARMS = ("bf16", "fp8", "fp8_eager_kernels")
+ARMS = ("bf16", "fp8", "fp8_eager_kernels", "fp8_later_micro")
 SHAPES = ("70b_tp8_s4096_b2", "8b_tp4_s4096_b2")
 GOAL, TOL, TOL_KERNELS = 1.35, 0.25, 1e-2
 
@@ -69,9 +72,33 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
     rope = RotaryEmbedding(kv_channels=d.hidden // d.heads, rotary_percent=1.0,
                            rotary_base=500000)(d.seq_length).to(device)
     mask = None if device.type == "cuda" else torch.ones(d.seq_length, d.seq_length).triu(1).bool()[None, None]
-    arms = [(EagerKernelsArm if a == "fp8_eager_kernels" else lc.Arm)(
-        a, layers[a], x.clone().requires_grad_(True), True) for a in ARMS]
+    kinds = {"fp8_eager_kernels": EagerKernelsArm, "fp8_later_micro": LaterMicroArm}
+    arms = [kinds.get(a, lc.Arm)(a, layers[a], x.clone().requires_grad_(True), True) for a in ARMS]
     return arms, lc.Extras(g, rope, mask)
+
+
+class LaterMicroArm(lc.Arm):
+    """The FP8 layer at a step's later micro-batches under Megatron's schedules: its FP8
+    weights made at the step's first (is_first_microbatch, as Megatron sets it) and reused
+    (layers/fp8.py `Fp8WeightCache`); the weights do not change while timed. Its first
+    call runs two first micro-batches before its own (the second shows a schedule drives
+    the flag), on whatever transport the arms then run on."""
+
+    primed = False
+
+    def step(self, e: lc.Extras) -> torch.Tensor:
+        if not self.primed:
+            self.primed = True
+            for _ in range(2):
+                for m in self.layer.modules():
+                    if getattr(m, "_fp8_cache", None) is not None:
+                        m.is_first_microbatch = True
+                super().step(e)
+            self.layer.zero_grad(set_to_none=True)
+            self.x.grad = None
+            caches = [m._fp8_cache for m in self.layer.modules() if getattr(m, "_fp8_cache", None)]
+            assert caches and all(c.driven for c in caches), "fp8_later_micro: no weight cache in use"
+        return super().step(e)
 
 
 class EagerKernelsArm(lc.Arm):
@@ -103,14 +130,15 @@ def check(emu, arms, e) -> dict:
         lc._zero_grads(arm)
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))  # noqa: E731
     errs = {k: rel(got["fp8"][k], v) for k, v in got["bf16"].items()}
-    # the compiled kernels compute the eager ones' bits: the two FP8 arms agree but for the
-    # attention backward's own run-to-run differences (bf16, far below FP8's rounding)
-    kernels = max(rel(got["fp8_eager_kernels"][k], v) for k, v in got["fp8"].items())
+    # the compiled kernels compute the eager ones' bits and the reused FP8 weight is the one
+    # made: the FP8 arms agree but for the attention backward's own run-to-run differences
+    kernels = max(rel(got[a][k], v) for a in ("fp8_eager_kernels", "fp8_later_micro")
+                  for k, v in got["fp8"].items())
     precision = {a.name: sorted({m.precision.describe() for m in a.layer.modules() if hasattr(m, "precision")})
                  for a in arms}
     return {"tol_rel_norm": TOL, "rel_err": errs, "max_rel_err": max(errs.values()),
             "worst": max(errs, key=errs.get), "precision": precision,
-            "compiled_vs_eager_kernels_max_rel": kernels, "tol_kernels": TOL_KERNELS,
+            "fp8_arms_max_rel": kernels, "tol_kernels": TOL_KERNELS,
             "passed": max(errs.values()) <= TOL and precision["fp8"][0].startswith("fp8")
             and precision["bf16"] == ["bf16"] and kernels <= TOL_KERNELS}
 
@@ -209,8 +237,8 @@ def table(doc: dict) -> str:
     for r in doc["rows"]:
         c = r["check"]
         check = (f"check {'ok' if c['passed'] else 'FAIL'}: fp8 vs bf16 max rel {c['max_rel_err']:.3f} "
-                 f"({c['worst']}) <= {c['tol_rel_norm']}; fp8 compiled vs eager kernels "
-                 f"{c['compiled_vs_eager_kernels_max_rel']:.1e} <= {c['tol_kernels']:g}")
+                 f"({c['worst']}) <= {c['tol_rel_norm']}; the other fp8 arms vs fp8 "
+                 f"{c['fp8_arms_max_rel']:.1e} <= {c['tol_kernels']:g}")
         if "arms" not in r:
             lines.append(f"{r['shape']:18s} {check}; {r['skipped']}")
             lines += profile_lines(r, "host us per step (CPU: aten ops, functional only)")
