@@ -2,7 +2,8 @@
 issues, with the bytes it reads and writes, its FLOPs and where in the code it comes from,
 for two arms of the same layer (--pair): fp8, the bf16 and the FP8 layer install() builds;
 overlap, Megatron's linears against our overlapped linears (bf16, install()'s attention in
-both). METHOD's first step for benchmarks/fp8_layer.py and attention_layer.py: count before
+both); fp8_micro, the FP8 layer quantizing its weights at every forward against the same at
+a step's later micro-batches, its FP8 weights reused (benchmarks/fp8_layer.py's arms). METHOD's first step for benchmarks/fp8_layer.py and attention_layer.py: count before
 timing, so that the time one arm costs beyond the other has a name and a size.
 
 Runs on a CPU at the full per-rank shapes, in seconds: one process plays the last TP rank
@@ -24,7 +25,7 @@ the innermost frame in megatron_overlap (else in megatron, else torch). Predicte
 the memory-bound rest: bytes / --bandwidth + launches x --launch-us (stated assumptions,
 not measurements; the device's copy bandwidth is to be measured, METHOD.md).
 
-    python benchmarks/layer_ledger.py [--pair fp8|overlap] [--shapes all] [--top 12]
+    python benchmarks/layer_ledger.py [--pair fp8|overlap|fp8_micro] [--shapes all] [--top 12]
     python benchmarks/layer_ledger.py --shapes tiny           # seconds; what tests run
 
 Writes <out>/layer_ledger_<pair>_<tag>.json (every operation of both arms) and prints, per
@@ -228,17 +229,19 @@ def compiled_kernels(ledger: Ledger):
 
 
 def record(arm: lc.Arm, e: lc.Extras) -> list[Op]:
-    """One warm-up step (first-call work out of the record), then one recorded step."""
+    """One warm-up step (the arm's own `step`: first-call work, and whatever an arm does
+    before its steady state, out of the record), then one recorded step."""
     ledger = Ledger()
     with compiled_kernels(ledger), ledger:
-        for recording in (False, True):
+        arm.step(e)
+        for recording in (True,):
+            arm.x.grad = None
+            for p in arm.layer.parameters():
+                p.grad = None
             ledger.recording, ledger.phase = recording, "forward"
             out, _ = arm.layer(arm.x, attention_mask=e.mask, rotary_pos_emb=e.rope)
             ledger.phase = "backward"
             out.backward(e.grad)
-            arm.x.grad = None
-            for p in arm.layer.parameters():
-                p.grad = None
     return ledger.ops
 
 
@@ -276,6 +279,11 @@ def _fp8_pair(shape, args, dtype, device):
     return [a for a in arms if a.name in ("bf16", "fp8")], e
 
 
+def _micro_pair(shape, args, dtype, device):
+    arms, e = fp8_layer.build_arms(shape, args, dtype, device)
+    return [a for a in arms if a.name in ("fp8", "fp8_later_micro")], e
+
+
 def _overlap_pair(shape, args, dtype, device):
     arms, e = al.build_arms(shape, args, dtype, device)
     return [a for a in arms if a.name in ("ours_attention", "ours")], e
@@ -284,7 +292,9 @@ def _overlap_pair(shape, args, dtype, device):
 # --pair: (what differs, the arms' builder); the second arm is the one whose sites are listed
 PAIRS = {"fp8": ("the layer install() builds, bf16 vs fp8 (hybrid, tensorwise)", _fp8_pair),
          "overlap": ("bf16, Megatron's linears (ours_attention) vs our overlapped linears (ours), "
-                     "both with install()'s attention", _overlap_pair)}
+                     "both with install()'s attention", _overlap_pair),
+         "fp8_micro": ("fp8 at every forward vs at a step's later micro-batches under Megatron's "
+                       "schedules (fp8_later_micro: its FP8 weights reused)", _micro_pair)}
 
 
 def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
