@@ -106,3 +106,21 @@ def test_layer_ledger_counts_what_the_fp8_layer_adds(tmp_path):
     assert fp8["fp8 cast"]["launches"] == 12  # per linear: input and weight, then the grad
     assert "fp8's largest sites of the rest" in r.stdout
     assert fp8["comm"]["mib"] < bf16["comm"]["mib"]  # the gathers move FP8
+
+
+def test_layer_ledger_counts_what_reusing_the_fp8_weights_saves(tmp_path):
+    """benchmarks/layer_ledger.py --pair fp8_micro at the tiny shape: at a step's later
+    micro-batches (the FP8 weight cache in use) each of the four linears skips its weight's
+    amax, cast and dgrad transpose, and nothing else changes (the same GEMMs)."""
+    r = _run("benchmarks/layer_ledger.py", "--pair", "fp8_micro", "--shapes", "tiny",
+             "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    row = json.load(open(tmp_path / "layer_ledger_fp8_micro_cpu.json"))["rows"][0]
+    every, later = row["totals"]["fp8"], row["totals"]["fp8_later_micro"]
+    assert row["check"]["passed"], row["check"]
+    for cls in ("fp8 cast", "transpose", "reduction"):
+        assert later[cls]["launches"] == every[cls]["launches"] - 4, (cls, every[cls], later[cls])
+    for cls in ("gemm", "comm", "copy"):
+        assert later[cls] == every[cls], cls
+    sites = [o["site"] for o in row["ops"]["fp8_later_micro"] if o["cls"] == "transpose"]
+    assert "overlap/fp8.py:transposed <- layers/fp8.py:dgrad" not in sites, sites
