@@ -87,7 +87,7 @@ def test_first_last_layers_bf16_follows_megatrons_rule(megatron_has_the_rule, mo
 # -- built layers (TP 2): the door, the bytes, the number of the enclosing layer ---------------
 def _built(rank, world):
     import megatron_overlap as mo
-    from helpers.fp8_layers import build, config
+    from helpers.fp8_layers import build, config, rows_and_moved
     from helpers.megatron_cpu import init
     from megatron_overlap.comm import stats
     from megatron_overlap.layers.checks import LayerInputError
@@ -128,16 +128,8 @@ def _built(rank, world):
     from megatron_overlap.telemetry.rows import layer_settings
     from megatron_overlap.telemetry.table import settings_table
 
+    out.update(rows_and_moved(layers, world))
     for p, pair in layers.items():
-        stats.snapshot()
-        for k, layer in pair.items():
-            x = torch.randn(8 if k == "column" else 8 * world, 2, 32, dtype=torch.bfloat16,
-                            requires_grad=True)
-            y, _ = layer(x)
-            y.float().sum().backward()
-            out[f"rows_{p}_{k}"] = {r["pass"]: (r["buffer_bytes"], r["precision"])
-                                    for r in layer.overlap_rows()}
-        out[f"moved_{p}"] = {op: s["bytes"] for op, s in stats.snapshot().items()}
         out[f"table_{p}"] = settings_table(layer_settings(torch.nn.ModuleDict(pair)))
     return out
 

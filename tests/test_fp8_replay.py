@@ -22,19 +22,11 @@ CASES = [("column", "ring"), ("column", "rs_dgrad_pipeline2"), ("row", "pipeline
 
 
 def _steps(layer, x, dy, values, tracker, on_device: bool) -> None:
-    import torch
+    from helpers.fp8_layers import step_with
 
     kept = []
     for v in values + values:
-        with torch.no_grad():
-            layer.weight.copy_(v[0])
-            layer.bias.copy_(v[1])
-        x.copy_(v[2])
-        dy.copy_(v[3])
-        xi = x.detach().requires_grad_(True)
-        layer.weight.grad = layer.bias.grad = None
-        y, _ = layer(xi)
-        y.backward(dy)
+        y, xi = step_with(layer, x, dy, v)
         tracker.device = on_device  # off: copies that the device allocator never sees
         kept.append([y.detach().clone(), xi.grad.clone(), layer.weight.grad.clone(),
                      layer.bias.grad.clone()])

@@ -258,7 +258,7 @@ def _built(rank, world):
     """Row-wise layers (SP, TP 2) next to bf16 ones: the bytes each pass moved and the
     settings rows say; and the door refusing activations the GEMM cannot output."""
     import megatron_overlap as mo
-    from helpers.fp8_layers import build, config
+    from helpers.fp8_layers import build, config, rows_and_moved
     from helpers.megatron_cpu import init
     from megatron_overlap.comm import stats
     from megatron_overlap.layers.checks import LayerInputError
@@ -275,16 +275,7 @@ def _built(rank, world):
                          for k in ("column", "row")}
         finally:
             mo.uninstall()
-    for p, pair in layers.items():
-        stats.snapshot()
-        for k, layer in pair.items():
-            x = torch.randn(8 if k == "column" else 8 * world, 2, 32, dtype=torch.bfloat16,
-                            requires_grad=True)
-            y, _ = layer(x)
-            y.float().sum().backward()
-            out[f"rows_{p}_{k}"] = {r["pass"]: (r["buffer_bytes"], r["precision"])
-                                    for r in layer.overlap_rows()}
-        out[f"moved_{p}"] = {op: s["bytes"] for op, s in stats.snapshot().items()}
+    out.update(rows_and_moved(layers, world))
     stats.snapshot()
     try:
         with torch.autocast("cpu", dtype=torch.float16):

@@ -154,15 +154,7 @@ def _layers_replay(rank, world):
         x, dy = x_r.clone(), dy_r.clone()
 
         def run(values):
-            with torch.no_grad():
-                layer.weight.copy_(values[0])
-                layer.bias.copy_(values[1])
-            x.copy_(values[2])
-            dy.copy_(values[3])
-            xi = x.detach().requires_grad_(True)
-            layer.weight.grad = layer.bias.grad = None
-            y, _ = layer(xi)
-            y.backward(dy)
+            y, xi = fl.step_with(layer, x, dy, values)
             # Kept on the host, as a training step keeps nothing of the step on the device:
             # device copies made here, after the backward freed the forward's FP8 input, weight
             # and scales and kept for the whole test, would take those blocks, so each next

@@ -117,6 +117,42 @@ def first_call(world: int, install: dict, **fp8) -> dict:
         return {"error": str(exc), "moved": stats.snapshot()}
 
 
+def rows_and_moved(pairs: dict, world: int) -> dict:
+    """One forward + backward of each built layer pair ({precision: {"column": layer, "row":
+    layer}}, SP, TP `world`, hidden 32): each layer's settings rows as (buffer bytes,
+    precision) per pass ('rows_<p>_<kind>'), and the bytes each op moved ('moved_<p>')."""
+    from megatron_overlap.comm import stats
+
+    out = {}
+    for p, pair in pairs.items():
+        stats.snapshot()
+        for k, layer in pair.items():
+            x = torch.randn(8 if k == "column" else 8 * world, 2, 32, dtype=torch.bfloat16,
+                            requires_grad=True)
+            y, _ = layer(x)
+            y.float().sum().backward()
+            out[f"rows_{p}_{k}"] = {r["pass"]: (r["buffer_bytes"], r["precision"])
+                                    for r in layer.overlap_rows()}
+        out[f"moved_{p}"] = {op: s["bytes"] for op, s in stats.snapshot().items()}
+    return out
+
+
+def step_with(layer, x: torch.Tensor, dy: torch.Tensor, values) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward + backward of `layer` on fixed buffers `x`, `dy` filled with `values`
+    (weight, bias, input, output grad), as a replayed pass needs (new values, the same
+    addresses); returns (output, input leaf)."""
+    with torch.no_grad():
+        layer.weight.copy_(values[0])
+        layer.bias.copy_(values[1])
+    x.copy_(values[2])
+    dy.copy_(values[3])
+    xi = x.detach().requires_grad_(True)
+    layer.weight.grad = layer.bias.grad = None
+    y, _ = layer(xi)
+    y.backward(dy)
+    return y, xi
+
+
 def _whole(case: Fp8Case, tp: int, dtype: torch.dtype, seed: int = 0):
     """The whole weight, bias, input and upstream gradient (every rank the same)."""
     g = torch.Generator().manual_seed(seed)
