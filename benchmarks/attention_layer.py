@@ -224,12 +224,8 @@ def attention_alone(shape: lc.LayerShape, arms, dtype, device, reps: int) -> dic
 
 
 def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
-    from megatron_overlap.ab.emulated_tp import EmulatedTP
-
-    with EmulatedTP(shape.tp, rank=shape.tp - 1) as emu:
-        lc.seed_rng(device, args.seed)
-        arms, extras = build_arms(shape, args, dtype, device)
-        row = {"shape": shape.name, "model": shape.model, "tp": shape.tp, "dims": shape.dims.__dict__,
+    with lc.last_rank(shape, args, dtype, device, build_arms) as (emu, arms, extras):
+        row = {**lc.shape_row(shape),
                "check": check(emu, arms, extras, 1e-5 if dtype == torch.float32 else 2e-2),
                "attention": {a.name: type(a.layer.self_attention.core_attention).__name__ for a in arms}}
         if device.type == "cuda":

@@ -185,13 +185,8 @@ def kernel_times(arms, e, top: int, steps: int = 3) -> dict:
 
 
 def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
-    from megatron_overlap.ab.emulated_tp import EmulatedTP
-
-    with EmulatedTP(shape.tp, rank=shape.tp - 1) as emu:
-        lc.seed_rng(device, args.seed)
-        arms, extras = build_arms(shape, args, dtype, device)
-        row = {"shape": shape.name, "model": shape.model, "tp": shape.tp, "dims": shape.dims.__dict__,
-               "check": check(emu, arms, extras),
+    with lc.last_rank(shape, args, dtype, device, build_arms) as (emu, arms, extras):
+        row = {**lc.shape_row(shape), "check": check(emu, arms, extras),
                "attention": {a.name: type(a.layer.self_attention.core_attention).__name__ for a in arms}}
         if device.type == "cuda":
             row["memory_gib"] = al.memory(emu, arms, extras, "mirror")

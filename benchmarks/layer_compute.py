@@ -42,6 +42,7 @@ prints a table. Exit status 2 when a check failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -125,6 +126,24 @@ def init_process(device: torch.device, seed: int) -> None:
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
     torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def last_rank(shape: LayerShape, args, dtype: torch.dtype, device: torch.device, build):
+    """(emulation, arms, extras) of one shape, as every whole-layer benchmark sets it up:
+    this process the last rank of an emulated TP group (`ab.emulated_tp`), Megatron's RNG
+    seeded for it, the arms made by `build(shape, args, dtype, device)`."""
+    from megatron_overlap.ab.emulated_tp import EmulatedTP
+
+    with EmulatedTP(shape.tp, rank=shape.tp - 1) as emu:
+        seed_rng(device, args.seed)
+        arms, extras = build(shape, args, dtype, device)
+        yield emu, arms, extras
+
+
+def shape_row(shape: LayerShape) -> dict:
+    """The keys a whole-layer benchmark's result row starts with: which shape it is."""
+    return {"shape": shape.name, "model": shape.model, "tp": shape.tp, "dims": shape.dims.__dict__}
 
 
 def seed_rng(device: torch.device, seed: int) -> None:
@@ -337,14 +356,9 @@ def flops(shape: LayerShape) -> float:
 
 
 def run_shape(shape: LayerShape, args, dtype, device) -> dict:
-    from megatron_overlap.ab.emulated_tp import EmulatedTP
-
-    with EmulatedTP(shape.tp, rank=shape.tp - 1) as emu:
-        seed_rng(device, args.seed)
-        arms, extras = build_arms(shape, args, dtype, device)
+    with last_rank(shape, args, dtype, device, build_arms) as (emu, arms, extras):
         tol = 1e-5 if dtype == torch.float32 else 2e-2
-        row = {"shape": shape.name, "model": shape.model, "tp": shape.tp,
-               "dims": shape.dims.__dict__,
+        row = {**shape_row(shape),
                "per_rank_linears": [dict(buffer=s.buffer, m=s.m, k=s.k, n=s.n)
                                     for s in shape.dims.shapes(shape.model, shape.tp)],
                "linear_gflop_fwd_bwd": flops(shape) / 1e9,

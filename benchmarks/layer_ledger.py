@@ -298,17 +298,14 @@ PAIRS = {"fp8": ("the layer install() builds, bf16 vs fp8 (hybrid, tensorwise)",
 
 
 def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
-    from megatron_overlap.ab.emulated_tp import EmulatedTP, MirrorTransport
+    from megatron_overlap.ab.emulated_tp import MirrorTransport
 
-    with EmulatedTP(shape.tp, rank=shape.tp - 1) as emu:
-        lc.seed_rng(device, args.seed)
-        arms, e = PAIRS[args.pair][1](shape, args, dtype, device)
+    with lc.last_rank(shape, args, dtype, device, PAIRS[args.pair][1]) as (emu, arms, e):
         e = lc.Extras(e.grad, e.rope, None)  # causal from the mask type: SDPA without a mask tensor
         emu.use(MirrorTransport(emu.world, emu.rank), [a.layer for a in arms])
         ledgers = {a.name: record(a, e) for a in arms}
     first, second = ledgers
-    row = {"shape": shape.name, "model": shape.model, "tp": shape.tp, "dims": shape.dims.__dict__,
-           "tokens": shape.dims.seq_length * shape.dims.micro_batch, "arms": [first, second],
+    row = {**lc.shape_row(shape), "tokens": shape.dims.seq_length * shape.dims.micro_batch, "arms": [first, second],
            "totals": {n: totals(ops, args.bandwidth, args.launch_us) for n, ops in ledgers.items()},
            "top_sites": sites(ledgers[second], args.top),
            "ops": {n: [asdict(o) for o in ops] for n, ops in ledgers.items()}}

@@ -79,7 +79,6 @@ def summarize(ks: list[dict], top: int = 12) -> dict:
 
 
 def main(argv=None) -> int:
-    from megatron_overlap.ab.emulated_tp import EmulatedTP
     from megatron_overlap.tune.measure import graphed, time_b2b, time_ms
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -98,9 +97,7 @@ def main(argv=None) -> int:
     lc.init_process(device, args.seed)
     shape = al.shape_of(args.shape)
     doc = {"shape": args.shape, "timing": args.timing, "arms": {}}
-    with EmulatedTP(shape.tp, rank=shape.tp - 1) as emu:
-        lc.seed_rng(device, args.seed)
-        arms, e = al.build_arms(shape, args, dtype, device)
+    with lc.last_rank(shape, args, dtype, device, al.build_arms) as (emu, arms, e):
         arms = [a for a in arms if a.name in args.arms]
         null = lc.timing_transport(emu, args.timing)
         for arm in arms:

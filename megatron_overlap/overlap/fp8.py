@@ -101,8 +101,8 @@ log = logging.getLogger("megatron_overlap")
 
 
 def set_fused(enabled: bool) -> bool:
-    """Whether FP8 casts and transposes run as compiled kernels on a GPU (the default) or
-    eagerly; returns the previous setting. For side-by-side benchmarks: a pass captured
+    """Whether FP8 casts, scales and transposes run as compiled kernels on a GPU (the
+    default) or eagerly; returns the previous setting. For side-by-side benchmarks: a pass captured
     for replay keeps the kernels it was captured with."""
     global _fusing
     before, _fusing = _fusing, bool(enabled)
