@@ -234,14 +234,13 @@ def record(arm: lc.Arm, e: lc.Extras) -> list[Op]:
     ledger = Ledger()
     with compiled_kernels(ledger), ledger:
         arm.step(e)
-        for recording in (True,):
-            arm.x.grad = None
-            for p in arm.layer.parameters():
-                p.grad = None
-            ledger.recording, ledger.phase = recording, "forward"
-            out, _ = arm.layer(arm.x, attention_mask=e.mask, rotary_pos_emb=e.rope)
-            ledger.phase = "backward"
-            out.backward(e.grad)
+        arm.x.grad = None
+        for p in arm.layer.parameters():
+            p.grad = None
+        ledger.recording, ledger.phase = True, "forward"
+        out, _ = arm.layer(arm.x, attention_mask=e.mask, rotary_pos_emb=e.rope)
+        ledger.phase = "backward"
+        out.backward(e.grad)
     return ledger.ops
 
 

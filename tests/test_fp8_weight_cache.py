@@ -8,15 +8,16 @@ weight. And it is never stale: a training loop that never sets the flag quantize
 forward, a weight changed in place between micro-batches is quantized anew, and forwards
 in flight together (pipeline parallelism) never overwrite what an earlier one saved."""
 
-import pytest
+import contextlib
 
 from helpers import dist
 
 STEPS, MICRO = 3, 3
 
 
-def _count_weight_casts(monkeypatch_target, weights) -> list:
-    """Patch layers.fp8.quantize to count the casts of the given weights."""
+@contextlib.contextmanager
+def _weight_casts(weights):
+    """The casts of `weights` (layers.fp8.quantize's calls on them), counted while inside."""
     from megatron_overlap.layers import fp8 as lf
 
     calls, real = [], lf.quantize
@@ -26,8 +27,11 @@ def _count_weight_casts(monkeypatch_target, weights) -> list:
         if id(x) in ids:
             calls.append(id(x))
         return real(x, *a, **k)
-    monkeypatch_target(lf, "quantize", counting)
-    return calls
+    lf.quantize = counting
+    try:
+        yield calls
+    finally:
+        lf.quantize = real
 
 
 def _schedule(rank, world):
@@ -36,7 +40,6 @@ def _schedule(rank, world):
     import megatron_overlap as mo
     from helpers.gpt import make_config, make_model, train
     from helpers.megatron_cpu import init
-    from megatron_overlap.layers import fp8 as lf
 
     init(world)
     fp8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
@@ -51,14 +54,8 @@ def _schedule(rank, world):
     linears = lambda m: [x for x in m.modules() if hasattr(x, "_fp8_cache")]  # noqa: E731
     out = {}
     for name, model, wrap in (("cached", cached, wrap_cached), ("plain", plain, wrap_plain)):
-        patch = []
-        calls = _count_weight_casts(lambda mod, attr, f: (patch.append(getattr(mod, attr)),
-                                                          setattr(mod, attr, f)),
-                                    [x.weight for x in linears(model)])
-        try:
+        with _weight_casts([x.weight for x in linears(model)]) as calls:
             losses = train(wrap(model), steps=STEPS, schedule=True, microbatches=MICRO)
-        finally:
-            lf.quantize = patch[0]
         out[name] = dict(losses=losses, casts=len(calls), linears=len(linears(model)),
                          caches=[x._fp8_cache is not None for x in linears(model)],
                          driven=[x._fp8_cache.driven for x in linears(model) if x._fp8_cache],
