@@ -6,8 +6,13 @@ the watchdog that turns a wait that never ends into a diagnosis.
   every `begin_pass`; the same call sequence gives the same layout on every rank, so
   a send's destination is "the same place in the peer's heap". It grows
   (collectively: every rank sees the same shapes) to the largest pass seen, so
-  shorter sequences need no new allocation; outgrown allocations are kept, never
-  freed under a peer's copy. Growth inside CUDA-graph capture is an error.
+  shorter sequences need no new allocation. Growth inside CUDA-graph capture is an
+  error. Where the backend can free one allocation alone (`symm`), a growth takes what
+  the pass needs (`grown_size`: at most 1/8 more) and the outgrown allocations are given
+  back at the next `begin_pass`, once this rank's device work is done (a peer's copy
+  still in flight lands in memory its own mapping keeps alive); elsewhere (`nvshmem`,
+  whose free is collective over the whole job) a growth doubles and outgrown
+  allocations are kept.
 - Device waits are watched by a host thread (`watchdog`); a peer that never signals
   becomes a CommError naming rank, pass, chunk and peer.
 """
@@ -27,6 +32,18 @@ from .transport import CommError, Handle, Transport
 from .watchdog import Watchdog
 
 ALIGN = 256
+MIN_GROWTH = 2 << 20  # a growth's granularity (bytes) at the least
+
+
+def grown_size(need: int, frees: bool) -> int:
+    """Bytes of the allocation a heap grows to for a pass that needs `need`: the next
+    power of two where outgrown allocations are kept (growths double, so the kept ones
+    sum to less than the newest), else `need` rounded up to 1/8 to 1/16 of its power of
+    two (and to `MIN_GROWTH`): at most 1/8 more than needed."""
+    if not frees:
+        return 1 << max(need - 1, 1).bit_length()
+    step = max(1 << max(need.bit_length() - 4, 0), MIN_GROWTH)
+    return -(-need // step) * step
 
 
 @dataclass
@@ -70,6 +87,8 @@ class EventHandle(Handle):
 class HeapTransport(Transport):
     """Base of the transports whose peers write into each other's symmetric heap."""
 
+    frees_outgrown = False  # whether one rank can give back one allocation on its own
+
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout=None):
         super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout)
         self.group, self.device = group, torch.device(device)
@@ -78,6 +97,7 @@ class HeapTransport(Transport):
         self._priority = 0
         self._bufs: list[Buffer] = []
         self._offset = 0  # bump pointer into the newest allocation
+        self._growths = 0  # workspace allocations made so far (the workspaces' generation)
         self._pass, self._pass_bytes = "", 0
         self.pass_bytes: dict[str, int] = {}  # high-water workspace bytes per layer pass
         self._watchdog = Watchdog(self.timeout.total_seconds(), self._fail)
@@ -90,22 +110,40 @@ class HeapTransport(Transport):
     # -- contract extras ---------------------------------------------------------------------
     def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
         self.check()
+        if len(self._bufs) > 1 and self.frees_outgrown:
+            self._free_outgrown()
         self._offset, self._pass, self._pass_bytes = 0, name, 0
         self._priority = comm_priority
+
+    def _free_outgrown(self) -> None:
+        """Give back every allocation but the newest: no pass carves from them any more
+        (a pass restarts in the newest), no graph replays on them (`generation` moved
+        on when they were outgrown), and once this rank's device work is done none of
+        its kernels or copies touches them. Inside a capture that cannot be waited for:
+        the next eager `begin_pass` does it."""
+        if self._capturing():
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        del self._bufs[:-1]
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def workspace(self, shape: Sequence[int], dtype: torch.dtype, device=None) -> torch.Tensor:
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         size = -(-nbytes // ALIGN) * ALIGN
         buf = self._bufs[-1]
         if self._offset + size > buf.local.numel():
-            if torch.cuda.is_current_stream_capturing():
+            if self._capturing():
                 raise CommError(
                     f"megatron_overlap[{self.name}]: rank {self.rank}: '{self._pass}' needs "
                     f"{self._pass_bytes + size} workspace bytes, more than the "
                     f"{buf.local.numel()} held, during CUDA-graph capture; run the layer "
                     f"once eagerly with the largest token count before capturing")
-            buf = self._alloc(1 << max(self._pass_bytes + size - 1, 1).bit_length())
+            buf = self._alloc(grown_size(self._pass_bytes + size, self.frees_outgrown))
             self._bufs.append(buf)
+            self._growths += 1
             self._offset = 0
         view = buf.local[self._offset:self._offset + nbytes].view(dtype).view(tuple(shape))
         self._offset += size
@@ -125,7 +163,7 @@ class HeapTransport(Transport):
     # -- CUDA-graph replay of whole passes ---------------------------------------------------
     @property
     def generation(self) -> int:
-        return len(self._bufs)  # a new allocation (never freed, so never repeated): workspaces moved
+        return self._growths  # a new allocation (counted, never repeated): workspaces moved
 
     @contextlib.contextmanager
     def recording_waits(self) -> Iterator[list[str]]:

@@ -76,6 +76,7 @@ def _init_runtime(group: dist.ProcessGroup, device: torch.device) -> None:
 
 class NvshmemTransport(HeapTransport):
     name = "nvshmem"
+    frees_outgrown = False  # nvshmem_free is collective over every PE of the job, not one group
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout=None,
                  initial_bytes: int = 1 << 20):

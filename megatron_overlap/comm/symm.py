@@ -35,6 +35,7 @@ def _symm():
 class SymmTransport(HeapTransport):
     name = "symm"
     replayable = True  # put/wait_signal and barrier keep no host-side state
+    frees_outgrown = True  # a dropped allocation is unmapped here; peers' mappings keep theirs
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout=None,
                  initial_bytes: int = 1 << 20):

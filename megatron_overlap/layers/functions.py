@@ -75,8 +75,7 @@ def _run(graphs: Graphs, key: str, tp: Transport, body, *tensors, static: tuple 
 def _gathered(x2: torch.Tensor, tp: Transport) -> torch.Tensor:
     """Where a gather of `x2` lands: a new tensor (in a replayed pass, the graphs' scratch
     pool). Not the transport's workspace: on a symmetric heap that would add a gathered
-    activation to the pass's high-water, which the heap rounds up to a power of two and
-    keeps for the whole run."""
+    activation to the pass's high-water, which the heap keeps for the whole run."""
     return x2.new_empty(tp.world_size * x2.shape[0], x2.shape[1])
 
 

@@ -173,6 +173,37 @@ def test_layer_passes_match_reference(world):
         assert pass_bytes.get("qkv_fprop", 0) > 0 and pass_bytes.get("proj_fprop", 0) > 0
 
 
+def _growth(rank, world):
+    """A column layer (rs_dgrad pipeline) at 32 tokens a rank, then four times at 8192:
+    the heap grows during the first large calls, gives the outgrown allocations back at
+    the next pass, and every call still equals the reference."""
+    import torch
+
+    from megatron_overlap.comm.heap import MIN_GROWTH
+
+    gpu.init()
+    tp = gpu.symm()
+    plan = _plan("column", "rs_dgrad_pipeline4", world)
+    errs = []
+    for rows in (ROWS, 256 * ROWS, 256 * ROWS, 256 * ROWS, 256 * ROWS):
+        x, w, g, ref = _layer_case(rank, world, "column", "rs_dgrad_pipeline4", "float32", rows)
+        got = _run_layer("column", x, w, g, plan, tp)
+        errs.append(max(gpu.rel(got[k], ref[k]) for k in ref))
+    tp.begin_pass("after")
+    torch.cuda.synchronize()
+    tp.check()
+    need = max(tp.pass_bytes.values())
+    return errs, len(tp._bufs), tp.bytes_held, need, need + max(need / 8, MIN_GROWTH)
+
+
+def test_growth_gives_back_what_was_outgrown():
+    import torch
+
+    for errs, allocations, held, need, bound in dist.run(_growth, 2, env=gpu.ENV, timeout=200):
+        assert max(errs) <= gpu.TOL[torch.float32], errs
+        assert allocations == 1 and need <= held < bound, (allocations, held, need)
+
+
 def _back_to_back(rank, world, iters):
     import torch
 

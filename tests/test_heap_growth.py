@@ -1,0 +1,93 @@
+"""How the symmetric-heap transports grow their workspace (comm/heap.py), on CPU memory:
+a pass that outgrows the heap keeps the workspaces it already has, a growth takes what
+the pass needs (not the next power of two) where the backend frees (`symm`), the
+outgrown allocations are given back at the next pass, and the workspaces' generation
+never repeats. The transfers themselves are the GPU suite's (tests/gpu/test_symm.py)."""
+
+import pytest
+import torch
+
+from helpers import dist
+from megatron_overlap.comm.heap import MIN_GROWTH, grown_size
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize("need", [1, 4096, MIB - 1, 3 * MIB, 7 * MIB + 5, 288 * MIB,
+                                  (1 << 30) + 1, 17 * (1 << 30) // 3])
+def test_grown_size(need):
+    freeing = grown_size(need, True)
+    assert need <= freeing < need + max(need / 8, MIN_GROWTH) + 1  # at most 1/8 (or 2 MiB) more
+    assert freeing % MIN_GROWTH == 0
+    keeping = grown_size(need, False)  # nvshmem: doubles, its kept ones sum below the newest
+    assert keeping >= need and keeping & (keeping - 1) == 0 and keeping < 2 * need + 2
+
+
+def _cpu_heap(frees: bool):
+    """A HeapTransport whose allocations are CPU tensors: the allocation policy alone."""
+    from megatron_overlap.comm.heap import Buffer, HeapTransport
+
+    class CpuHeap(HeapTransport):
+        name = "cpu_heap"
+        frees_outgrown = frees
+
+        def __init__(self):
+            super().__init__(torch.distributed.group.WORLD, torch.device("cpu"))
+            self.allocated: list[int] = []
+            self._bufs.append(Buffer(torch.zeros(MIB, dtype=torch.uint8)))
+
+        def _alloc(self, nbytes):
+            self.allocated.append(nbytes)
+            return Buffer(torch.zeros(nbytes, dtype=torch.uint8))
+
+        def _start_exchange(self, *a):
+            raise NotImplementedError
+
+        _start_all_gather = _start_reduce_scatter = _start_all_reduce = _start_exchange
+
+    return CpuHeap()
+
+
+def _passes(rank, world, frees):
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    tp = _cpu_heap(frees)
+    seen = []
+
+    def run(blocks):
+        """One pass carving `blocks` workspaces of 3 MiB, each filled with its index:
+        every one still holds its own value at the pass's end (none was moved or freed)."""
+        tp.begin_pass("fc1_fprop")
+        views = [tp.workspace((3 * MIB // 4,), torch.float32) for _ in range(blocks)]
+        for i, v in enumerate(views):
+            v.fill_(i)
+        intact = all(bool((v == i).all()) for i, v in enumerate(views))
+        seen.append({"held": tp.bytes_held, "generation": tp.generation, "intact": intact,
+                     "allocated": list(tp.allocated), "high_water": tp.pass_bytes["fc1_fprop"]})
+
+    for blocks in (2, 2, 3, 3, 1, 3):
+        run(blocks)
+    return seen
+
+
+def test_a_growth_takes_what_the_pass_needs_and_gives_back_the_rest():
+    seen = dist.run(_passes, 1, True, timeout=120)[0]
+    assert all(s["intact"] for s in seen)
+    # pass 1: 3 MiB outgrows the 1 MiB it started with (4 MiB taken), the next 3 MiB
+    # outgrows that (6 MiB: the pass's 6, not 8); the pass keeps all three until it ends
+    assert seen[0]["allocated"] == [4 * MIB, 6 * MIB] and seen[0]["held"] == 11 * MIB
+    # pass 2 fits the newest; the outgrown ones were given back when it began
+    assert seen[1]["held"] == 6 * MIB and seen[1]["allocated"] == seen[0]["allocated"]
+    # pass 3 needs 9 MiB: 6 carried into the newest, then 10 MiB (9 rounded to 2 MiB)
+    assert seen[2]["allocated"][-1] == 10 * MIB and seen[2]["held"] == 16 * MIB
+    # from then on the heap holds 10 MiB for a pass of 9, shorter passes included
+    assert [s["held"] for s in seen[3:]] == [10 * MIB] * 3
+    assert [s["high_water"] for s in seen] == [6 * MIB] * 2 + [9 * MIB] * 4
+    # a new allocation is a new generation (never repeated); giving one back is not
+    assert [s["generation"] for s in seen] == [2, 2, 3, 3, 3, 3]
+
+
+def test_a_heap_that_cannot_free_doubles_and_keeps():
+    seen = dist.run(_passes, 1, False, timeout=120)[0]
+    assert all(s["intact"] for s in seen)
+    assert seen[-1]["allocated"] == [4 * MIB, 8 * MIB, 16 * MIB]
+    assert seen[-1]["held"] == 29 * MIB and [s["generation"] for s in seen] == [2, 2, 3, 3, 3, 3]
