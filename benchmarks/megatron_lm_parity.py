@@ -12,6 +12,10 @@ built overlapped layers, and the OFF arm built none.
 Megatron's (--megatron-overlap-attention megatron); their losses must agree within --rel-tol
 (bf16: different attention kernels round differently), the first built our attention in
 every layer and the second none.
+
+`--packed`: both runs packed documents into each sequence (`--dataloader-inter-document-masking`
+or `--sft`: THD batches with cu_seqlens); besides the parity, each must have called our
+attention with packed sequences on every rank.
 """
 
 from __future__ import annotations
@@ -96,6 +100,13 @@ def compare(on: dict, off: dict, iters: int, off_overlapped: bool = False,
     return rows, errors
 
 
+def _packed(on: dict, off: dict) -> list[str]:
+    """Every rank of both runs called our attention with packed sequences."""
+    return [f"{label}: rank {r.get('rank')} ran no packed attention call"
+            for label, log in (("on", on), ("off", off)) for r in log["built"] or [{}]
+            if not r.get("packed_attention_calls")]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("on", type=Path)
@@ -109,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="compare the losses alone (two runs of Megatron's linears)")
     ap.add_argument("--attention", action="store_true",
                     help="the logs: torch's attention, then Megatron's (both overlapped)")
+    ap.add_argument("--packed", action="store_true",
+                    help="both runs packed sequences: each called our attention with them")
     ap.add_argument("--rel-tol", type=float, default=None,
                     help="relative loss difference allowed (default 0; 1e-2 with --attention)")
     a = ap.parse_args(argv)
@@ -117,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, errors = compare(on, off, a.iters, a.second_overlapped or a.attention, a.losses_only, tol)
     if a.attention:
         errors += _attention(on, off)
+    if a.packed:
+        errors += _packed(on, off)
     head = ["iter", "loss on", "loss off", "", "grad norm on", "grad norm off", "ms on", "ms off"]
     widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
     print(f"== {a.label} (megatron-core {on['version']}): overlap on vs every overlap off; "

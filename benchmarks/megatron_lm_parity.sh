@@ -20,7 +20,10 @@
 # CUDA graphs, overlap on and off, whose losses must be equal; each also compared with its eager
 # run, reported), ARMS (the runs to make, default "on off" plus those two; attn_megatron: the
 # overlap on with --megatron-overlap-attention megatron, whose losses must agree with "on"
-# within bf16 tolerance: torch's attention against Megatron's), RUN_TIMEOUT (s per
+# within bf16 tolerance: torch's attention against Megatron's; packed / packed_off: on and off
+# with --dataloader-inter-document-masking, trees that have it (core_v0.19+): documents packed
+# into each sequence, THD batches through pretrain_gpt.py's get_batch as --sft gives them, whose
+# losses must be equal, each having run our attention on packed sequences), RUN_TIMEOUT (s per
 # run, 240), EXTRA_ARGS (appended to every run's flags: the last of a flag wins), MODEL_ARGS
 # (replaces the model size flags). Exit code: the number of trees that failed.
 set -uo pipefail
@@ -47,10 +50,16 @@ for tree in "$@"; do
   # Megatron's CudaGraphManager (--cuda-graph-impl local; --enable-cuda-graph in core_v0.14)
   graph_flag=$(grep -q "'--cuda-graph-impl'" "$tree/megatron/training/arguments.py" \
     && echo "--cuda-graph-impl local" || echo "--enable-cuda-graph")
+  packed_flag=$(grep -q "'--dataloader-inter-document-masking'" "$tree/megatron/training/arguments.py" \
+    && echo "--dataloader-inter-document-masking")
   for arm in ${ARMS:-on off ${GRAPHS:+graphs graphs_off}}; do
     case $arm in on) flag=--tp-comm-overlap;; off) flag=;; graphs) flag="--tp-comm-overlap $graph_flag";;
       graphs_off) flag="$graph_flag";; attn_megatron) flag="--tp-comm-overlap --megatron-overlap-attention megatron";;
+      packed) flag="--tp-comm-overlap $packed_flag";; packed_off) flag="$packed_flag";;
     esac
+    if [ -z "$packed_flag" ] && [ "${arm#packed}" != "$arm" ]; then
+      echo "== $tag $arm: skipped (this tree has no --dataloader-inter-document-masking)"; continue
+    fi
     PYTHONPATH="$tree:$PWD:/tmp/site_mlm:${PYTHONPATH:-}" timeout "${RUN_TIMEOUT:-240}" \
       python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
       benchmarks/megatron_lm_shared_gpu.py "$tree/pretrain_gpt.py" $ARGS $flag ${EXTRA_ARGS:-} \
@@ -65,6 +74,10 @@ for tree in "$@"; do
     python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_on.log" "$OUT/mlm_${tag}_attn_megatron.log" \
       --iters "$ITERS" --label "$tag attention: torch vs Megatron's" --attention \
       --json "$OUT/mlm_${tag}_attention.json" || failed=$((failed + 1));; esac
+  case " ${ARMS:-} " in *" packed_off "*) [ -n "$packed_flag" ] &&  # packed sequences, on vs off
+    { python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_packed.log" "$OUT/mlm_${tag}_packed_off.log" \
+      --iters "$ITERS" --label "$tag packed sequences" --packed --json "$OUT/mlm_${tag}_packed.json" \
+      || failed=$((failed + 1)); };; esac
   if [ -n "${GRAPHS:-}" ]; then  # the overlap under Megatron's graphs against Megatron's linears under them
     python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_graphs.log" "$OUT/mlm_${tag}_graphs_off.log" \
       --iters "$ITERS" --label "$tag graphs: overlap on vs off" --json "$OUT/mlm_${tag}_graphs_parity.json" \

@@ -15,7 +15,8 @@ library must not do:
 - Where there is no CUDA toolkit (pip's torch has none), core_v0.14-0.16's
   `fused_kernels.load`, which builds nothing but asks nvcc for its version, is skipped.
 - At exit, each rank prints `MLM-PARITY-LAYERS {json}`: how many of our attention modules and overlapped
-  layers were built (benchmarks/megatron_lm_parity.py checks each arm's count), and
+  layers were built (benchmarks/megatron_lm_parity.py checks each arm's count) and how
+  many calls of our attention got packed sequences (`packed_attention_calls`), and
   `MLM-REPLAYS {json}`: per training iteration, how many layer passes ran, how many of
   them replayed a CUDA graph captured earlier, how many were captured, how many graphs
   were evicted (`overlap.replay.totals`).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import json
 import os
 import runpy
@@ -80,6 +82,15 @@ def _count_builds() -> None:
 
     for cls in (OverlapColumnParallelLinear, OverlapRowParallelLinear, TorchDotProductAttention):
         cls.__init__ = counting(cls)
+    forward = TorchDotProductAttention.forward
+    params = inspect.signature(forward)
+
+    def counted_forward(self, *args, **kwargs):
+        if params.bind(self, *args, **kwargs).arguments.get("packed_seq_params") is not None:
+            BUILT["packed_attention_calls"] += 1  # a THD batch (cu_seqlens) reached our attention
+        return forward(self, *args, **kwargs)
+
+    TorchDotProductAttention.forward = counted_forward
     atexit.register(lambda: print("MLM-PARITY-LAYERS " + json.dumps(
         {"rank": int(os.environ.get("RANK", 0)), **BUILT}), flush=True))
 

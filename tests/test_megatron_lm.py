@@ -50,6 +50,8 @@ def add_megatron_arguments(parser):
                         dest="create_attention_mask_in_dataloader")
     parser.add_argument("--reset-attention-mask", action="store_true")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--sft", action="store_true")
+    parser.add_argument("--dataloader-inter-document-masking", action="store_true")
     return parser
 def parse_args(extra_args_provider=None, ignore_unknown_args=False):
     parser = add_megatron_arguments(argparse.ArgumentParser(prog="pretrain_gpt.py"))
@@ -168,6 +170,26 @@ def test_attention_choice_and_the_dataloaders_causal_masks(fake_lm, installs, ex
     assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": attention,
                         "fp8_scaling": "tensorwise"}]
     assert lm.training.ARGS.create_attention_mask_in_dataloader is masks
+
+
+@pytest.mark.parametrize("packed", ["--sft", "--dataloader-inter-document-masking"])
+def test_packed_sequences_with_megatron_s_attention_stop_at_validation(fake_lm, installs, packed):
+    """Megatron's DotProductAttention refuses packed sequences at the first step: with it
+    kept, a packed run stops at start-up; with torch's attention (the default) it runs."""
+    for keep, why in ((["--megatron-overlap-attention", "megatron"], "--megatron-overlap-attention megatron"),
+                      (["--attention-backend", "unfused"], "--attention-backend unfused")):
+        lm = fake_lm(argv=OURS + [packed] + keep)
+        hooks.install_hooks()
+        with pytest.raises(ValueError, match=f"{packed} packs documents") as e:
+            lm.initialize.initialize_megatron()
+        assert f"kept by {why}" in str(e.value) and "--megatron-overlap-attention torch" in str(e.value)
+        hooks.uninstall_hooks()
+    assert installs == []
+    lm = fake_lm(argv=OURS + [packed])
+    hooks.install_hooks()
+    lm.initialize.initialize_megatron()
+    assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch",
+                         "fp8_scaling": "tensorwise"}]
 
 
 def test_validation(fake_lm, installs):
@@ -573,7 +595,7 @@ def test_megatron_overlap_attention_megatron_keeps_megatrons_attention_with_the_
 
 # --- the GPU parity run's log check (benchmarks/megatron_lm_parity.py) ------------------------
 
-def _log(path: Path, arm: str, losses: list[str], attention: str = "torch") -> Path:
+def _log(path: Path, arm: str, losses: list[str], attention: str = "torch", packed: int = 0) -> Path:
     why = "--tp-comm-overlap" if arm == "on" else "every overlap off (no --tp-comm-overlap)"
     lines = [f"megatron_overlap.megatron_lm: megatron_overlap.install(ub_cfgs=None, "
              f"backend='symm', attention={attention!r}): {why} [Megatron-LM with megatron-core 0.16.1 (at /x)]"]
@@ -583,6 +605,7 @@ def _log(path: Path, arm: str, losses: list[str], attention: str = "torch") -> P
               for i, loss in enumerate(losses, 1)]
     built = ', "OverlapColumnParallelLinear": 8, "OverlapRowParallelLinear": 8' if arm == "on" else ""
     built += ', "TorchDotProductAttention": 4' if attention == "torch" else ""
+    built += f', "packed_attention_calls": {packed}' if packed else ""
     lines.append('MLM-PARITY-LAYERS {"rank": 0%s}' % built)
     if arm == "on":  # both ranks' notes on one line, as ranks sharing a terminal print them
         lines.append('MLM-REPLAYS {"rank": 1, "per_iter": [[32, 0, 0, 0], [32, 0, 16, 0], [32, 32, 0, 0]]}'
@@ -635,3 +658,20 @@ def test_attention_parity_check_of_two_logs(tmp_path, capsys):
     assert "second: 4 TorchDotProductAttention built" in out
     _log(theirs, "on", ["9.5E+00", "8.910000E+00"], attention="megatron")
     assert parity.main([str(ours), str(theirs), "--iters", "2", "--attention"]) == 1
+
+
+def test_packed_parity_check_of_two_logs(tmp_path, capsys):
+    """--packed: equal losses, and both runs called our attention with packed sequences."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import megatron_lm_parity as parity
+    finally:
+        sys.path.pop(0)
+    losses = ["9.011234E+00", "8.912345E+00"]
+    on = _log(tmp_path / "on.log", "on", losses, packed=48)
+    off = _log(tmp_path / "off.log", "off", losses, packed=48)
+    assert parity.main([str(on), str(off), "--iters", "2", "--packed"]) == 0
+    assert "PARITY OK" in capsys.readouterr().out
+    _log(off, "off", losses)  # the off run never packed: not the comparison asked for
+    assert parity.main([str(on), str(off), "--iters", "2", "--packed"]) == 1
+    assert "off: rank 0 ran no packed attention call" in capsys.readouterr().out

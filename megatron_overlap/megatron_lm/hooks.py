@@ -50,6 +50,8 @@ from ..config.backends import AUTO, BACKENDS as _TRANSPORTS
 IMPL = "megatron_overlap"
 IMPLS = ("te", IMPL)
 ATTENTION = ("torch", "megatron")  # --megatron-overlap-attention: install(attention=...)
+# Megatron-LM's flags whose batches are packed sequences (get_batch's cu_seqlens path)
+PACKED = (("--sft", "sft"), ("--dataloader-inter-document-masking", "dataloader_inter_document_masking"))
 FP8_SCALINGS = ("tensorwise", "rowwise")  # --megatron-overlap-fp8-scaling: install(fp8_scaling=)
 BACKENDS = (AUTO,) + _TRANSPORTS  # --tp-comm-overlap-backend: the registry's transports
 ARGS_MODULE = "megatron.training.arguments"
@@ -214,6 +216,16 @@ def check_args(args: argparse.Namespace) -> None:
             "use --transformer-impl local (TE layers need --tp-comm-overlap-impl te); got "
             f"--transformer-impl {args.transformer_impl}"
             + (" with --use-legacy-models" if getattr(args, "use_legacy_models", False) else ""))
+    packed = [flag for flag, attr in PACKED if getattr(args, attr, False)]
+    if packed and getattr(args, "transformer_impl", "local") == "local" and not _torch_attention(args):
+        backend = getattr(args, "attention_backend", None)
+        why = ("--megatron-overlap-attention megatron"
+               if getattr(args, "megatron_overlap_attention", "torch") != "torch"
+               else f"--attention-backend {getattr(backend, 'name', backend)}")
+        raise ValueError(
+            f"{packed[0]} packs documents into each sequence (THD, cu_seqlens), which "
+            f"Megatron's DotProductAttention, kept by {why}, refuses at the first step; "
+            "torch's attention (--megatron-overlap-attention torch, the default) runs them")
     if _torch_attention(args) and getattr(args, "create_attention_mask_in_dataloader", False) \
             and not getattr(args, "reset_attention_mask", False):
         args.create_attention_mask_in_dataloader = False
