@@ -435,6 +435,8 @@ def test_validation_in_that_tree(probe):
     assert probe["ours_valid"] is None and probe["te_valid"] is None and probe["off_valid"] is None
     assert "use --transformer-impl local" in probe["with_te_layers"]
     assert "sequence parallelism" in probe["no_sp"]  # Megatron-LM's own rule, kept
+    assert probe["sft_valid"] is None
+    assert "--sft packs documents" in probe["sft_megatron_attention"]
     assert probe["off_install"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch",
                         "fp8_scaling": "tensorwise"}]
 

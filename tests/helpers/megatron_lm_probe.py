@@ -129,6 +129,10 @@ def probe_args() -> dict:
     out["no_cfg_init"] = tp_init(b)
     out["with_te_layers"] = validate(parse(*BASE, *OURS[:-1], "transformer_engine"))
     out["no_sp"] = validate(parse(*BASE, *[x for x in OURS if x != "--sequence-parallel"]))
+    # packed sequences (--sft): torch's attention runs them, Megatron's would refuse them
+    out["sft_valid"] = validate(parse(*BASE, *OURS, "--sft"))
+    out["sft_megatron_attention"] = validate(parse(*BASE, *OURS, "--sft",
+                                                   "--megatron-overlap-attention", "megatron"))
     off = parse(*BASE, *OURS[1:3], "--sequence-parallel", "--transformer-impl", "local",
                 "--tp-comm-overlap-backend", "torch_p2p")
     with Recorder(run=False) as rec:
