@@ -8,9 +8,11 @@ the watchdog that turns a wait that never ends into a diagnosis.
   (collectively: every rank sees the same shapes) to the largest pass seen, so
   shorter sequences need no new allocation. Growth inside CUDA-graph capture is an
   error. Where the backend can free one allocation alone (`symm`), a growth takes what
-  the pass needs (`grown_size`: at most 1/8 more) and the outgrown allocations are given
-  back at the next `begin_pass`, once this rank's device work is done (a peer's copy
-  still in flight lands in memory its own mapping keeps alive); elsewhere (`nvshmem`,
+  the pass needs (`grown_size`: at most 1/8 more) and the outgrown allocations are
+  released at the next `begin_pass`, once this rank's device work is done: to torch's
+  symmetric-memory pool, which keeps them for its later allocations (unmapped where
+  torch allocates without one). Any later use of that memory is ordered after the pass
+  barrier on the device, so after every peer's copies into it. Elsewhere (`nvshmem`,
   whose free is collective over the whole job) a growth doubles and outgrown
   allocations are kept.
 - Device waits are watched by a host thread (`watchdog`); a peer that never signals
@@ -50,6 +52,7 @@ def grown_size(need: int, frees: bool) -> int:
 class Buffer:
     local: torch.Tensor  # uint8: this rank's part of one symmetric allocation
     handle: object = None  # backend-specific (torch's _SymmetricMemory; None for nvshmem)
+    base: int = 0  # bytes from the start of what `handle` maps to `local` (a pool segment's block)
 
     def holds(self, t: torch.Tensor) -> bool:
         start = self.local.data_ptr()
@@ -87,7 +90,7 @@ class EventHandle(Handle):
 class HeapTransport(Transport):
     """Base of the transports whose peers write into each other's symmetric heap."""
 
-    frees_outgrown = False  # whether one rank can give back one allocation on its own
+    frees_outgrown = False  # whether one rank can release one allocation on its own
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout=None):
         super().__init__(dist.get_rank(group), dist.get_world_size(group), timeout)
@@ -116,7 +119,7 @@ class HeapTransport(Transport):
         self._priority = comm_priority
 
     def _free_outgrown(self) -> None:
-        """Give back every allocation but the newest: no pass carves from them any more
+        """Release every allocation but the newest: no pass carves from them any more
         (a pass restarts in the newest), no graph replays on them (`generation` moved
         on when they were outgrown), and once this rank's device work is done none of
         its kernels or copies touches them. Inside a capture that cannot be waited for:

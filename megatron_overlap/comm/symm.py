@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .heap import ALIGN, Buffer, HeapTransport
-from .transport import FLOAT8, Handle, Peer, SendRecv
+from .transport import CommError, Handle, Peer, SendRecv
 
 PASS_BARRIER, BULK_BARRIER, EXCHANGE = 0, 1, 2  # signal-pad channels
 
@@ -98,19 +98,33 @@ class SymmTransport(HeapTransport):
 
     # -- helpers -----------------------------------------------------------------------------
     def _alloc(self, nbytes: int) -> Buffer:
+        """torch's symmetric allocation, which may be a block inside a segment of its
+        memory pool (`symm_mem.empty` allocates from one by default): the handle's buffer
+        pointers are the segments', so every peer address is taken from there (`base`),
+        checked here on this rank's own mapping."""
         symm_mem = _symm()
         local = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         local.zero_()
-        return Buffer(local, symm_mem.rendezvous(local, self.group.group_name))
+        handle = symm_mem.rendezvous(local, self.group.group_name)
+        base = local.data_ptr() - handle.buffer_ptrs[self.rank]
+        mine = handle.get_buffer(self.rank, (nbytes,), torch.uint8, base)
+        if base < 0 or mine.data_ptr() != local.data_ptr():
+            raise CommError(
+                f"megatron_overlap[symm]: rank {self.rank}: torch's symmetric memory maps a "
+                f"{nbytes}-byte workspace at {mine.data_ptr():#x}, not where it was allocated "
+                f"({local.data_ptr():#x}); peers' copies would land elsewhere. Try "
+                "TORCH_SYMMMEM_IMPLICIT_POOL=0, or another --tp-comm-overlap-backend")
+        return Buffer(local, handle, base)
 
     def _remote(self, t: torch.Tensor, peer: int, op: str) -> torch.Tensor:
-        """The tensor at `t`'s place in `peer`'s part of the same symmetric buffer."""
+        """The tensor at `t`'s place in `peer`'s part of the same symmetric buffer, as
+        bytes seen in `t`'s dtype (FP8 included: a copy moves bytes alike)."""
         if peer == self.rank:
             return t
         buf, offset = self._locate(t, op, "send destination")
-        if t.dtype in FLOAT8:  # the peer's bytes, seen as FP8 (a copy moves bytes alike)
-            return buf.handle.get_buffer(peer, tuple(t.shape), torch.uint8, offset).view(t.dtype)
-        return buf.handle.get_buffer(peer, tuple(t.shape), t.dtype, offset // t.element_size())
+        nbytes = t.numel() * t.element_size()
+        return buf.handle.get_buffer(peer, (nbytes,), torch.uint8, buf.base + offset).view(
+            t.dtype).view(tuple(t.shape))
 
     @contextlib.contextmanager
     def _staged(self, stage: torch.Tensor, inp: torch.Tensor, op: str, chunk: int
