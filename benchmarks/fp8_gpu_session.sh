@@ -6,7 +6,9 @@
 # differently there. From the repo root, with .whl/ carried (ignored by git:
 # megatron-core 0.19.2 as ../shared/device/wheels.sh fetches it, torchao 0.18.0):
 #
-#   OUT=$OUT bash benchmarks/fp8_gpu_session.sh          # about 7 minutes on one H200
+#   OUT=$OUT bash benchmarks/fp8_gpu_session.sh          # about 8 minutes on one H200
+#   OUT=$OUT PART=bench bash benchmarks/fp8_gpu_session.sh   # the benchmarks and the 200 steps
+#   OUT=$OUT PART=diag bash benchmarks/fp8_gpu_session.sh    # the four diagnostic trainings
 #
 # Estimated wall time per piece on one H200 (each under its own timeout, which together
 # with the wheels keep the whole under 9.5 minutes even when every piece runs to its limit):
@@ -15,10 +17,12 @@
 #   benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)     ~40-60 s   (timeout 70)
 #   benchmarks/fp8_layer.py   (2 shapes x 4 arms, a profile)    ~80-130 s  (timeout 170)
 #   benchmarks/fp8_train.py   (2 ranks, 2 arms x 200 steps)     ~60-100 s  (timeout 120)
-#   fp8_train.py x 3, 80 steps: MEGATRON_OVERLAP_GRAPHS=0, --eager-kernels, --tp 1
-#                                                                ~30-50 s each (timeout 60)
+#   fp8_train.py x 4, 80 steps: MEGATRON_OVERLAP_GRAPHS=0, --eager-kernels, --tp 1,
+#     --arms fp8 (the FP8 arm alone)                             ~30-50 s each (timeout 60)
+# Every fp8_train run ends with a causality check per arm (the loss before the middle of a
+# batch when the tokens after it change: ~1e-2 at most from FP8's per-tensor scales).
 # $OUT gets: session.log (everything printed), fp8_compute_gpu.json, fp8_layer_gpu.json,
-# fp8_train_{shared_gpu_tp2,noreplay,eager_kernels,tp1}.{json,txt,png}
+# fp8_train_{shared_gpu_tp2,noreplay,eager_kernels,tp1,fp8_alone}.{json,txt,png}
 # (and fp8_gpu_tests.log with TESTS=1). REPS / REPEAT / STEPS / DIAG_STEPS change the lengths.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +52,7 @@ if [ "${TESTS:-0}" = 1 ]; then
   step "tests/gpu/test_fp8_gpu.py" $?; tail -25 "$OUT/fp8_gpu_tests.log"
 fi
 
+if [ "${PART:-all}" != diag ]; then
 t=$(date +%s)
 timeout 70 python3 benchmarks/fp8_compute.py --reps "${REPS:-20}" --repeat "${REPEAT:-3}" \
   --out "$OUT" --tag gpu
@@ -60,8 +65,10 @@ step "benchmarks/fp8_layer.py" $?
 t=$(date +%s)
 timeout 120 python3 benchmarks/fp8_train.py --steps "${STEPS:-200}" --out "$OUT"
 step "benchmarks/fp8_train.py" $?
+fi
 
-# one change each: pass replay off, eager FP8 kernels, no TP communication (TP=1)
+if [ "${PART:-all}" != bench ]; then
+# one change each: pass replay off, eager FP8 kernels, no TP communication (TP=1), no bf16 arm
 DIAG=${DIAG_STEPS:-80}
 t=$(date +%s)
 MEGATRON_OVERLAP_GRAPHS=0 timeout 60 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag noreplay
@@ -72,6 +79,10 @@ step "fp8_train.py, eager FP8 kernels" $?
 t=$(date +%s)
 timeout 60 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag tp1 --tp 1
 step "fp8_train.py, TP=1 (no TP communication)" $?
+t=$(date +%s)
+timeout 60 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag fp8_alone --arms fp8
+step "fp8_train.py, the FP8 arm alone" $?
+fi
 ls -la "$OUT"
 }
 main 2>&1 | tee "$OUT/session.log"

@@ -12,6 +12,13 @@ functional only.
 Writes <out>/fp8_train_<tag>.json (both loss curves, step times, the gap), a text table
 <out>/fp8_train_<tag>.txt and, where matplotlib imports, <out>/fp8_train_<tag>.png.
 The gap: mean loss of the last --last steps, FP8 against bf16 (relative).
+
+Also, per arm: how its layer passes ran (replayed from CUDA graphs, captured, eager), and
+after training a causality check (`future_leak`): each position's loss on a batch, then
+with every token after the middle replaced. A causal model's loss before the middle
+cannot change, but FP8's per-tensor scales see every position, so there it may move by
+their rounding (~1e-2 on CPU). A far larger move means later tokens reach earlier
+positions. `--arms fp8` trains one arm alone (no state shared with another).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the parameters' (default: bfloat16 on a GPU, float32 on CPU)")
     ap.add_argument("--backend", default="auto",
                     help="install()'s transport (auto: symm where ranks share a GPU, gloo on CPU)")
+    ap.add_argument("--arms", default="bf16,fp8", help="the arms to train (comma-separated)")
     ap.add_argument("--eager-kernels", action="store_true",
                     help="FP8 casts and transposes as torch's eager kernels (overlap.fp8.set_fused)")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
@@ -63,6 +71,32 @@ def _cpu_init(tp: int, seed: int) -> None:
     init(tp, seed)
 
 
+def future_leak(model, spec, seed: int, device: torch.device) -> dict:
+    """Per-position loss of one batch, then of the same batch with every token after the
+    middle replaced: |change| before the middle (max, mean) and after it (mean). Forward
+    and backward, as training runs them (replays included); the grads are dropped."""
+    from megatron_overlap.ab.model import batches
+
+    tokens, pos, mask, labels = next(batches(spec, 1, seed + 1, device))
+    half = spec.seq // 2
+    g = torch.Generator().manual_seed(seed + 2)
+    changed = torch.cat([tokens, labels[:, -1:]], 1).cpu()
+    changed[:, half + 1:] = torch.randint(0, spec.vocab, changed[:, half + 1:].shape, generator=g)
+    changed = changed.to(device)
+
+    def per_position(t, y):
+        out = model(t, pos, mask, labels=y)
+        out.float().sum().backward()
+        model.zero_grad_buffer()
+        return out.float().detach().cpu()
+
+    a = per_position(tokens, labels)
+    b = per_position(changed[:, :-1].contiguous(), changed[:, 1:].contiguous())
+    early, late = (a - b)[:, :half - 1].abs(), (a - b)[:, half:].abs()
+    return {"before_middle_max": float(early.max()), "before_middle_mean": float(early.mean()),
+            "after_middle_mean": float(late.mean())}
+
+
 def gap(bf16: list[float], fp8: list[float], last: int) -> dict:
     """Mean loss of the last `last` steps of each arm, and FP8's relative to bf16's."""
     a, b = statistics.fmean(bf16[-last:]), statistics.fmean(fp8[-last:])
@@ -73,17 +107,26 @@ def gap(bf16: list[float], fp8: list[float], last: int) -> dict:
 def text_table(doc: dict, every: int = 10) -> str:
     """The curves as text, every `every` steps and the last; then the gap."""
     arms, g = doc["arms"], doc["gap"]
-    n = len(arms["bf16"]["losses"])
-    lines = [f"fp8_train: {doc['title']}", f"{'step':>5s} {'bf16 loss':>10s} {'fp8 loss':>10s}"]
+    n = len(next(iter(arms.values()))["losses"])
+    lines = [f"fp8_train: {doc['title']}", f"{'step':>5s} " + " ".join(f"{k + ' loss':>10s}" for k in arms)]
     for i in sorted(set(range(0, n, every)) | {n - 1}):
-        lines.append(f"{i:5d} {arms['bf16']['losses'][i]:10.4f} {arms['fp8']['losses'][i]:10.4f}")
-    lines.append(f"mean loss of the last {g['last_steps']} steps: bf16 {g['bf16_mean']:.4f}, fp8 "
-                 f"{g['fp8_mean']:.4f} (fp8 - bf16 = {g['fp8_minus_bf16']:+.4f}, "
-                 f"{100 * g['relative']:+.2f}%)")
+        lines.append(f"{i:5d} " + " ".join(f"{a['losses'][i]:10.4f}" for a in arms.values()))
+    if g:
+        lines.append(f"mean loss of the last {g['last_steps']} steps: bf16 {g['bf16_mean']:.4f}, fp8 "
+                     f"{g['fp8_mean']:.4f} (fp8 - bf16 = {g['fp8_minus_bf16']:+.4f}, "
+                     f"{100 * g['relative']:+.2f}%)")
     lines.append("median step ms: " + ", ".join(
         f"{k} {a['step_time_s']['median'] * 1e3:.1f}" for k, a in arms.items())
         + (" (ranks share one GPU: host-bound, not FP8's speed)" if doc["meta"]["mode"] == "shared_gpu" else ""))
     lines.append("precision: " + "; ".join(f"{k}: {a['precision']}" for k, a in arms.items()))
+    lines.append("layer passes (calls / replayed / captured): " + "; ".join(
+        f"{k} {a['passes']['calls']} / {a['passes']['replays']} / {a['passes']['captures']}"
+        for k, a in arms.items()))
+    lines.append("loss change before the middle when the tokens after it change, max (mean); "
+                 "after it, mean: " + "; ".join(
+                     f"{k} {a['future_leak']['before_middle_max']:.2e} "
+                     f"({a['future_leak']['before_middle_mean']:.2e}); "
+                     f"{a['future_leak']['after_middle_mean']:.2e}" for k, a in arms.items()))
     return "\n".join(lines)
 
 
@@ -119,24 +162,34 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         from megatron_overlap.overlap import fp8
 
         fp8.set_fused(False)
-    try:
+    names = [a for a in args.arms.split(",") if a]
+    if not names or set(names) - {"bf16", "fp8"}:
+        raise SystemExit(f"fp8_train: --arms {args.arms!r}: bf16, fp8 or both")
+    try:  # both built, so that either arm alone starts from the same weights
         models = {"bf16": build_gpt(spec, world, True, dtype, device),
                   "fp8": build_gpt(spec, world, True, dtype, device, **FP8)}
     finally:
         mo.uninstall()
     models["fp8"][0].load_state_dict(models["bf16"][0].state_dict())
+    models = {k: models[k] for k in names}
     precision = {k: sorted({x.precision.describe() for x in m.modules() if hasattr(x, "precision")})
                  for k, (m, _) in models.items()}
     arms = {k: TrainArm(k, wrap(m), gpt_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr))
             for k, (m, wrap) in models.items()}
+    passes = {k: dict.fromkeys(("calls", "replays", "captures"), 0) for k in arms}
     for i, b in enumerate(batches(spec, args.steps, args.seed, device)):
         for name in rotated(list(arms), i):
             barrier(device)
+            before = replay.totals()
             arms[name].step(b)
+            after = replay.totals()
+            for k in passes[name]:
+                passes[name][k] += after[k] - before[k]
         if rank == 0 and (i + 1) % 25 == 0:  # progress, so a run cut short says how far it got
             print(f"step {i + 1}/{args.steps}: " + ", ".join(
                 f"{k} loss {a.results[-1].loss:.4f} ({a.results[-1].step_time_s * 1e3:.0f} ms)"
                 for k, a in arms.items()), flush=True)
+    leaks = {k: future_leak(a.model, spec, args.seed, device) for k, a in arms.items()}
     if rank == 0:
         losses = {k: [r.loss for r in a.results] for k, a in arms.items()}
         meta = machine_info(layout, device)
@@ -149,9 +202,10 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                          f"pass replay {'on' if replay.enabled() and device.type == 'cuda' else 'off'}"),
                "arms": {k: {"losses": losses[k], "precision": ", ".join(precision[k]),
                             "step_time_s": summary([r.step_time_s for r in a.results][3:] or
-                                                   [r.step_time_s for r in a.results])}
+                                                   [r.step_time_s for r in a.results]),
+                            "passes": passes[k], "future_leak": leaks[k]}
                         for k, a in arms.items()},
-               "gap": gap(losses["bf16"], losses["fp8"], args.last)}
+               "gap": gap(losses["bf16"], losses["fp8"], args.last) if len(arms) == 2 else None}
         tag = args.tag or ("cpu" if device.type == "cpu" else f"{layout.mode}_tp{world}")
         path = os.path.join(args.out, f"fp8_train_{tag}")
         write_json(path + ".json", doc)

@@ -78,6 +78,13 @@ def test_fp8_train_cpu(tmp_path):
     assert bf16["losses"] != fp8["losses"]  # FP8 ran
     assert abs(doc["gap"]["relative"]) < 0.05, doc["gap"]  # same model, FP8 rounding apart
     assert (tmp_path / "fp8_train_cpu.txt").read_text().startswith("fp8_train:")
+    # every step ran each arm's 8 linears forward and backward (2 layers x 4), eagerly here
+    assert bf16["passes"] == fp8["passes"] == {"calls": 4 * 2 * 4 * 2, "replays": 0, "captures": 0}
+    # causality: bf16 earlier positions do not see later tokens at all; FP8 only through its
+    # per-tensor scales (amaxes over every position), far less than the later positions move
+    assert bf16["future_leak"]["before_middle_max"] == 0.0 < bf16["future_leak"]["after_middle_mean"]
+    leak = fp8["future_leak"]
+    assert leak["before_middle_mean"] < leak["after_middle_mean"] / 10, leak
 
 
 def test_layer_ledger_counts_what_the_fp8_layer_adds(tmp_path):
