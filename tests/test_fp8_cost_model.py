@@ -20,7 +20,7 @@ from megatron_overlap.simulate import (
     simulate_pass, trials,
 )
 from megatron_overlap.simulate.numerics import Numerics
-from megatron_overlap.simulate.passes import PassSpec, run_of
+from megatron_overlap.simulate.passes import PassSpec, fp8_work, run_of
 from megatron_overlap.simulate.runs import recorded
 
 HW = Hardware()
@@ -241,7 +241,12 @@ def test_compute_side_measure_times_fp8_gemms_and_uses_them(monkeypatch):
         # the chunked schedules' passes ran in FP8 (bulk and external ones run one GEMM)
         assert set(fp8_runs) == {"qkv_fprop", "proj_fprop", "proj_dgrad"}
         bulk = results[("qkv_wgrad", "bulk")]
-        assert bulk["compute_only_ms"] == pytest.approx(ms[wgrad])
+        # the FP8 GEMM's measured time, and the pass's modelled FP8 work (its transposes)
+        spec = next(t for t in trials(Shape("T", "qkv", 32, 32, 48, 2, numerics=num), layout)
+                    if t.name == "qkv_wgrad" and t.candidate.settings.method == "bulk")
+        work = fp8_work(spec.spec, spec.candidate.settings, layout).total.us(Hardware()) / 1e3
+        assert (work > 0) == (wgrad == E5M2)  # FP8 wgrad: its operands' transposed copies
+        assert bulk["compute_only_ms"] == pytest.approx(ms[wgrad] + work)
 
 
 # -- the CLI ------------------------------------------------------------------------------------

@@ -15,7 +15,9 @@ forward GEMM [M,K]x[K,N]:
 
 A pass's GEMM runs in its shape's `numerics` (FP8 or the parameters' dtype) and each
 transfer moves the bytes of the dtype it carries (`numerics.py`: FP8 gathers one byte
-per element, row-wise scale tails included; reductions the parameters' dtype).
+per element, row-wise scale tails included; reductions the parameters' dtype). An FP8
+pass also pays its memory-bound FP8 work (`fp8_work.py`: amaxes, casts, transposed
+copies), on the GEMMs' stream, in both paths.
 
 Each pass kind multiplies its operands in one layout (`PassSpec.gemm_layout`,
 `shapes.GEMM_LAYOUTS`: fprop NT, dgrad NN, wgrad TN); a measured GEMM time applies to
@@ -33,6 +35,7 @@ from typing import Any
 import torch
 
 from ..config import LayerSettings
+from .fp8_work import PassWork, batched, pass_work
 from .gemm import GemmModel
 from .numerics import dtype_name
 from .hardware import Hardware, Layout
@@ -133,6 +136,8 @@ class PassResult:
     host_bound: bool = False  # that host time exceeds the pass's GPU time
     gemm_dtype: str = "bf16"  # what the GEMM multiplies in (numerics.DTYPES' name)
     moved_bytes: int = 0  # one rank's block of the non-overlapped path's collective
+    fp8_work_us: float = 0.0  # the FP8 work in every time above (fp8_work.py)
+    fp8_weight_us: float = 0.0  # of which the weight's: once per step (the FP8 weight cache)
 
     @property
     def exposed_us(self) -> float:
@@ -145,7 +150,8 @@ class PassResult:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        for k in ("gemm_us", "comm_us", "baseline_us", "compute_only_us", "overlapped_us"):
+        for k in ("gemm_us", "comm_us", "baseline_us", "compute_only_us", "overlapped_us",
+                  "fp8_work_us", "fp8_weight_us"):
             out[k.replace("_us", "_ms")] = out.pop(k) / 1e3
         host = out.pop("host_us")
         out["host_ms"] = None if host is None else host / 1e3
@@ -256,6 +262,34 @@ def baseline_us(spec: PassSpec, hw: Hardware, layout: Layout, gemm: GemmModel) -
     return coll, gemm.mono_us(m, k, n, spec.gemm_layout) + coll
 
 
+def gemm_calls(spec: PassSpec, s: LayerSettings | None, layout: Layout) -> int:
+    """How many GEMM calls the pass's schedule issues: one per ring step (every rank's
+    block), one per pipeline chunk, else one."""
+    if s is None or spec.comm == "none" or layout.tp == 1:
+        return 1
+    schedule = schedule_of(s, layout)
+    if schedule == "rs_pipeline":
+        return s.splits(layout.tp)
+    return layout.tp if schedule in ("ag_ring", "ag_hier", "rs_ring", "rs_hier") else 1
+
+
+def fp8_work(spec: PassSpec, s: LayerSettings | None, layout: Layout) -> PassWork:
+    """The pass's FP8 work (none in the parameters' dtype): `fp8_work.pass_work`, and the
+    row copies of an FP8 pipelined reduce-scatter's chunks where `s` runs one."""
+    num, shape = spec.shape.numerics, spec.shape
+    if not num.fp8:
+        return PassWork()
+    work = pass_work(spec.pass_name, shape.column, shape.m, shape.tp, shape.k, shape.n,
+                     num.params.itemsize, num.scaling == "rowwise", num.fp8_wgrad,
+                     gemm_calls(spec, s, layout))
+    if (s is not None and layout.tp > 1 and spec.gemm_dtype.itemsize == 1
+            and schedule_of(s, layout) == "rs_pipeline"):
+        m, inner, _ = spec.gemm
+        work = PassWork(work.activations + batched(m, inner + num.tail(spec.pass_name),
+                                                   s.splits(layout.tp)), work.weight)
+    return work
+
+
 def megatron_modelled_host_us(hw: Hardware, comm: float | bool = True) -> float:
     """Megatron's path's host time per pass where no measurement of it is at hand: one
     schedule step, and one collective launch where the pass communicates."""
@@ -285,6 +319,8 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
     gemm = gemm.for_dtype(spec.gemm_dtype)
     host = measured_host_us(spec, layout, gemm)
     comm_us, base_us = baseline_us(spec, hw, layout, gemm)
+    base_work = fp8_work(spec, None, layout)
+    base_us += base_work.total.us(hw)
     if host is not None:
         mcore = gemm.calibration.host.megatron_pass_us(  # type: ignore[union-attr]
             spec.pass_name, layout.tp, layout.mode, spec.shape.column)
@@ -294,11 +330,13 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
     bound = False
     if s is None:
         over = floor = base_us
-        host = None
+        host, work = None, base_work
     else:
+        work = fp8_work(spec, s, layout)
         engine = engine_for(s, schedule_of(s, layout), layout.backend, hw)
-        over = _schedule_end(spec, s, hw, layout, gemm, engine, comm_moved)
-        floor = _schedule_end(spec, s, hw, layout, gemm, Engine(free=True), comm_moved)
+        over = _schedule_end(spec, s, hw, layout, gemm, engine, comm_moved) + work.total.us(hw)
+        floor = _schedule_end(spec, s, hw, layout, gemm, Engine(free=True), comm_moved) \
+            + work.total.us(hw)
         bound = host is not None and host > over
         over = max(over, host or 0.0)
     return PassResult(
@@ -310,4 +348,5 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
         compute_only_us=floor, overlapped_us=over,
         gemm_source=gemm.source(m, k, n, spec.gemm_layout),
         host_us=host, host_bound=bound, gemm_dtype=dtype_name(spec.gemm_dtype),
-        moved_bytes=0 if spec.comm == "none" else spec.block_bytes)
+        moved_bytes=0 if spec.comm == "none" else spec.block_bytes,
+        fp8_work_us=work.total.us(hw), fp8_weight_us=work.weight.us(hw))

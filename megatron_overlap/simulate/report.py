@@ -63,7 +63,9 @@ def headline(report: Report) -> str:
     labels = sorted({sr.shape.numerics.label() for sr in report.shapes})
     if any(sr.shape.numerics.fp8 for sr in report.shapes):
         gemm += (f"; FP8 GEMMs from the roofline at {hw.fp8_peak_tflops:g} TFLOP/s"
-                 + (" with that efficiency" if cal.mono else ""))
+                 + (" with that efficiency" if cal.mono else "")
+                 + f", each FP8 pass with its amaxes, casts and transposed copies at "
+                   f"{hw.hbm_gbs:g} GB/s and {hw.kernel_us:g} us a kernel")
     return (f"{hw.name}, {report.layout.describe()}, {' / '.join(labels)}; "
             f"NVLink {hw.nvlink_gbs:g} GB/s "
             f"{hw.nvlink_latency_us:g} us, IB {hw.ib_gbs:g} GB/s {hw.ib_latency_us:g} us; {gemm}; "
@@ -96,7 +98,9 @@ def summary_lines(report: Report) -> list[str]:
         d = s.to_dict()
         per, step = d["per_layer_ms"], d["step_ms"]
         what = "" if s.complete else f" (only {', '.join(s.buffers)}: a partial layer)"
-        out.append(f"{s.model}{what}: per layer {per['gemm']:.3f} ms GEMMs, non-overlapped "
+        fp8 = (f" (+ {per['fp8_work']:.3f} ms FP8 work, {per['fp8_weights']:.3f} of it the "
+               f"weights', once per step)" if per["fp8_work"] else "")
+        out.append(f"{s.model}{what}: per layer {per['gemm']:.3f} ms GEMMs{fp8}, non-overlapped "
                    f"{per['baseline']:.3f}, overlapped {per['overlapped']:.3f}, best "
                    f"{per['best']:.3f} ms; x {s.layers} layers x {s.micro_batches} micro-batch(es): "
                    f"{step['baseline']:.1f} -> {step['overlapped']:.1f} -> {step['best']:.1f} ms")

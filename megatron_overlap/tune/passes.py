@@ -138,9 +138,11 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
     """The trial's pass in FP8 (`precision`: its types; the wgrad in FP8): its operands
     quantized beforehand (the layer quantizes each once per pass, before any transfer, so
     chunking does not change that cost) and laid out as the layer hands them to the same
-    pass function, with their scaled GEMM; outputs in `dtype`. The transposed copies FP8
-    GEMMs need (the dgrad's weight, the wgrad's operands) are made inside the timed pass,
-    as in the layer.
+    pass function, with their scaled GEMM; outputs in `dtype`. The FP8 weight's
+    transposed copy is made beforehand too (under Megatron's schedules the layer makes it
+    with the weight's cast, once per step); the wgrad's transposed operands inside the
+    timed pass, where the layer's wgrad makes them. The cost model adds what is made
+    beforehand (simulate/fp8_work.py).
     Random operands, one scale per FP8 type (`tensors`: 'scale_fwd', 'scale_grad'), the
     same on every rank, so a gathered FP8 tensor has one scale, as in the layer. The column
     dgrad gathers the FP8 input where the wgrad is FP8, else the input in `dtype`.
@@ -184,10 +186,11 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
             x8 = q8(precision.fwd, m // w, k)[0]
             t["x"] = x8 if precision.wgrad else x8.to(torch.float32).to(dtype)
         gemm = fp8.ScaledGemm(sg, sw, dtype)
+        t["weight_t"] = transposed(t["weight"])  # the dgrad's layout, made with the weight
 
         def body():
             _, streams = F.begin(tp, plan, "dgrad")
-            wd = transposed(t["weight"]).t()  # in the pass, as the layer's dgrad makes it
+            wd = t["weight_t"].t()
             if shape.column:
                 return F.column_dgrad(t["g"], t["x"], wd, t["grad_in"], plan, tp, nodes,
                                       streams, op, False, gemm=gemm)

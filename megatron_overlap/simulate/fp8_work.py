@@ -1,0 +1,124 @@
+"""The memory-bound FP8 work of a pass around its GEMM, as the layers run it
+(layers/fp8.py, layers/functions.py, overlap/fp8.py): amaxes, scales, casts, transposed
+copies and the scaled GEMMs' reciprocal scales, in bytes read + written and kernels. A
+pass's GEMM and transfers are the schedules'; this is the rest, which an FP8 pass pays
+and a bf16 pass does not, on the GEMMs' stream before or after them.
+
+Per pass, with T tokens, TP size W, per-rank K (in) and N (out), p the parameters' bytes
+per element:
+
+| pass | column layer (input gathered) | row layer (output reduce-scattered) |
+|---|---|---|
+| fprop | its input block [T/W, K]; the weight [N, K] (and, tensorwise, its transposed copy) | its input [T, K]; the weight |
+| dgrad | the output gradient [T, N] | its block of the gradient [T/W, N] |
+| wgrad | copies of the gradient [T, N] and the gathered input [T, K] (fp8_wgrad) | the same; without fp8_wgrad the gathered gradient dequantized |
+
+- Tensorwise (`quantize`): the amax read (the TP group's, a gathered tensor's: one more
+  kernel over the group's amaxes), one compiled scale kernel, one compiled cast; each
+  pass's scaled GEMM takes two reciprocal scales.
+- Row-wise: the amax along each row (torchao: |x| written, then reduced) and eight small
+  kernels on the [rows, 1] scales (power-of-two rounding), the cast eagerly (upcast,
+  multiply, clamp, cast, copy: `EAGER_CAST` bytes an element beyond p), the scales copied
+  into the rows' tails; the weight per row for the forward and again per column, from the
+  parameters, for the dgrad; one reciprocal for the weight's scales and one per GEMM call
+  for the rows'; the wgrad in the parameters' dtype.
+- A pipelined reduce-scatter's FP8 chunks copy their rows together (`batched`).
+
+The weight's part (`PassWork.weight`) runs at a step's first micro-batch only where
+Megatron's schedules drive the layer's FP8 weight cache (`layers.fp8.Fp8WeightCache`),
+so the step estimate counts it once per step. tests/test_fp8_work.py holds this table to
+the operations the layers issue (benchmarks/layer_ledger.py's dispatch mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .hardware import Hardware
+
+TENSORWISE_KERNELS = 3  # amax, scale (one compiled kernel: overlap.fp8.scale_for), cast
+RECIPROCALS = 2  # a tensorwise scaled GEMM's inverse scales (overlap.fp8.ScaledGemm)
+ROW_SCALE_KERNELS = 10  # |x|, its amax along the row, eight on the [rows, 1] scales
+ROW_SCALE_BYTES = 100  # bytes per row of those eight and of the amax's output
+EAGER_CAST = (5, 27)  # kernels; bytes an element beyond p: fp32 upcast, multiply, clamp, cast, copy
+DEQUANT = (3, 17)  # (g8.float() / scale).to(p): kernels; bytes an element beyond p
+
+
+@dataclass(frozen=True)
+class Work:
+    """Memory-bound work: bytes read + written, kernels launched."""
+
+    bytes: int = 0
+    kernels: int = 0
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.bytes + other.bytes, self.kernels + other.kernels)
+
+    def us(self, hw: Hardware) -> float:
+        """At the HBM bandwidth, each kernel `hw.kernel_us` (launch gap, prologue, tail)."""
+        return self.bytes / (hw.hbm_gbs * 1e3) + self.kernels * hw.kernel_us
+
+
+@dataclass(frozen=True)
+class PassWork:
+    activations: Work = Work()  # at every micro-batch
+    weight: Work = Work()  # at a step's first micro-batch (the FP8 weight cache)
+
+    @property
+    def total(self) -> Work:
+        return self.activations + self.weight
+
+
+def quantize(elems: int, p: int, rowwise: bool = False, rows: int = 0,
+             scales_out: bool = True) -> Work:
+    """One tensor of `elems` elements (`rows` rows) in p-byte precision made FP8 with its
+    scale(s). Row-wise: |x| written and read, the amax, the eager cast, and with
+    `scales_out` the scales copied out (into the rows' tails, or the weight's scale
+    tensor: 4 bytes read and written a row)."""
+    if rowwise:
+        copy = Work(8 * rows, 1) if scales_out else Work()
+        return Work((3 * p + p + EAGER_CAST[1]) * elems + ROW_SCALE_BYTES * rows,
+                    ROW_SCALE_KERNELS + EAGER_CAST[0]) + copy
+    return Work(p * elems + (p + 1) * elems, TENSORWISE_KERNELS)
+
+
+def transpose(elems: int) -> Work:
+    """An FP8 tensor's transposed copy (one byte read and written an element)."""
+    return Work(2 * elems, 1)
+
+
+def batched(rows: int, row_bytes: int, chunks: int) -> Work:
+    """A pipelined reduce-scatter's FP8 chunks, each one GEMM over every rank's rows
+    (`overlap.fp8.batched`): the strided rows copied together, `chunks` copies."""
+    return Work(2 * rows * row_bytes, chunks)
+
+
+def pass_work(pass_name: str, column: bool, tokens: int, tp: int, k: int, n: int,
+              p: int, rowwise: bool = False, fp8_wgrad: bool = True,
+              gemm_calls: int = 1) -> PassWork:
+    """The FP8 work of one pass of a linear whose forward GEMM is [tokens(/tp), k] x [k, n]
+    per rank (sequence parallel: a column layer's input and a row layer's output split
+    over `tp`), its FP8 GEMM issued as `gemm_calls` calls; beyond what its schedule adds
+    (`batched`)."""
+    gemm = Work(0, 1 + gemm_calls) if rowwise else Work(0, RECIPROCALS)
+    shared = Work(0, 0 if rowwise or tp == 1 else 1)  # the max over the group's amaxes
+    if pass_name == "fprop":
+        rows = tokens // tp if column else tokens
+        weight = quantize(n * k, p, rowwise, n)
+        if not rowwise:
+            weight += transpose(n * k)  # the dgrad's layout, made with the cast
+        return PassWork(quantize(rows * k, p, rowwise, rows) + gemm + (shared if column else Work()),
+                        weight)
+    if pass_name == "dgrad":
+        rows = tokens if column else tokens // tp
+        act = quantize(rows * n, p, rowwise, rows) + gemm + (Work() if column else shared)
+        if rowwise:  # the weight again, per column (its copy out transposes it); no tails
+            act += quantize(n * k, p, True, k, scales_out=False)
+        return PassWork(act)
+    if pass_name == "wgrad":
+        if rowwise or not fp8_wgrad:  # in p: only a row layer's gathered gradient, dequantized
+            return PassWork(Work(0, 0) if column else
+                            Work(tokens * n * (p + DEQUANT[1]) + (4 * tokens if rowwise else 0),
+                                 DEQUANT[0]))
+        return PassWork(transpose(tokens * n) + transpose(tokens * k) + gemm)
+    raise ValueError(f"pass {pass_name!r}: fprop, dgrad or wgrad")
