@@ -13,8 +13,11 @@ replay, medians of --repeat rounds of --reps):
   their scaled GEMM into the same pass function).
 
 The FP8 operands are quantized before the timing: the layer quantizes each once per pass
-(before any transfer), whole or chunked alike; the whole layer with its quantization is
-benchmarks/fp8_layer.py's. Goal: fp8 chunked >= 0.93 of fp8 whole (graphed).
+(before any transfer), whole or chunked alike; so is the dgrad's transposed weight (made
+with the weight's cast); a wgrad's transposed operands are made in the pass, as the
+layer's wgrad makes them. The whole layer with its quantization is benchmarks/fp8_layer.py's;
+the FP8 work's bytes and kernels, simulate/fp8_work.py's. Goal: fp8 chunked >= 0.93 of fp8
+whole (graphed).
 
     python benchmarks/fp8_compute.py [--tune A.json B.json] [--reps 20] [--repeat 3]
     python benchmarks/fp8_compute.py --device cpu --shrink 64       # FUNCTIONAL ONLY
