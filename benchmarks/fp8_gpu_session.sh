@@ -1,27 +1,27 @@
 #!/usr/bin/env bash
-# FP8 on one GPU, in one device call: the two FP8 benchmarks, a small GPT trained in FP8 and
-# in bf16, and the same training three more ways, each changing one thing the FP8 arm does
-# on a GPU (the pass replay, the compiled kernels, the TP communication: TP=1 has none; gloo
-# cannot stand in for symm here, it has no CUDA send/recv), to find what makes FP8 train
-# differently there. From the repo root, with .whl/ carried (ignored by git:
-# megatron-core 0.19.2 as ../shared/device/wheels.sh fetches it, torchao 0.18.0):
+# FP8 on one GPU: the two FP8 benchmarks, a small GPT trained in FP8 and in bf16, and the
+# same training four more ways, each changing one thing the FP8 arm does on a GPU (the pass
+# replay, the compiled kernels, the TP communication: TP=1 has none; the bf16 arm beside it:
+# the FP8 arm alone; gloo cannot stand in for symm here, it has no CUDA send/recv), to find
+# what makes FP8 train differently there. From the repo root, with .whl/ carried (ignored by
+# git: megatron-core 0.19.2 as ../shared/device/wheels.sh fetches it, torchao 0.18.0).
+# In two device calls (each under the 600 s a call may run, every piece under its timeout):
 #
-#   OUT=$OUT bash benchmarks/fp8_gpu_session.sh          # about 8 minutes on one H200
-#   OUT=$OUT PART=bench bash benchmarks/fp8_gpu_session.sh   # the benchmarks and the 200 steps
-#   OUT=$OUT PART=diag bash benchmarks/fp8_gpu_session.sh    # the four diagnostic trainings
+#   OUT=$OUT PART=bench bash benchmarks/fp8_gpu_session.sh   # ~4-5 min, at most ~6.3
+#   OUT=$OUT PART=diag bash benchmarks/fp8_gpu_session.sh    # ~2.5-3.5 min, at most ~4.3
+#   OUT=$OUT bash benchmarks/fp8_gpu_session.sh              # both (PART=all: over 600 s at worst)
 #
-# Estimated wall time per piece on one H200 (each under its own timeout, which together
-# with the wheels keep the whole under 9.5 minutes even when every piece runs to its limit):
+# Estimated wall time per piece on one H200 (timeouts in brackets):
 #   wheels into /tmp/site                                       ~10-20 s
-#   tests/gpu/test_fp8_gpu.py, only with TESTS=1 (make test-gpu runs it)  ~60-90 s (timeout 150)
-#   benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)     ~40-60 s   (timeout 70)
-#   benchmarks/fp8_layer.py   (2 shapes x 4 arms, a profile)    ~80-130 s  (timeout 170)
-#   benchmarks/fp8_train.py   (2 ranks, 2 arms x 200 steps)     ~60-100 s  (timeout 120)
-#   fp8_train.py x 4, 80 steps: MEGATRON_OVERLAP_GRAPHS=0, --eager-kernels, --tp 1,
-#     --arms fp8 (the FP8 arm alone)                             ~30-50 s each (timeout 60)
+#   tests/gpu/test_fp8_gpu.py, only with TESTS=1 (make test-gpu runs it)  ~60-90 s (150)
+#   bench: benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)   ~40-60 s   (70)
+#          benchmarks/fp8_layer.py   (2 shapes x 4 arms, a profile)  ~80-130 s  (170)
+#          benchmarks/fp8_train.py   (2 ranks, 2 arms x 200 steps)   ~60-100 s  (120)
+#   diag:  fp8_train.py x 4, 80 steps: MEGATRON_OVERLAP_GRAPHS=0, --eager-kernels, --tp 1,
+#          --arms fp8 (the FP8 arm alone)                            ~30-50 s each (60)
 # Every fp8_train run ends with a causality check per arm (the loss before the middle of a
 # batch when the tokens after it change: ~1e-2 at most from FP8's per-tensor scales).
-# $OUT gets: session.log (everything printed), fp8_compute_gpu.json, fp8_layer_gpu.json,
+# $OUT gets: session_<PART>.log (everything printed), fp8_compute_gpu.json, fp8_layer_gpu.json,
 # fp8_train_{shared_gpu_tp2,noreplay,eager_kernels,tp1,fp8_alone}.{json,txt,png}
 # (and fp8_gpu_tests.log with TESTS=1). REPS / REPEAT / STEPS / DIAG_STEPS change the lengths.
 set -uo pipefail
@@ -85,5 +85,5 @@ step "fp8_train.py, the FP8 arm alone" $?
 fi
 ls -la "$OUT"
 }
-main 2>&1 | tee "$OUT/session.log"
+main 2>&1 | tee "$OUT/session_${PART:-all}.log"
 exit "${PIPESTATUS[0]}"

@@ -1,8 +1,10 @@
 """How the symmetric-heap transports grow their workspace (comm/heap.py), on CPU memory:
 a pass that outgrows the heap keeps the workspaces it already has, a growth takes what
 the pass needs (not the next power of two) where the backend frees (`symm`), the
-outgrown allocations are given back at the next pass, and the workspaces' generation
-never repeats. The transfers themselves are the GPU suite's (tests/gpu/test_symm.py)."""
+outgrown allocations are released at the next pass (after its barrier, as `symm` calls
+it), never once a capture not ours has run a pass, and the workspaces' generation never
+repeats. The transfers, and the device memory given back, are the GPU suite's
+(tests/gpu/test_symm.py)."""
 
 import pytest
 import torch
@@ -31,10 +33,19 @@ def _cpu_heap(frees: bool):
         name = "cpu_heap"
         frees_outgrown = frees
 
+        capturing = False  # stands for a CUDA-graph capture in progress
+
         def __init__(self):
             super().__init__(torch.distributed.group.WORLD, torch.device("cpu"))
             self.allocated: list[int] = []
             self._bufs.append(Buffer(torch.zeros(MIB, dtype=torch.uint8)))
+
+        def begin_pass(self, name="", comm_priority=0):
+            super().begin_pass(name, comm_priority)
+            self._release_outgrown()  # where symm calls it: after its pass barrier
+
+        def _capturing(self):
+            return self.capturing
 
         def _alloc(self, nbytes):
             self.allocated.append(nbytes)
@@ -48,14 +59,19 @@ def _cpu_heap(frees: bool):
     return CpuHeap()
 
 
-def _passes(rank, world, frees):
+def _passes(rank, world, frees, capture=""):
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     tp = _cpu_heap(frees)
     seen = []
+    if capture:  # a pass captured first: by our pass replay (it records its waits) or not ours
+        tp.capturing, tp._watchdog.captured = True, ([] if capture == "ours" else None)
+        tp.begin_pass("captured")
+        tp.capturing, tp._watchdog.captured = False, None
 
     def run(blocks):
         """One pass carving `blocks` workspaces of 3 MiB, each filled with its index:
-        every one still holds its own value at the pass's end (none was moved or freed)."""
+        every one still holds its own value at the pass's end (no workspace of the pass
+        was carved over another's when the heap grew under it)."""
         tp.begin_pass("fc1_fprop")
         views = [tp.workspace((3 * MIB // 4,), torch.float32) for _ in range(blocks)]
         for i, v in enumerate(views):
@@ -91,3 +107,14 @@ def test_a_heap_that_cannot_free_doubles_and_keeps():
     assert all(s["intact"] for s in seen)
     assert seen[-1]["allocated"] == [4 * MIB, 8 * MIB, 16 * MIB]
     assert seen[-1]["held"] == 29 * MIB and [s["generation"] for s in seen] == [2, 2, 3, 3, 3, 3]
+
+
+def test_a_capture_not_ours_keeps_every_allocation():
+    """A pass captured by a graph not ours (Megatron's CUDA graphs replay into the
+    addresses they captured): nothing is released from then on; one captured by our pass
+    replay (which records its waits) changes nothing."""
+    ours = dist.run(_passes, 1, True, "ours", timeout=120)[0]
+    assert [s["held"] for s in ours] == [11 * MIB, 6 * MIB, 16 * MIB] + [10 * MIB] * 3
+    theirs = dist.run(_passes, 1, True, "theirs", timeout=120)[0]
+    assert all(s["intact"] for s in theirs)
+    assert [s["held"] for s in theirs] == [13 * MIB] * 2 + [29 * MIB] * 4  # doubling, kept

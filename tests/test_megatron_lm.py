@@ -173,9 +173,13 @@ def test_attention_choice_and_the_dataloaders_causal_masks(fake_lm, installs, ex
 
 
 @pytest.mark.parametrize("packed", ["--sft", "--dataloader-inter-document-masking"])
-def test_packed_sequences_with_megatron_s_attention_stop_at_validation(fake_lm, installs, packed):
+def test_packed_sequences_with_megatron_s_attention_stop_at_validation(fake_lm, installs, packed,
+                                                                        monkeypatch):
     """Megatron's DotProductAttention refuses packed sequences at the first step: with it
-    kept, a packed run stops at start-up; with torch's attention (the default) it runs."""
+    kept, a packed run stops at start-up; with torch's attention (the default) it runs.
+    (--sft packs where the tree's SFT dataset does: `hooks._sft_packs`, on real trees in
+    test_validation_in_that_tree.)"""
+    monkeypatch.setattr(hooks, "_sft_packs", lambda: True)
     for keep, why in ((["--megatron-overlap-attention", "megatron"], "--megatron-overlap-attention megatron"),
                       (["--attention-backend", "unfused"], "--attention-backend unfused")):
         lm = fake_lm(argv=OURS + [packed] + keep)
@@ -185,6 +189,11 @@ def test_packed_sequences_with_megatron_s_attention_stop_at_validation(fake_lm, 
         assert f"kept by {why}" in str(e.value) and "--megatron-overlap-attention torch" in str(e.value)
         hooks.uninstall_hooks()
     assert installs == []
+    # a model setting torch's kernels lack hands every layer back to Megatron's attention
+    args = argparse.Namespace(tp_comm_overlap_impl="megatron_overlap", tp_comm_overlap=True,
+                              transformer_impl="local", qk_clip=True, **{packed[2:].replace("-", "_"): True})
+    with pytest.raises(ValueError, match="kept by the model's qk_clip needs the attention logits"):
+        hooks.check_args(args)
     lm = fake_lm(argv=OURS + [packed])
     hooks.install_hooks()
     lm.initialize.initialize_megatron()
@@ -435,8 +444,14 @@ def test_validation_in_that_tree(probe):
     assert probe["ours_valid"] is None and probe["te_valid"] is None and probe["off_valid"] is None
     assert "use --transformer-impl local" in probe["with_te_layers"]
     assert "sequence parallelism" in probe["no_sp"]  # Megatron-LM's own rule, kept
+    # --sft: packed where the tree's SFT dataset packs (core_v0.16 on), then refused with
+    # Megatron's attention; core_v0.14's gives causal masks, which it runs
     assert probe["sft_valid"] is None
-    assert "--sft packs documents" in probe["sft_megatron_attention"]
+    assert probe["sft_packs"] == (not probe["version"].startswith("0.14")), probe["version"]
+    if probe["sft_packs"]:
+        assert "--sft packs documents" in probe["sft_megatron_attention"]
+    else:
+        assert probe["sft_megatron_attention"] is None
     assert probe["off_install"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch",
                         "fp8_scaling": "tensorwise"}]
 
@@ -616,12 +631,18 @@ def _log(path: Path, arm: str, losses: list[str], attention: str = "torch", pack
     return path
 
 
-def test_parity_check_of_two_logs(tmp_path, capsys):
+def _parity():
+    """benchmarks/megatron_lm_parity.py, the GPU parity run's log check."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import megatron_lm_parity as parity
+        import megatron_lm_parity
     finally:
         sys.path.pop(0)
+    return megatron_lm_parity
+
+
+def test_parity_check_of_two_logs(tmp_path, capsys):
+    parity = _parity()
     losses = ["9.011234E+00", "8.912345E+00", "8.800001E+00"]
     on, off = _log(tmp_path / "on.log", "on", losses), _log(tmp_path / "off.log", "off", losses)
     assert parity.main([str(on), str(off), "--iters", "3", "--label", "t"]) == 0
@@ -643,11 +664,7 @@ def test_parity_check_of_two_logs(tmp_path, capsys):
 def test_attention_parity_check_of_two_logs(tmp_path, capsys):
     """--attention: torch's attention against Megatron's, both overlapped: losses within the
     relative tolerance, our attention built in the first run only."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import megatron_lm_parity as parity
-    finally:
-        sys.path.pop(0)
+    parity = _parity()
     ours = _log(tmp_path / "ours.log", "on", ["9.011234E+00", "8.912345E+00"])
     theirs = _log(tmp_path / "theirs.log", "on", ["9.011300E+00", "8.910000E+00"], attention="megatron")
     assert parity.main([str(ours), str(theirs), "--iters", "2", "--attention"]) == 0
@@ -664,11 +681,7 @@ def test_attention_parity_check_of_two_logs(tmp_path, capsys):
 
 def test_packed_parity_check_of_two_logs(tmp_path, capsys):
     """--packed: equal losses, and both runs called our attention with packed sequences."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import megatron_lm_parity as parity
-    finally:
-        sys.path.pop(0)
+    parity = _parity()
     losses = ["9.011234E+00", "8.912345E+00"]
     on = _log(tmp_path / "on.log", "on", losses, packed=48)
     off = _log(tmp_path / "off.log", "off", losses, packed=48)

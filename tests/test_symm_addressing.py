@@ -1,7 +1,8 @@
 """Where `symm` writes into a peer (comm/symm.py `_remote`), on CPU memory: a workspace
-tensor's place in the peer's part of the same allocation, when torch's handle maps that
-allocation from further back than the tensor (a block inside a pool segment: its buffer
-pointers are the segment's). The copies themselves are the GPU suite's."""
+tensor's place in the peer's part of the same allocation, counted from the handle's
+buffer pointer. `symm`'s allocations are its own (base 0); torch maps a block of its
+memory pool from the segment's start, which this holds the arithmetic to (base > 0).
+The copies themselves are the GPU suite's."""
 
 import types
 

@@ -7,13 +7,14 @@ the watchdog that turns a wait that never ends into a diagnosis.
   a send's destination is "the same place in the peer's heap". It grows
   (collectively: every rank sees the same shapes) to the largest pass seen, so
   shorter sequences need no new allocation. Growth inside CUDA-graph capture is an
-  error. Where the backend can free one allocation alone (`symm`), a growth takes what
-  the pass needs (`grown_size`: at most 1/8 more) and the outgrown allocations are
-  released at the next `begin_pass`, once this rank's device work is done: to torch's
-  symmetric-memory pool, which keeps them for its later allocations (unmapped where
-  torch allocates without one). Any later use of that memory is ordered after the pass
-  barrier on the device, so after every peer's copies into it. Elsewhere (`nvshmem`,
-  whose free is collective over the whole job) a growth doubles and outgrown
+  error. Where the backend can free one allocation alone (`symm`: its own mappings
+  unmapped, a peer's kept until that peer lets go), a growth takes what the pass needs
+  (`grown_size`: at most 1/8 more) and the outgrown allocations are released at the next
+  pass, once its barrier has passed on this rank's device (every peer is done with the
+  previous pass) and this rank's device work is done. Not once a CUDA graph not ours has
+  captured a pass (Megatron's own graphs: they replay into the addresses they captured,
+  and no generation tells them the workspace moved): from then on, and elsewhere
+  (`nvshmem`, whose free is collective over the whole job), a growth doubles and outgrown
   allocations are kept.
 - Device waits are watched by a host thread (`watchdog`); a peer that never signals
   becomes a CommError naming rank, pass, chunk and peer.
@@ -101,6 +102,7 @@ class HeapTransport(Transport):
         self._bufs: list[Buffer] = []
         self._offset = 0  # bump pointer into the newest allocation
         self._growths = 0  # workspace allocations made so far (the workspaces' generation)
+        self._pinned = False  # a capture not ours holds the addresses: nothing is released
         self._pass, self._pass_bytes = "", 0
         self.pass_bytes: dict[str, int] = {}  # high-water workspace bytes per layer pass
         self._watchdog = Watchdog(self.timeout.total_seconds(), self._fail)
@@ -113,21 +115,27 @@ class HeapTransport(Transport):
     # -- contract extras ---------------------------------------------------------------------
     def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
         self.check()
-        if len(self._bufs) > 1 and self.frees_outgrown:
-            self._free_outgrown()
+        if self._capturing() and self._watchdog.captured is None:
+            self._pinned = True  # captured by someone else's graph (ours record their waits)
         self._offset, self._pass, self._pass_bytes = 0, name, 0
         self._priority = comm_priority
 
-    def _free_outgrown(self) -> None:
-        """Release every allocation but the newest: no pass carves from them any more
-        (a pass restarts in the newest), no graph replays on them (`generation` moved
-        on when they were outgrown), and once this rank's device work is done none of
-        its kernels or copies touches them. Inside a capture that cannot be waited for:
-        the next eager `begin_pass` does it."""
-        if self._capturing():
+    def _release_outgrown(self) -> None:
+        """Release every allocation but the newest, where the backend frees (a backend's
+        `begin_pass` calls it once its pass barrier is enqueued): no pass carves from them
+        any more (a pass restarts in the newest), none of our graphs replays on them
+        (`generation` moved on when they were outgrown), and once this rank's device has
+        passed the barrier no peer's copy or read of the previous pass touches them.
+        Inside a capture, which cannot wait: the next eager pass does it."""
+        if (not self.frees_outgrown or len(self._bufs) < 2 or self._pinned
+                or self._capturing()):
             return
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError:
+                self.check()  # a peer that never reached the barrier: the watchdog's diagnosis
+                raise
         del self._bufs[:-1]
 
     def _capturing(self) -> bool:
@@ -144,7 +152,8 @@ class HeapTransport(Transport):
                     f"{self._pass_bytes + size} workspace bytes, more than the "
                     f"{buf.local.numel()} held, during CUDA-graph capture; run the layer "
                     f"once eagerly with the largest token count before capturing")
-            buf = self._alloc(grown_size(self._pass_bytes + size, self.frees_outgrown))
+            frees = self.frees_outgrown and not self._pinned
+            buf = self._alloc(grown_size(self._pass_bytes + size, frees))
             self._bufs.append(buf)
             self._growths += 1
             self._offset = 0

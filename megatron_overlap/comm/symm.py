@@ -59,6 +59,7 @@ class SymmTransport(HeapTransport):
         # barrier passes on the compute stream; copies of this pass are ordered after it.
         self._barrier(PASS_BARRIER, torch.cuda.current_stream(),
                       f"the barrier starting '{name}' (before chunk 0, with {self._others})")
+        self._release_outgrown()
 
     # -- the four transfers ------------------------------------------------------------------
     def _start_exchange(self, sends: Sequence[tuple[torch.Tensor, Peer, torch.Tensor]],
@@ -98,22 +99,28 @@ class SymmTransport(HeapTransport):
 
     # -- helpers -----------------------------------------------------------------------------
     def _alloc(self, nbytes: int) -> Buffer:
-        """torch's symmetric allocation, which may be a block inside a segment of its
-        memory pool (`symm_mem.empty` allocates from one by default): the handle's buffer
-        pointers are the segments', so every peer address is taken from there (`base`),
-        checked here on this rank's own mapping."""
+        """A symmetric allocation of its own: where torch's `symm_mem.empty` would take it
+        from its implicit memory pool, the allocation that function makes without one
+        (a pool keeps a freed block cached, never for the device, and could hand ranks
+        different blocks). Peer addresses count from the handle's buffer pointer
+        (`base`: 0 for an allocation of its own), checked here on this rank's mapping."""
         symm_mem = _symm()
-        local = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if getattr(symm_mem, "_should_use_implicit_mempool", None) is not None:
+            local = symm_mem._SymmetricMemory.empty_strided_p2p((nbytes,), (1,), torch.uint8,
+                                                                self.device)
+        else:  # a torch without the pool: empty() allocates on its own
+            local = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         local.zero_()
         handle = symm_mem.rendezvous(local, self.group.group_name)
         base = local.data_ptr() - handle.buffer_ptrs[self.rank]
-        mine = handle.get_buffer(self.rank, (nbytes,), torch.uint8, base)
-        if base < 0 or mine.data_ptr() != local.data_ptr():
+        mine = (handle.get_buffer(self.rank, (nbytes,), torch.uint8, base).data_ptr()
+                if base >= 0 else None)
+        if mine != local.data_ptr():
             raise CommError(
                 f"megatron_overlap[symm]: rank {self.rank}: torch's symmetric memory maps a "
-                f"{nbytes}-byte workspace at {mine.data_ptr():#x}, not where it was allocated "
-                f"({local.data_ptr():#x}); peers' copies would land elsewhere. Try "
-                "TORCH_SYMMMEM_IMPLICIT_POOL=0, or another --tp-comm-overlap-backend")
+                f"{nbytes}-byte workspace at {handle.buffer_ptrs[self.rank]:#x} + {base}, not "
+                f"where it was allocated ({local.data_ptr():#x}); peers' copies would land "
+                "elsewhere. Use another --tp-comm-overlap-backend (torch_p2p)")
         return Buffer(local, handle, base)
 
     def _remote(self, t: torch.Tensor, peer: int, op: str) -> torch.Tensor:

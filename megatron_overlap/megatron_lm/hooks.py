@@ -50,7 +50,7 @@ from ..config.backends import AUTO, BACKENDS as _TRANSPORTS
 IMPL = "megatron_overlap"
 IMPLS = ("te", IMPL)
 ATTENTION = ("torch", "megatron")  # --megatron-overlap-attention: install(attention=...)
-# Megatron-LM's flags whose batches are packed sequences (get_batch's cu_seqlens path)
+# Megatron-LM's flags whose batches can be packed sequences (get_batch's cu_seqlens path)
 PACKED = (("--sft", "sft"), ("--dataloader-inter-document-masking", "dataloader_inter_document_masking"))
 FP8_SCALINGS = ("tensorwise", "rowwise")  # --megatron-overlap-fp8-scaling: install(fp8_scaling=)
 BACKENDS = (AUTO,) + _TRANSPORTS  # --tp-comm-overlap-backend: the registry's transports
@@ -216,15 +216,13 @@ def check_args(args: argparse.Namespace) -> None:
             "use --transformer-impl local (TE layers need --tp-comm-overlap-impl te); got "
             f"--transformer-impl {args.transformer_impl}"
             + (" with --use-legacy-models" if getattr(args, "use_legacy_models", False) else ""))
-    packed = [flag for flag, attr in PACKED if getattr(args, attr, False)]
-    if packed and getattr(args, "transformer_impl", "local") == "local" and not _torch_attention(args):
-        backend = getattr(args, "attention_backend", None)
-        why = ("--megatron-overlap-attention megatron"
-               if getattr(args, "megatron_overlap_attention", "torch") != "torch"
-               else f"--attention-backend {getattr(backend, 'name', backend)}")
+    packed = [flag for flag, attr in PACKED if getattr(args, attr, False)
+              and (attr != "sft" or _sft_packs())]
+    kept = _megatron_attention(args) or _config_keeps_megatron_attention(args)
+    if packed and getattr(args, "transformer_impl", "local") == "local" and kept:
         raise ValueError(
             f"{packed[0]} packs documents into each sequence (THD, cu_seqlens), which "
-            f"Megatron's DotProductAttention, kept by {why}, refuses at the first step; "
+            f"Megatron's DotProductAttention, kept by {kept}, refuses at the first step; "
             "torch's attention (--megatron-overlap-attention torch, the default) runs them")
     if _torch_attention(args) and getattr(args, "create_attention_mask_in_dataloader", False) \
             and not getattr(args, "reset_attention_mask", False):
@@ -238,14 +236,43 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _torch_attention(args: argparse.Namespace) -> bool:
-    """Whether the local spec's layers get torch's attention: the default flag, the local
-    transformer, and an --attention-backend that does not name Megatron's own."""
+    """Whether the local spec's layers get torch's attention: the local transformer, and
+    no flag that keeps Megatron's (`_megatron_attention`)."""
+    return (getattr(args, "transformer_impl", "local") == "local"
+            and _megatron_attention(args) is None)
+
+
+def _megatron_attention(args: argparse.Namespace) -> str | None:
+    """The flag that keeps Megatron's DotProductAttention in every layer, or None: ours
+    (`--megatron-overlap-attention megatron`), or an --attention-backend naming
+    Megatron's own."""
     from ..attention.support import MEGATRON_BACKENDS
 
+    if getattr(args, "megatron_overlap_attention", "torch") != "torch":
+        return "--megatron-overlap-attention megatron"
     backend = getattr(args, "attention_backend", None)
-    return (getattr(args, "megatron_overlap_attention", "torch") == "torch"
-            and getattr(args, "transformer_impl", "local") == "local"
-            and getattr(backend, "name", str(backend)) not in MEGATRON_BACKENDS)
+    name = getattr(backend, "name", str(backend))
+    return f"--attention-backend {name}" if name in MEGATRON_BACKENDS else None
+
+
+def _config_keeps_megatron_attention(args: argparse.Namespace) -> str | None:
+    """A model setting for which torch's attention hands every layer back to Megatron's
+    (`attention.support.unsupported`, read from the arguments of the same names)."""
+    from ..attention.support import unsupported
+
+    why = unsupported(args)
+    return f"the model's {why}" if why else None
+
+
+def _sft_packs() -> bool:
+    """Whether this tree's --sft batches are packed sequences (its SFT dataset returns
+    cu_seqlens: core_v0.16 on; core_v0.14's returns causal masks)."""
+    try:
+        from megatron.training.datasets import sft_dataset
+
+        return "cu_seqlens" in inspect.getsource(sft_dataset.SFTDataset)
+    except (ImportError, OSError, TypeError, AttributeError):
+        return False
 
 
 def initialize_tp_communicators() -> None:

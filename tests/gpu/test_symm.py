@@ -174,10 +174,12 @@ def test_layer_passes_match_reference(world):
 
 
 def _growth(rank, world):
-    """A column layer (rs_dgrad pipeline) at 32 tokens a rank, then four times at 8192:
-    the heap grows during the first large calls, gives the outgrown allocations back at
-    the next pass, and every call still equals the reference."""
+    """A column layer (rs_dgrad pipeline) at 32 tokens a rank; then a pass that grows the
+    heap twice (64 MiB, then 128); the next pass releases what it outgrew, and the device
+    gets that memory back (both ranks share the GPU: twice the bytes); then the layer at
+    8192 tokens a rank, four times: every call equals the reference."""
     import torch
+    import torch.distributed as tdist
 
     from megatron_overlap.comm.heap import MIN_GROWTH
 
@@ -185,22 +187,42 @@ def _growth(rank, world):
     tp = gpu.symm()
     plan = _plan("column", "rs_dgrad_pipeline4", world)
     errs = []
-    for rows in (ROWS, 256 * ROWS, 256 * ROWS, 256 * ROWS, 256 * ROWS):
+
+    def call(rows):
         x, w, g, ref = _layer_case(rank, world, "column", "rs_dgrad_pipeline4", "float32", rows)
         got = _run_layer("column", x, w, g, plan, tp)
         errs.append(max(gpu.rel(got[k], ref[k]) for k in ref))
+
+    def free_now():
+        torch.cuda.synchronize()
+        tdist.barrier()
+        return torch.cuda.mem_get_info()[0]
+
+    call(ROWS)
+    tp.begin_pass("grow")
+    for _ in range(2):
+        tp.workspace((64 << 20,), torch.uint8)
+    outgrown = sum(b.local.numel() for b in tp._bufs[:-1])
+    before = free_now()
+    tp.begin_pass("release")
+    after = free_now()
+    for _ in range(4):
+        call(256 * ROWS)
     tp.begin_pass("after")
     torch.cuda.synchronize()
     tp.check()
     need = max(tp.pass_bytes.values())
-    return errs, len(tp._bufs), tp.bytes_held, need, need + max(need / 8, MIN_GROWTH)
+    return (errs, outgrown, after - before, len(tp._bufs), tp.bytes_held, need,
+            need + max(need / 8, MIN_GROWTH))
 
 
 def test_growth_gives_back_what_was_outgrown():
     import torch
 
-    for errs, allocations, held, need, bound in dist.run(_growth, 2, env=gpu.ENV, timeout=200):
+    for errs, outgrown, freed, allocations, held, need, bound in dist.run(
+            _growth, 2, env=gpu.ENV, timeout=200):
         assert max(errs) <= gpu.TOL[torch.float32], errs
+        assert outgrown > 0 and freed >= 2 * outgrown * 0.9, (outgrown, freed)
         assert allocations == 1 and need <= held < bound, (allocations, held, need)
 
 

@@ -130,6 +130,7 @@ def probe_args() -> dict:
     out["with_te_layers"] = validate(parse(*BASE, *OURS[:-1], "transformer_engine"))
     out["no_sp"] = validate(parse(*BASE, *[x for x in OURS if x != "--sequence-parallel"]))
     # packed sequences (--sft): torch's attention runs them, Megatron's would refuse them
+    out["sft_packs"] = hooks._sft_packs()
     out["sft_valid"] = validate(parse(*BASE, *OURS, "--sft"))
     out["sft_megatron_attention"] = validate(parse(*BASE, *OURS, "--sft",
                                                    "--megatron-overlap-attention", "megatron"))
