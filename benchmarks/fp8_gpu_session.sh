@@ -31,6 +31,8 @@ export PYTHONUNBUFFERED=1
 # torchao's float8 scaling is Python; its optional C++ extensions are not needed here
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
 export NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0
+case "${PART:-all}" in all|bench|diag) ;; *) echo "PART=${PART}: all, bench or diag" >&2; exit 2;; esac
+failed=0
 main() {
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir \
@@ -43,7 +45,7 @@ python3 -c "import torch, torchao, megatron.core as m; print('torch', torch.__ve
 torchao.__version__, 'megatron-core', getattr(m, '__version__', '?'), 'capability', torch.cuda.get_device_capability())" \
   2>&1 | grep -v "^W"
 echo "sources $(find megatron_overlap tests benchmarks -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"
-step() { echo "== $1 rc=$2 in $(( $(date +%s) - t )) s"; }
+step() { echo "== $1 rc=$2 in $(( $(date +%s) - t )) s"; [ "$2" = 0 ] || failed=$((failed + 1)); }
 
 if [ "${TESTS:-0}" = 1 ]; then
   t=$(date +%s)
@@ -84,6 +86,10 @@ timeout 60 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag fp
 step "fp8_train.py, the FP8 arm alone" $?
 fi
 ls -la "$OUT"
+echo "== $failed step(s) failed"
+return "$failed"
 }
-main 2>&1 | tee "$OUT/session_${PART:-all}.log"
-exit "${PIPESTATUS[0]}"
+main > >(tee "$OUT/session_${PART:-all}.log") 2>&1
+rc=$?
+sleep 1  # the log's tee
+exit "$rc"

@@ -20,7 +20,7 @@ from megatron_overlap.simulate import (
     simulate_pass, trials,
 )
 from megatron_overlap.simulate.numerics import Numerics
-from megatron_overlap.simulate.passes import PassSpec, fp8_work, run_of
+from megatron_overlap.simulate.passes import PassSpec, amax_exchange_us, fp8_work, run_of
 from megatron_overlap.simulate.runs import recorded
 
 HW = Hardware()
@@ -157,6 +157,69 @@ def test_model_only_picks_move_where_fp8_moves_the_numbers():
             assert in_f8[0] > in_f8[1] and in_bf[0] <= in_bf[1], (sb.name, in_f8, in_bf)
     assert differ, "FP8 and bf16 picked the same settings for every pass"
     assert f8.models[0].best_us < bf.models[0].best_us
+
+
+def test_fp8_step_estimate_makes_the_weights_once_per_step():
+    """A step of 4 micro-batches: every pass at every micro-batch, but the tensorwise FP8
+    weights' work (cast and transposed copy, a share of the FP8 work) at the first only:
+    the later three save it, from the FP8 layer's times and not from its GEMMs'."""
+    shapes = list(_shapes(HYBRID).values())
+    r1, r4 = (simulate(shapes, HW, LAYOUT, micro_batches=mb) for mb in (1, 4))
+    one, four = r1.models[0].to_dict(), r4.models[0].to_dict()
+    per, saved, layers = one["per_layer_ms"], r4.models[0].later_saved_us, r4.models[0].layers
+    assert 0 < per["fp8_weights"] < per["fp8_work"]
+    assert four["step_ms"]["gemm"] == pytest.approx(4 * one["step_ms"]["gemm"])
+    for k in ("baseline", "overlapped", "best"):
+        assert saved[k] / 1e3 == pytest.approx(per["fp8_weights"], rel=1e-6)  # none host-bound
+        assert four["step_ms"][k] == pytest.approx((4 * per[k] - 3 * saved[k] / 1e3) * layers)
+
+
+class _Host:
+    """A host-time calibration with one figure for every pass, ours and Megatron's."""
+
+    def __init__(self, us: float):
+        self.us = us
+
+    def pass_us(self, *args) -> float:
+        return self.us
+
+    megatron_pass_us = pass_us
+
+
+def test_a_host_bound_pass_saves_nothing_at_later_micro_batches():
+    """Where the host time per call exceeds the pass's GPU time, the FP8 weights reused at
+    a later micro-batch shorten nothing; where it does not, they save their work."""
+    shape = _shapes(HYBRID)["fc1"]
+    trial = next(t for t in trials(shape, LAYOUT) if t.spec.pass_name == "fprop")
+    s = trial.candidate.settings
+    free = simulate_pass(trial.spec, s, HW, LAYOUT, GemmModel(HW))
+    assert free.fp8_weight_us > 0 and free.later_saved_us == pytest.approx(free.fp8_weight_us)
+    assert free.later_saved_base_us == pytest.approx(free.fp8_weight_us)
+    bound = simulate_pass(trial.spec, s, HW, LAYOUT,
+                          GemmModel(HW, Calibration(host=_Host(10 * free.overlapped_us))))
+    assert bound.host_bound and bound.later_saved_us == 0 and bound.later_saved_base_us == 0
+
+
+def test_eager_fp8_launches_its_kernels_and_exchanges_its_amaxes():
+    """Launched from Python (eager), each FP8 kernel costs eager_kernel_us of host time;
+    CUDA-graph replays none. A tensorwise pass whose tensor is gathered (a column forward's
+    input, a row dgrad's gradient) first exchanges the TP group's amaxes: a small
+    collective's latency; no other pass, row-wise or bf16 does."""
+    gemm = GemmModel(HW)
+    spec = PassSpec(_shapes(HYBRID)["fc1"], "fprop")
+    kernels = fp8_work(spec, None, LAYOUT).total.kernels
+    for mode, extra in (("eager", 10.0 * kernels), ("graph", 0.0)):
+        layout = dataclasses.replace(LAYOUT, mode=mode)
+        quiet, loud = (simulate_pass(spec, None, HW.replace(eager_kernel_us=us), layout, gemm)
+                       for us in (0.0, 10.0))
+        assert loud.baseline_us - quiet.baseline_us == pytest.approx(extra)
+    kinds = ("fprop", "dgrad", "wgrad")
+    gathered = {(b, p) for b in ("qkv", "proj", "fc1", "fc2") for p in kinds
+                if amax_exchange_us(PassSpec(_shapes(HYBRID)[b], p), HW, LAYOUT) > 0}
+    assert gathered == {("qkv", "fprop"), ("fc1", "fprop"), ("proj", "dgrad"), ("fc2", "dgrad")}
+    for num in (BF16, ROWWISE):
+        assert all(amax_exchange_us(PassSpec(shape, p), HW, LAYOUT) == 0
+                   for shape in _shapes(num).values() for p in kinds)
 
 
 def test_a_shape_read_back_from_json_keeps_its_precision():

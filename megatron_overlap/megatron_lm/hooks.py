@@ -237,9 +237,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 def _torch_attention(args: argparse.Namespace) -> bool:
     """Whether the local spec's layers get torch's attention: the local transformer, and
-    no flag that keeps Megatron's (`_megatron_attention`)."""
+    neither a flag nor a model setting that keeps Megatron's."""
     return (getattr(args, "transformer_impl", "local") == "local"
-            and _megatron_attention(args) is None)
+            and _megatron_attention(args) is None and _config_keeps_megatron_attention(args) is None)
 
 
 def _megatron_attention(args: argparse.Namespace) -> str | None:
@@ -271,7 +271,7 @@ def _sft_packs() -> bool:
         from megatron.training.datasets import sft_dataset
 
         return "cu_seqlens" in inspect.getsource(sft_dataset.SFTDataset)
-    except (ImportError, OSError, TypeError, AttributeError):
+    except Exception:  # noqa: BLE001  (a tree whose SFT module does not import here: unknown)
         return False
 
 

@@ -38,6 +38,9 @@ class ModelSummary:
     best_us: float = 0.0
     fp8_work_us: float = 0.0  # in each per-layer time: the FP8 work around the GEMMs
     fp8_weight_us: float = 0.0  # of which the FP8 weights': once per step
+    # what a step's later micro-batch saves of baseline, overlapped, best (FP8 weights reused)
+    later_saved_us: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
+        ("baseline", "overlapped", "best"), 0.0))
     ub_cfgs: dict[str, dict[str, Any]] = field(default_factory=dict)
     ring_orders: dict[str, str] = field(default_factory=dict)
 
@@ -45,11 +48,12 @@ class ModelSummary:
     def complete(self) -> bool:
         return set(self.buffers) == set(BUFFERS)
 
-    def step_ms(self, per_layer_us: float) -> float:
-        """Every layer at every micro-batch, but the FP8 weights made once per step (a
-        step's first micro-batch: Megatron's schedules drive the FP8 weight cache)."""
-        w = min(self.fp8_weight_us, per_layer_us)
-        return ((per_layer_us - w) * self.micro_batches + w) * self.layers / 1e3
+    def step_ms(self, per_layer_us: float, later_saved_us: float = 0.0) -> float:
+        """Every layer at every micro-batch, a later micro-batch `later_saved_us` shorter
+        (the FP8 weights made once per step, at its first: Megatron's schedules drive the
+        FP8 weight cache)."""
+        return (per_layer_us * self.micro_batches
+                - later_saved_us * (self.micro_batches - 1)) * self.layers / 1e3
 
     def to_dict(self) -> dict[str, Any]:
         per = {"gemm": self.gemm_us, "baseline": self.baseline_us, "overlapped": self.given_us,
@@ -58,7 +62,8 @@ class ModelSummary:
         return {"model": self.model, "buffers": self.buffers, "complete": self.complete,
                 "layers": self.layers, "micro_batches": self.micro_batches,
                 "per_layer_ms": {k: v / 1e3 for k, v in {**per, **fp8}.items()},
-                "step_ms": {k: self.step_ms(v) for k, v in per.items()},
+                "step_ms": {k: self.step_ms(v, self.later_saved_us.get(k, 0.0))
+                            for k, v in per.items()},
                 "picked_ub_cfgs": self.ub_cfgs, "picked_ring_orders": self.ring_orders}
 
 
@@ -132,6 +137,9 @@ def summarize(results: Sequence[ShapeResult], layers: dict[str, int] | None,
         s.best_us += sum(p.overlapped_us for p in r.best)
         s.fp8_work_us += sum(p.fp8_work_us for p in r.given)
         s.fp8_weight_us += sum(p.fp8_weight_us for p in r.given)
+        s.later_saved_us["baseline"] += sum(p.later_saved_base_us for p in r.given)
+        s.later_saved_us["overlapped"] += sum(p.later_saved_us for p in r.given)
+        s.later_saved_us["best"] += sum(p.later_saved_us for p in r.best)
         cfg, orders = ub_cfgs(r.chosen.values())
         s.ub_cfgs.update(cfg)
         s.ring_orders.update(orders)

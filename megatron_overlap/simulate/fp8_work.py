@@ -11,7 +11,7 @@ per element:
 |---|---|---|
 | fprop | its input block [T/W, K]; the weight [N, K] (and, tensorwise, its transposed copy) | its input [T, K]; the weight |
 | dgrad | the output gradient [T, N] | its block of the gradient [T/W, N] |
-| wgrad | copies of the gradient [T, N] and the gathered input [T, K] (fp8_wgrad) | the same; without fp8_wgrad the gathered gradient dequantized |
+| wgrad | copies of the gradient [T, N] and the gathered input [T, K] (fp8_wgrad), the product added into main_grad | the same; without fp8_wgrad the gathered gradient dequantized |
 
 - Tensorwise (`quantize`): the amax read (the TP group's, a gathered tensor's: one more
   kernel over the group's amaxes), one compiled scale kernel, one compiled cast; each
@@ -23,11 +23,16 @@ per element:
   parameters, for the dgrad; one reciprocal for the weight's scales and one per GEMM call
   for the rows'; the wgrad in the parameters' dtype.
 - A pipelined reduce-scatter's FP8 chunks copy their rows together (`batched`).
+- An FP8 wgrad accumulating into an fp32 `main_grad` (Megatron's
+  gradient_accumulation_fusion, on by default in Megatron-LM; `accumulates`) writes its
+  product, then adds it: 12 bytes an element, one kernel. (A bf16 wgrad accumulates in
+  apex's fused GEMM where apex is installed.)
 
-The weight's part (`PassWork.weight`) runs at a step's first micro-batch only where
-Megatron's schedules drive the layer's FP8 weight cache (`layers.fp8.Fp8WeightCache`),
-so the step estimate counts it once per step. tests/test_fp8_work.py holds this table to
-the operations the layers issue (benchmarks/layer_ledger.py's dispatch mode).
+The tensorwise weight's part (`PassWork.weight`) runs at a step's first micro-batch only
+where Megatron's schedules drive the layer's FP8 weight cache (`layers.fp8.Fp8WeightCache`;
+`weight_cached`), so the step estimate counts it once per step; row-wise, at every
+forward. tests/test_fp8_work.py holds this table to the operations the layers issue
+(benchmarks/layer_ledger.py's dispatch mode), pass by pass.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ ROW_SCALE_KERNELS = 10  # |x|, its amax along the row, eight on the [rows, 1] sc
 ROW_SCALE_BYTES = 100  # bytes per row of those eight and of the amax's output
 EAGER_CAST = (5, 27)  # kernels; bytes an element beyond p: fp32 upcast, multiply, clamp, cast, copy
 DEQUANT = (3, 17)  # (g8.float() / scale).to(p): kernels; bytes an element beyond p
+ACCUMULATE = 12  # main_grad.add_(fp32 product): bytes an element (two fp32 reads, a write)
 
 
 @dataclass(frozen=True)
@@ -95,30 +101,36 @@ def batched(rows: int, row_bytes: int, chunks: int) -> Work:
 
 def pass_work(pass_name: str, column: bool, tokens: int, tp: int, k: int, n: int,
               p: int, rowwise: bool = False, fp8_wgrad: bool = True,
-              gemm_calls: int = 1) -> PassWork:
+              gemm_calls: int = 1, accumulates: bool = True,
+              weight_cached: bool = True) -> PassWork:
     """The FP8 work of one pass of a linear whose forward GEMM is [tokens(/tp), k] x [k, n]
     per rank (sequence parallel: a column layer's input and a row layer's output split
     over `tp`), its FP8 GEMM issued as `gemm_calls` calls; beyond what its schedule adds
-    (`batched`)."""
+    (`batched`). `accumulates`: the wgrad adds into an fp32 main_grad; `weight_cached`:
+    the tensorwise FP8 weight is made once per step (else at every forward)."""
     gemm = Work(0, 1 + gemm_calls) if rowwise else Work(0, RECIPROCALS)
     shared = Work(0, 0 if rowwise or tp == 1 else 1)  # the max over the group's amaxes
+    cached = weight_cached and not rowwise
     if pass_name == "fprop":
         rows = tokens // tp if column else tokens
+        act = quantize(rows * k, p, rowwise, rows) + gemm + (shared if column else Work())
         weight = quantize(n * k, p, rowwise, n)
-        if not rowwise:
-            weight += transpose(n * k)  # the dgrad's layout, made with the cast
-        return PassWork(quantize(rows * k, p, rowwise, rows) + gemm + (shared if column else Work()),
-                        weight)
+        if cached:  # made with the cast, the dgrad's transposed copy too
+            return PassWork(act, weight + transpose(n * k))
+        return PassWork(act + weight)
     if pass_name == "dgrad":
         rows = tokens if column else tokens // tp
         act = quantize(rows * n, p, rowwise, rows) + gemm + (Work() if column else shared)
         if rowwise:  # the weight again, per column (its copy out transposes it); no tails
             act += quantize(n * k, p, True, k, scales_out=False)
+        elif not cached:  # the weight's transposed copy, made here
+            act += transpose(n * k)
         return PassWork(act)
     if pass_name == "wgrad":
         if rowwise or not fp8_wgrad:  # in p: only a row layer's gathered gradient, dequantized
             return PassWork(Work(0, 0) if column else
                             Work(tokens * n * (p + DEQUANT[1]) + (4 * tokens if rowwise else 0),
                                  DEQUANT[0]))
-        return PassWork(transpose(tokens * n) + transpose(tokens * k) + gemm)
+        add = Work(ACCUMULATE * n * k, 1) if accumulates else Work()
+        return PassWork(transpose(tokens * n) + transpose(tokens * k) + gemm + add)
     raise ValueError(f"pass {pass_name!r}: fprop, dgrad or wgrad")

@@ -45,6 +45,7 @@ class Hardware:
     nccl_inter_gbs: float | None = None  # bus bandwidth across nodes; None: min(NVLink, IB x GPUs/node)
     eager_step_us: float = 50.0  # host time per schedule step launched from Python
     eager_comm_us: float = 10.0  # host time to launch one transfer or collective
+    eager_kernel_us: float = 10.0  # host time to launch one memory-bound kernel (FP8 work)
 
     def peak_for(self, dtype: torch.dtype) -> float:
         """Dense TFLOP/s of a GEMM whose operands are `dtype` (FP8: one byte each)."""

@@ -17,7 +17,9 @@ A pass's GEMM runs in its shape's `numerics` (FP8 or the parameters' dtype) and 
 transfer moves the bytes of the dtype it carries (`numerics.py`: FP8 gathers one byte
 per element, row-wise scale tails included; reductions the parameters' dtype). An FP8
 pass also pays its memory-bound FP8 work (`fp8_work.py`: amaxes, casts, transposed
-copies), on the GEMMs' stream, in both paths.
+copies), on the GEMMs' stream, in both paths; launched from Python (eager) each of its
+kernels costs `eager_kernel_us` of host time; a tensorwise amax exchange (before a
+gather) costs one small collective's latency.
 
 Each pass kind multiplies its operands in one layout (`PassSpec.gemm_layout`,
 `shapes.GEMM_LAYOUTS`: fprop NT, dgrad NN, wgrad TN); a measured GEMM time applies to
@@ -35,7 +37,7 @@ from typing import Any
 import torch
 
 from ..config import LayerSettings
-from .fp8_work import PassWork, batched, pass_work
+from .fp8_work import PassWork, Work, batched, pass_work
 from .gemm import GemmModel
 from .numerics import dtype_name
 from .hardware import Hardware, Layout
@@ -138,6 +140,8 @@ class PassResult:
     moved_bytes: int = 0  # one rank's block of the non-overlapped path's collective
     fp8_work_us: float = 0.0  # the FP8 work in every time above (fp8_work.py)
     fp8_weight_us: float = 0.0  # of which the weight's: once per step (the FP8 weight cache)
+    later_saved_us: float = 0.0  # what a step's later micro-batch saves of overlapped_us
+    later_saved_base_us: float = 0.0  # ... of baseline_us (none where host-bound)
 
     @property
     def exposed_us(self) -> float:
@@ -151,7 +155,7 @@ class PassResult:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         for k in ("gemm_us", "comm_us", "baseline_us", "compute_only_us", "overlapped_us",
-                  "fp8_work_us", "fp8_weight_us"):
+                  "fp8_work_us", "fp8_weight_us", "later_saved_us", "later_saved_base_us"):
             out[k.replace("_us", "_ms")] = out.pop(k) / 1e3
         host = out.pop("host_us")
         out["host_ms"] = None if host is None else host / 1e3
@@ -234,6 +238,8 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
     # a measured ring reduce-scatter includes its adds: taken out of its chunk GEMMs
     extra = (tp - 1) * gemm.add_us(spec.block_elems * spec.shape.numerics.params.itemsize) \
         if run.schedule in ("rs_ring", "rs_hier") else 0.0
+    # a measured FP8 pipeline holds its chunks' row copies: fp8_work counts them
+    extra += _batched_work(spec, s, layout).us(hw)
     sms = sim.gemm_sms
 
     def gemm_us(rows: int, kk: int, nn: int) -> float:
@@ -273,21 +279,38 @@ def gemm_calls(spec: PassSpec, s: LayerSettings | None, layout: Layout) -> int:
     return layout.tp if schedule in ("ag_ring", "ag_hier", "rs_ring", "rs_hier") else 1
 
 
-def fp8_work(spec: PassSpec, s: LayerSettings | None, layout: Layout) -> PassWork:
-    """The pass's FP8 work (none in the parameters' dtype): `fp8_work.pass_work`, and the
-    row copies of an FP8 pipelined reduce-scatter's chunks where `s` runs one."""
+def _batched_work(spec: PassSpec, s: LayerSettings | None, layout: Layout) -> Work:
+    """The row copies of an FP8 pipelined reduce-scatter's chunks (`fp8_work.batched`),
+    where `s` runs one over more than one chunk; else nothing."""
+    if (s is None or layout.tp == 1 or spec.gemm_dtype.itemsize != 1
+            or schedule_of(s, layout) != "rs_pipeline" or s.splits(layout.tp) == 1):
+        return Work()
+    m, inner, _ = spec.gemm
+    return batched(m, inner + spec.shape.numerics.tail(spec.pass_name), s.splits(layout.tp))
+
+
+def fp8_work(spec: PassSpec, s: LayerSettings | None, layout: Layout,
+             accumulates: bool = True) -> PassWork:
+    """The pass's FP8 work (none in the parameters' dtype): `fp8_work.pass_work` (the
+    wgrad into an fp32 main_grad where `accumulates`, Megatron-LM's default), and the row
+    copies of an FP8 pipelined reduce-scatter's chunks where `s` runs one."""
     num, shape = spec.shape.numerics, spec.shape
     if not num.fp8:
         return PassWork()
     work = pass_work(spec.pass_name, shape.column, shape.m, shape.tp, shape.k, shape.n,
                      num.params.itemsize, num.scaling == "rowwise", num.fp8_wgrad,
-                     gemm_calls(spec, s, layout))
-    if (s is not None and layout.tp > 1 and spec.gemm_dtype.itemsize == 1
-            and schedule_of(s, layout) == "rs_pipeline"):
-        m, inner, _ = spec.gemm
-        work = PassWork(work.activations + batched(m, inner + num.tail(spec.pass_name),
-                                                   s.splits(layout.tp)), work.weight)
-    return work
+                     gemm_calls(spec, s, layout), accumulates)
+    return PassWork(work.activations + _batched_work(spec, s, layout), work.weight)
+
+
+def amax_exchange_us(spec: PassSpec, hw: Hardware, layout: Layout) -> float:
+    """A tensorwise FP8 pass's exchange of the TP group's amaxes (one float a rank), before
+    the tensor it scales is gathered: a column forward's input, a row dgrad's gradient."""
+    num, shape = spec.shape.numerics, spec.shape
+    gathered = (spec.pass_name == "fprop") == shape.column and spec.pass_name != "wgrad"
+    if not num.fp8 or num.scaling != "tensorwise" or layout.tp == 1 or not gathered:
+        return 0.0
+    return Sim(hw, layout, Engine("sm", hw.nccl_sms)).collective_us(4)
 
 
 def megatron_modelled_host_us(hw: Hardware, comm: float | bool = True) -> float:
@@ -319,26 +342,36 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
     gemm = gemm.for_dtype(spec.gemm_dtype)
     host = measured_host_us(spec, layout, gemm)
     comm_us, base_us = baseline_us(spec, hw, layout, gemm)
+    eager = layout.mode == "eager"
+    exchange = amax_exchange_us(spec, hw, layout)
     base_work = fp8_work(spec, None, layout)
-    base_us += base_work.total.us(hw)
+    # the FP8 work, and where launched from Python its kernels' host time
+    costs = lambda w: w.us(hw) + (w.kernels * hw.eager_kernel_us if eager else 0.0)  # noqa: E731
+    base_gpu = base_us + costs(base_work.total) + exchange
+    base_us, base_host = base_gpu, None
     if host is not None:
         mcore = gemm.calibration.host.megatron_pass_us(  # type: ignore[union-attr]
             spec.pass_name, layout.tp, layout.mode, spec.shape.column)
-        base_us = max(base_us, megatron_modelled_host_us(hw, comm_us) if mcore is None else mcore)
+        base_host = megatron_modelled_host_us(hw, comm_us) if mcore is None else mcore
+        base_us = max(base_gpu, base_host)
         layout = dataclasses.replace(layout, mode="graph")  # device time; the host apart
     m, k, n = spec.gemm
     bound = False
     if s is None:
         over = floor = base_us
-        host, work = None, base_work
+        host, work, over_host = None, base_work, base_host
     else:
         work = fp8_work(spec, s, layout)
+        if host is not None and eager:  # measured on bf16 layers: the FP8 kernels' launches too
+            host += work.total.kernels * hw.eager_kernel_us
+        fp8_us = costs(work.total) + exchange
         engine = engine_for(s, schedule_of(s, layout), layout.backend, hw)
-        over = _schedule_end(spec, s, hw, layout, gemm, engine, comm_moved) + work.total.us(hw)
-        floor = _schedule_end(spec, s, hw, layout, gemm, Engine(free=True), comm_moved) \
-            + work.total.us(hw)
+        over = _schedule_end(spec, s, hw, layout, gemm, engine, comm_moved) + fp8_us
+        floor = _schedule_end(spec, s, hw, layout, gemm, Engine(free=True), comm_moved) + fp8_us
         bound = host is not None and host > over
-        over = max(over, host or 0.0)
+        over, over_host = max(over, host or 0.0), host
+    # a step's later micro-batch: the FP8 weights reused (their work saved, unless host-bound)
+    later = lambda t, h, w: t - max(h or 0.0, t - costs(w.weight))  # noqa: E731
     return PassResult(
         name=spec.name, shape=spec.shape.name, model=spec.shape.model, tp=layout.tp,
         gemm=spec.gemm, comm=spec.comm,
@@ -349,4 +382,6 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
         gemm_source=gemm.source(m, k, n, spec.gemm_layout),
         host_us=host, host_bound=bound, gemm_dtype=dtype_name(spec.gemm_dtype),
         moved_bytes=0 if spec.comm == "none" else spec.block_bytes,
-        fp8_work_us=work.total.us(hw), fp8_weight_us=work.weight.us(hw))
+        fp8_work_us=work.total.us(hw), fp8_weight_us=work.weight.us(hw),
+        later_saved_us=later(over, over_host, work),
+        later_saved_base_us=later(base_us, base_host, base_work))
