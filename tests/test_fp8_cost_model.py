@@ -213,6 +213,13 @@ def test_eager_fp8_launches_its_kernels_and_exchanges_its_amaxes():
         quiet, loud = (simulate_pass(spec, None, HW.replace(eager_kernel_us=us), layout, gemm)
                        for us in (0.0, 10.0))
         assert loud.baseline_us - quiet.baseline_us == pytest.approx(extra)
+    # with a measured host time (of bf16 layers), the launches join that, not the GPU time
+    trial = next(t for t in trials(spec.shape, LAYOUT) if t.spec.pass_name == "fprop")
+    eager = dataclasses.replace(LAYOUT, mode="eager")
+    r = simulate_pass(trial.spec, trial.candidate.settings, HW, eager,
+                      GemmModel(HW, Calibration(host=_Host(5.0))))
+    calls = fp8_work(trial.spec, trial.candidate.settings, eager).total.kernels
+    assert r.host_us == pytest.approx(5.0 + calls * HW.eager_kernel_us)
     kinds = ("fprop", "dgrad", "wgrad")
     gathered = {(b, p) for b in ("qkv", "proj", "fc1", "fc2") for p in kinds
                 if amax_exchange_us(PassSpec(_shapes(HYBRID)[b], p), HW, LAYOUT) > 0}

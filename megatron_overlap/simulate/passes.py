@@ -342,36 +342,41 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
     gemm = gemm.for_dtype(spec.gemm_dtype)
     host = measured_host_us(spec, layout, gemm)
     comm_us, base_us = baseline_us(spec, hw, layout, gemm)
-    eager = layout.mode == "eager"
     exchange = amax_exchange_us(spec, hw, layout)
+    eager = layout.mode == "eager"
+    # each FP8 kernel launched from Python costs host time: the pass's own where no host
+    # time is measured (as eager mode counts every launch), else added to the measured one
+    launch = lambda w: w.kernels * hw.eager_kernel_us if eager else 0.0  # noqa: E731
+    device = lambda w: w.us(hw) + (launch(w) if host is None else 0.0)  # noqa: E731
     base_work = fp8_work(spec, None, layout)
-    # the FP8 work, and where launched from Python its kernels' host time
-    costs = lambda w: w.us(hw) + (w.kernels * hw.eager_kernel_us if eager else 0.0)  # noqa: E731
-    base_gpu = base_us + costs(base_work.total) + exchange
-    base_us, base_host = base_gpu, None
+    base_gpu, base_host = base_us + device(base_work.total) + exchange, None
     if host is not None:
         mcore = gemm.calibration.host.megatron_pass_us(  # type: ignore[union-attr]
             spec.pass_name, layout.tp, layout.mode, spec.shape.column)
-        base_host = megatron_modelled_host_us(hw, comm_us) if mcore is None else mcore
-        base_us = max(base_gpu, base_host)
+        base_host = (megatron_modelled_host_us(hw, comm_us) if mcore is None else mcore) \
+            + launch(base_work.total)
         layout = dataclasses.replace(layout, mode="graph")  # device time; the host apart
+    base_us = max(base_gpu, base_host or 0.0)
     m, k, n = spec.gemm
-    bound = False
     if s is None:
-        over = floor = base_us
-        host, work, over_host = None, base_work, base_host
+        work, over_gpu, over_host = base_work, base_gpu, base_host
+        floor = base_us
     else:
         work = fp8_work(spec, s, layout)
-        if host is not None and eager:  # measured on bf16 layers: the FP8 kernels' launches too
-            host += work.total.kernels * hw.eager_kernel_us
-        fp8_us = costs(work.total) + exchange
+        over_host = None if host is None else host + launch(work.total)
+        fp8_us = device(work.total) + exchange
         engine = engine_for(s, schedule_of(s, layout), layout.backend, hw)
-        over = _schedule_end(spec, s, hw, layout, gemm, engine, comm_moved) + fp8_us
+        over_gpu = _schedule_end(spec, s, hw, layout, gemm, engine, comm_moved) + fp8_us
         floor = _schedule_end(spec, s, hw, layout, gemm, Engine(free=True), comm_moved) + fp8_us
-        bound = host is not None and host > over
-        over, over_host = max(over, host or 0.0), host
-    # a step's later micro-batch: the FP8 weights reused (their work saved, unless host-bound)
-    later = lambda t, h, w: t - max(h or 0.0, t - costs(w.weight))  # noqa: E731
+    over = max(over_gpu, over_host or 0.0)
+    bound = s is not None and over_host is not None and over_host > over_gpu
+
+    def later_saved(total: float, gpu: float, host_us: float | None, w: PassWork) -> float:
+        """What a step's later micro-batch saves: the FP8 weights reused, their work and
+        launches, unless the other side (host or device) still takes as long."""
+        return total - max(gpu - device(w.weight),
+                           0.0 if host_us is None else host_us - launch(w.weight))
+
     return PassResult(
         name=spec.name, shape=spec.shape.name, model=spec.shape.model, tp=layout.tp,
         gemm=spec.gemm, comm=spec.comm,
@@ -380,8 +385,9 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
         gemm_us=gemm.mono_us(m, k, n, spec.gemm_layout), comm_us=comm_us, baseline_us=base_us,
         compute_only_us=floor, overlapped_us=over,
         gemm_source=gemm.source(m, k, n, spec.gemm_layout),
-        host_us=host, host_bound=bound, gemm_dtype=dtype_name(spec.gemm_dtype),
+        host_us=over_host if s is not None else None, host_bound=bound,
+        gemm_dtype=dtype_name(spec.gemm_dtype),
         moved_bytes=0 if spec.comm == "none" else spec.block_bytes,
         fp8_work_us=work.total.us(hw), fp8_weight_us=work.weight.us(hw),
-        later_saved_us=later(over, over_host, work),
-        later_saved_base_us=later(base_us, base_host, base_work))
+        later_saved_us=later_saved(over, over_gpu, over_host, work),
+        later_saved_base_us=later_saved(base_us, base_gpu, base_host, base_work))
