@@ -23,7 +23,9 @@
 # within bf16 tolerance: torch's attention against Megatron's; packed / packed_off: on and off
 # with --dataloader-inter-document-masking, trees that have it (core_v0.19+): documents packed
 # into each sequence, THD batches through pretrain_gpt.py's get_batch as --sft gives them, whose
-# losses must be equal, each having run our attention on packed sequences), RUN_TIMEOUT (s per
+# losses must be equal, each having run our attention on packed sequences; sft / sft_off: the
+# same with Megatron-LM's --sft on conversations benchmarks/sft_standins.py writes, trees
+# whose SFT dataset packs), RUN_TIMEOUT (s per
 # run, 240), EXTRA_ARGS (appended to every run's flags: the last of a flag wins), MODEL_ARGS
 # (replaces the model size flags). Exit code: the number of trees that failed.
 set -uo pipefail
@@ -38,8 +40,8 @@ MODEL_ARGS=${MODEL_ARGS:---num-layers 4 --hidden-size 1024 --num-attention-heads
   --max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size 2 --vocab-size 8192}
 ARGS="$MODEL_ARGS --tensor-model-parallel-size 2 --sequence-parallel --transformer-impl local
   --bf16 --train-iters $ITERS --lr 3e-4 --lr-decay-style constant --weight-decay 0.01
-  --clip-grad 1.0 --attention-dropout 0 --hidden-dropout 0 --seed 1234 --mock-data
-  --tokenizer-type NullTokenizer --num-workers 0 --log-interval 1 --eval-interval 1000
+  --clip-grad 1.0 --attention-dropout 0 --hidden-dropout 0 --seed 1234
+  --num-workers 0 --log-interval 1 --eval-interval 1000
   --eval-iters 0 --distributed-backend gloo --local-rank 0 --no-persist-layer-norm
   --no-gradient-accumulation-fusion --no-masked-softmax-fusion
   --tp-comm-overlap-impl megatron_overlap --tp-comm-overlap-backend symm"
@@ -52,14 +54,33 @@ for tree in "$@"; do
     && echo "--cuda-graph-impl local" || echo "--enable-cuda-graph")
   packed_flag=$(grep -q "'--dataloader-inter-document-masking'" "$tree/megatron/training/arguments.py" \
     && echo "--dataloader-inter-document-masking")
+  # --sft where the tree's SFT dataset packs (core_v0.16 on); its SFTTokenizer through the
+  # legacy tokenizers where megatron.core's have none (core_v0.16); Hugging Face's loaders
+  # stood in for (benchmarks/sft_standins.py); one packed sequence a micro-batch
+  sft_args=
+  if grep -q cu_seqlens "$tree/megatron/training/datasets/sft_dataset.py" 2>/dev/null; then
+    # turns short enough that no 1024-token pack is truncated (core_v0.16.1's truncation
+    # extends a list by an int)
+    [ -s "$OUT/sft.jsonl" ] || python3 benchmarks/sft_standins.py "$OUT/sft.jsonl" --conversations 256 --words 8
+    sft_args="--sft --tokenizer-type SFTTokenizer --tokenizer-model standin --data-path $OUT/sft.jsonl
+      --split 100,0,0 --micro-batch-size 1 --global-batch-size 1"
+    grep -qs SFTTokenizer "$tree"/megatron/core/tokenizers/*/build_tokenizer.py \
+      "$tree"/megatron/core/tokenizers/*/*/build_tokenizer.py || sft_args="$sft_args --legacy-tokenizer"
+  fi
   for arm in ${ARMS:-on off ${GRAPHS:+graphs graphs_off}}; do
     case $arm in on) flag=--tp-comm-overlap;; off) flag=;; graphs) flag="--tp-comm-overlap $graph_flag";;
       graphs_off) flag="$graph_flag";; attn_megatron) flag="--tp-comm-overlap --megatron-overlap-attention megatron";;
       packed) flag="--tp-comm-overlap $packed_flag";; packed_off) flag="$packed_flag";;
+      sft) flag="--tp-comm-overlap $sft_args";; sft_off) flag="$sft_args";;
     esac
     if [ -z "$packed_flag" ] && [ "${arm#packed}" != "$arm" ]; then
       echo "== $tag $arm: skipped (this tree has no --dataloader-inter-document-masking)"; continue
     fi
+    if [ -z "$sft_args" ] && [ "${arm#sft}" != "$arm" ]; then
+      echo "== $tag $arm: skipped (this tree's --sft does not pack sequences)"; continue
+    fi
+    data="--mock-data --tokenizer-type NullTokenizer"; [ "${arm#sft}" != "$arm" ] && data=
+    flag="$data $flag"
     PYTHONPATH="$tree:$PWD:/tmp/site_mlm:${PYTHONPATH:-}" timeout "${RUN_TIMEOUT:-240}" \
       python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
       benchmarks/megatron_lm_shared_gpu.py "$tree/pretrain_gpt.py" $ARGS $flag ${EXTRA_ARGS:-} \
@@ -77,6 +98,10 @@ for tree in "$@"; do
   case " ${ARMS:-} " in *" packed_off "*) [ -n "$packed_flag" ] &&  # packed sequences, on vs off
     { python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_packed.log" "$OUT/mlm_${tag}_packed_off.log" \
       --iters "$ITERS" --label "$tag packed sequences" --packed --json "$OUT/mlm_${tag}_packed.json" \
+      || failed=$((failed + 1)); };; esac
+  case " ${ARMS:-} " in *" sft_off "*) [ -n "$sft_args" ] &&  # Megatron-LM's SFT, on vs off
+    { python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_sft.log" "$OUT/mlm_${tag}_sft_off.log" \
+      --iters "$ITERS" --label "$tag --sft" --packed --json "$OUT/mlm_${tag}_sft.json" \
       || failed=$((failed + 1)); };; esac
   if [ -n "${GRAPHS:-}" ]; then  # the overlap under Megatron's graphs against Megatron's linears under them
     python3 benchmarks/megatron_lm_parity.py "$OUT/mlm_${tag}_graphs.log" "$OUT/mlm_${tag}_graphs_off.log" \

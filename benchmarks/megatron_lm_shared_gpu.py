@@ -14,6 +14,8 @@ library must not do:
   of the megatron-core wheel), which is imported instead.
 - Where there is no CUDA toolkit (pip's torch has none), core_v0.14-0.16's
   `fused_kernels.load`, which builds nothing but asks nvcc for its version, is skipped.
+- `--sft`: Hugging Face's `datasets` / `transformers` stood in for where they do not
+  import (benchmarks/sft_standins.py: JSON lines, a byte tokenizer).
 - At exit, each rank prints `MLM-PARITY-LAYERS {json}`: how many of our attention modules and overlapped
   layers were built (benchmarks/megatron_lm_parity.py checks each arm's count) and how
   many calls of our attention got packed sequences (`packed_attention_calls`), and
@@ -119,6 +121,11 @@ def _count_replays() -> None:
 def install_shims() -> None:
     from megatron.core.datasets import utils as dataset_utils
     from megatron.core.distributed import param_and_grad_buffer
+
+    if "--sft" in sys.argv:  # Hugging Face's loaders, where not installed (the GPU machine)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import sft_standins
+        sft_standins.install()
 
     param_and_grad_buffer._coalescing_manager = _one_by_one
     dataset_utils.compile_helpers = _prebuilt_helpers

@@ -479,12 +479,14 @@ MODEL_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads
               "torch_p2p"]
 
 
-def _model(tree: Path, *extra: str, world: int = 2, ok: bool = True) -> list:
+def _model(tree: Path, *extra: str, world: int = 2, ok: bool = True, mock: bool = True) -> list:
     """Every rank's probe result; with `ok=False`, every rank's output of a run that must
-    fail (returned, for the test to read the error)."""
+    fail (returned, for the test to read the error). `mock=False`: without --mock-data
+    (`extra` names the data)."""
     port = str(_free_port())
+    base = [a for a in MODEL_ARGS if mock or a != "--mock-data"]
     procs = [_through_entry_point(tree, str(HELPERS / "megatron_lm_probe.py"), "model",
-                                  *MODEL_ARGS, *extra, popen=True,
+                                  *base, *extra, popen=True,
                                   env=_env(tree, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                                            WORLD_SIZE=str(world), RANK=str(r), LOCAL_RANK=str(r)))
              for r in range(world)]
@@ -514,11 +516,33 @@ def models(tree, tmp_path_factory) -> dict:
             "bf16": _model(tree, "--tp-comm-overlap", "--bf16"),
             "fp8_rowwise": _model(tree, "--tp-comm-overlap", "--bf16", *FP8, "--no-fp8-wgrad",
                                   "--megatron-overlap-fp8-scaling", "rowwise"),
+            "sft": _model(tree, "--tp-comm-overlap", *_sft_args(tree, tmp_path_factory.mktemp("sft")),
+                          mock=False),
             "fp8_delayed": _model(tree, "--tp-comm-overlap", "--fp8-format", "hybrid", ok=False),
             "fp8_no_overlap": _model(tree, *FP8, ok=False)}
 
 
 FP8 = ("--fp8-format", "hybrid", "--fp8-recipe", "tensorwise")
+
+
+def _sft_args(tree: Path, directory: Path) -> list[str]:
+    """Megatron-LM's --sft with conversations written for it into `directory`
+    (benchmarks/sft_standins.py: short turns, so that a 512-token pack holds several), its
+    SFTTokenizer on the stand-in Hugging Face tokenizer (through --legacy-tokenizer where
+    the tree's megatron.core tokenizers have no SFT one: core_v0.16)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import sft_standins
+    finally:
+        sys.path.pop(0)
+    path = directory / "sft.jsonl"
+    # short enough that no pack is truncated (core_v0.16.1's truncation extends a list by an int)
+    path.write_text("".join(json.dumps(c) + "\n" for c in sft_standins.conversations(8, 0, words=3)))
+    core = [tree / "megatron/core/tokenizers" / f / "build_tokenizer.py" for f in ("text/utils", "utils")]
+    legacy = any(f.is_file() and "SFTTokenizer" not in f.read_text() for f in core)
+    return ["--sft", "--tokenizer-type", "SFTTokenizer", "--tokenizer-model", "standin",
+            "--data-path", str(path), "--split", "100,0,0", "--seq-length", "512",
+            "--max-position-embeddings", "512", *(["--legacy-tokenizer"] if legacy else [])]
 
 
 def test_model_provider_builds_our_layers_with_the_overlap_on(models, tree):
@@ -544,6 +568,21 @@ def test_model_provider_builds_our_layers_with_the_overlap_on(models, tree):
         packed = rank["packed"]
         assert packed["shape"] == [1, 32] and packed["max_abs_diff"] <= 1e-5, packed
         assert "masked" in packed["ran"], packed  # (on CPU: SDPA with the document mask)
+
+
+def test_sft_packs_conversations_that_our_layers_run_as_if_alone(models, probe):
+    """--sft (core_v0.16 on, where its dataset packs): the tree's SFTTokenizer and
+    SFTDataset (Hugging Face's loaders stood in for: benchmarks/sft_standins.py) pack several
+    conversations into one 512-token sequence with cu_seqlens, prompts masked out of the
+    loss; our layers and attention give each token the loss of its conversation alone."""
+    for rank in models["sft"]:
+        sft = rank["sft"]
+        if not probe["sft_packs"]:  # core_v0.14: SFT sequences are not packed there
+            assert sft["documents"] == 1, sft
+            continue
+        assert sft["tokenizer"] and sft["tokens"] == 512 and sft["documents"] >= 3, sft
+        assert sft["loss_mask"] == [0.0, 1.0], sft  # system and user turns masked out
+        assert sft["max_abs_diff"] <= 1e-5, sft
 
 
 def test_model_provider_builds_megatron_s_layers_with_the_overlap_off(models):

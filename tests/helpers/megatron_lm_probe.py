@@ -187,10 +187,58 @@ def packed_vs_alone(model, args) -> dict:
             "shape": list(packed.shape)}
 
 
+def sft_vs_alone(model, args) -> dict:
+    """The tree's own --sft data (its SFTTokenizer with the prompt format, its SFTDataset
+    packing conversations into a sequence with cu_seqlens, as pretrain_gpt builds them;
+    benchmarks/sft_standins.py for the Hugging Face loaders) through the model that the
+    tree's model_provider built, as get_batch hands it over (THD PackedSeqParams): each
+    token's loss against its conversation run alone (padded to the TP x pipeline-chunk
+    multiple; causal, so the padding changes nothing before it)."""
+    import pretrain_gpt
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.training.datasets.sft_dataset import SFTDataset
+
+    # as pretrain_gpt's train_valid_test_datasets_provider builds it, on every TP rank
+    # (Megatron builds it on TP rank 0 and broadcasts the batch, which needs CUDA)
+    config = pretrain_gpt.core_gpt_dataset_config_from_args(args)
+    train = BlendedMegatronDatasetBuilder(SFTDataset, [2, 0, 0], lambda: True, config).build()[0]
+    sample = train[0]
+    if "cu_seqlens" not in sample:  # a tree whose SFT sequences are not packed (core_v0.14)
+        return {"documents": 1, "tokens": int(sample["tokens"].numel())}
+    tokens, labels = sample["tokens"][None], sample["labels"][None]
+    pos, cu = sample["position_ids"][None], sample["cu_seqlens"].to(torch.int32)
+    cu = cu[: int(torch.nonzero(torch.diff(cu)).max()) + 2] if cu.numel() > 2 else cu  # (padding entries)
+    mx = int((cu[1:] - cu[:-1]).max())
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=mx, max_seqlen_kv=mx)
+    training = model.training
+    model.eval()
+    unit = 8  # TP=2 (sequence parallelism) x 4 (proj's pipeline chunks)
+    with torch.no_grad():
+        packed = model(tokens, pos, None, labels=labels, packed_seq_params=params).float()
+        diffs = []
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            pad = -(b - a) % unit
+            t = torch.cat([tokens[:, a:b], tokens[:, :pad]], 1)
+            y = torch.cat([labels[:, a:b], labels[:, :pad]], 1)
+            alone = model(t, torch.arange(t.shape[1])[None], None, labels=y).float()[:, : b - a]
+            diffs.append(float((packed[:, a:b] - alone).abs().max()))
+    model.train(training)
+    mask = sample["loss_mask"]
+    return {"documents": len(cu) - 1, "tokens": int(tokens.shape[1]), "max_abs_diff": max(diffs),
+            "loss_mask": [float(mask.min()), float(mask.max())],
+            "tokenizer": type(global_vars.get_tokenizer()).__name__}
+
+
 def probe_model() -> dict:
     from helpers.megatron_cpu import install_cpu_shims
     from megatron.core.tensor_parallel import random as mrandom
 
+    if "--sft" in sys.argv:  # Megatron-LM's own SFT data path, its HF loaders stood in for
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks"))
+        import sft_standins
+        sft_standins.install()
     install_cpu_shims()
     initialize._compile_dependencies = lambda *a, **k: None  # make/pybind11 helpers, CUDA kernels
     real_init_distributed = initialize._initialize_distributed
@@ -253,12 +301,14 @@ def probe_model() -> dict:
     # (FP8 GEMMs take 16-token multiples: the documents below are shorter)
     fp8 = any("fp8" in p for p in precision.values())
     packed = packed_vs_alone(model, args) if "TorchDotProductAttention" in attention and not fp8 else None
+    sft = sft_vs_alone(model, args) if getattr(args, "sft", False) else None
     return {"version": hooks.megatron_core_version(), "install": rec.calls, "linears": linears,
             "precision": precision,
             "attention": attention, "dataloader_masks": args.create_attention_mask_in_dataloader,
             "installed": {"backend": now.backend, "source": now.source,
                           "fc2_fprop_num_sm": now.settings["fc2_fprop"].num_sm},
             "norms": norms, "loss": loss.item(), "grad_norm_sum": grad, "packed": packed,
+            "sft": sft,
             "te_imported": "transformer_engine" in sys.modules,
             "pretrain_gpt": pretrain_gpt.__file__, "megatron_core": sys.modules["megatron.core"].__file__}
 

@@ -1,0 +1,145 @@
+"""Stand-ins for the two Hugging Face libraries Megatron-LM's `--sft` path loads its data
+with, for runs where they are not installed (the GPU machine: `datasets` needs pyarrow,
+more than a device call carries). Everything else of `--sft` is Megatron-LM's own: its
+SFTTokenizer (prompt format, target masking), SFTDataset (packing conversations into
+sequences with cu_seqlens), get_batch and the training loop.
+
+- `datasets.load_dataset("json", data_files=PATH, split="all")`: the JSON lines of PATH,
+  each a dict (Megatron reads `[i]["messages"]`).
+- `transformers.AutoTokenizer.from_pretrained(PATH)`: a byte-level tokenizer (PATH is not
+  read): ids 0-255 are UTF-8 bytes, then the special tokens Megatron's SFT prompt formats
+  name (`SPECIALS`); `apply_chat_template` renders the Jinja template it is given (with
+  jinja2, which torch requires) and tokenizes the text, specials first.
+
+    python benchmarks/sft_standins.py OUT.jsonl [--conversations 64] [--seed 0]
+
+writes conversations (system, user, assistant turns of random words) for `--data-path`.
+`install()` puts the stand-ins where the real libraries do not import
+(benchmarks/megatron_lm_shared_gpu.py calls it for `--sft`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+import types
+from typing import Any
+
+SPECIALS = ("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>", "<SPECIAL_233>", "<unk>", "</s>")
+_SPLIT = re.compile("(" + "|".join(map(re.escape, SPECIALS)) + ")")
+
+
+class ByteTokenizer:
+    """What Megatron-LM's SFTTokenizer calls of a Hugging Face tokenizer."""
+
+    bos_token_id = None
+    pad_token_id = None
+    chat_template = None
+
+    def __init__(self) -> None:
+        self.specials = {t: 256 + i for i, t in enumerate(SPECIALS)}
+        self.eos_token_id = self.specials["</s>"]
+
+    def __len__(self) -> int:
+        return 256 + len(SPECIALS)
+
+    def convert_tokens_to_ids(self, tokens):
+        return ([self.specials[t] for t in tokens] if isinstance(tokens, list)
+                else self.specials[tokens])
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return dict(self.specials)
+
+    def encode(self, text: str) -> list[int]:
+        return [i for part in _SPLIT.split(text) if part
+                for i in ([self.specials[part]] if part in self.specials else part.encode())]
+
+    def decode(self, ids) -> str:
+        inverse = {v: k for k, v in self.specials.items()}
+        out, raw = [], bytearray()
+        for i in ids:
+            if int(i) in inverse:
+                out.append(raw.decode(errors="replace") + inverse[int(i)])
+                raw = bytearray()
+            else:
+                raw.append(int(i))
+        return "".join(out) + raw.decode(errors="replace")
+
+    def apply_chat_template(self, conversation, tokenize: bool = True,
+                            add_generation_prompt: bool = False, chat_template: str | None = None,
+                            return_tensors: str | None = None, **_: Any):
+        import jinja2
+
+        text = jinja2.Template(chat_template or "").render(
+            messages=conversation, add_generation_prompt=add_generation_prompt)
+        if not tokenize:
+            return text
+        ids = self.encode(text)
+        if return_tensors == "np":
+            import numpy as np
+
+            return np.array([ids], dtype=np.int64)
+        return ids
+
+
+def load_dataset(kind: str, data_files: str, split: str = "all") -> list[dict]:
+    if kind != "json":
+        raise ValueError(f"sft_standins.load_dataset: {kind!r}: JSON lines only")
+    with open(data_files) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def install() -> list[str]:
+    """Stand in for `datasets` and `transformers` where they do not import; returns which."""
+    made = []
+    for name, attrs in (("datasets", {"load_dataset": load_dataset}),
+                        ("transformers", {"AutoTokenizer": types.SimpleNamespace(
+                            from_pretrained=lambda *a, **k: ByteTokenizer())})):
+        try:
+            __import__(name)
+        except ImportError:
+            module = types.ModuleType(name)
+            module.__dict__.update(attrs, __version__="0-standin")
+            sys.modules[name] = module
+            made.append(name)
+    if made:
+        print(f"MLM-SFT-STANDINS {', '.join(made)} (benchmarks/sft_standins.py)", flush=True)
+    return made
+
+
+def conversations(n: int, seed: int, words: int = 40) -> list[dict]:
+    """`n` JSON lines, each two or three conversations packed as Megatron's SFT reads them
+    (each conversation opened by its system message); a turn has up to `words` words."""
+    rng = random.Random(seed)
+    vocab = [w * rng.randint(1, 3) for w in ("alpha", "beta", "gamma", "delta", "omega", "zeta")]
+    say = lambda k: " ".join(rng.choice(vocab) for _ in range(max(1, k)))  # noqa: E731
+    lines = []
+    for _ in range(n):
+        messages = []
+        for _ in range(rng.randint(2, 3)):
+            messages += [{"role": "system", "content": say(rng.randint(1, max(1, words // 8)))},
+                         {"role": "user", "content": say(rng.randint(2, words))},
+                         {"role": "assistant", "content": say(rng.randint(2, words))}]
+        lines.append({"messages": messages})
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--conversations", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--words", type=int, default=40, help="most words in a turn")
+    a = ap.parse_args(argv)
+    with open(a.out, "w") as f:
+        for line in conversations(a.conversations, a.seed, a.words):
+            f.write(json.dumps(line) + "\n")
+    print(f"{a.conversations} lines of conversations: {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
