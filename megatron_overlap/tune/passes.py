@@ -181,20 +181,18 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
         body = lambda: run(t["x"], t["weight"], None, t["out"], plan, tp, nodes, gemm=gemm)  # noqa: E731
     elif p == "dgrad":
         g8, sg = q8(precision.grad, m if shape.column else m // w, n)
-        t.update(g=g8, grad_in=empty(m // w if shape.column else m, k))
+        t.update(g=g8, wt=transposed(w8), grad_in=empty(m // w if shape.column else m, k))
         if shape.column:  # the input the wgrad gathers
             x8 = q8(precision.fwd, m // w, k)[0]
             t["x"] = x8 if precision.wgrad else x8.to(torch.float32).to(dtype)
         gemm = fp8.ScaledGemm(sg, sw, dtype)
-        t["weight_t"] = transposed(t["weight"])  # the dgrad's layout, made with the weight
 
         def body():
             _, streams = F.begin(tp, plan, "dgrad")
-            wd = t["weight_t"].t()
             if shape.column:
-                return F.column_dgrad(t["g"], t["x"], wd, t["grad_in"], plan, tp, nodes,
+                return F.column_dgrad(t["g"], t["x"], t["wt"].t(), t["grad_in"], plan, tp, nodes,
                                       streams, op, False, gemm=gemm)
-            return F.row_dgrad(t["g"], wd, t["grad_in"], plan, tp, nodes, streams, op,
+            return F.row_dgrad(t["g"], t["wt"].t(), t["grad_in"], plan, tp, nodes, streams, op,
                                gemm=gemm)
     else:  # wgrad: g^T @ input, both FP8 (the gathered input, the gathered gradient)
         g8, sg = q8(precision.grad, m, n)
