@@ -307,7 +307,7 @@ def amax_exchange_us(spec: PassSpec, hw: Hardware, layout: Layout) -> float:
     """A tensorwise FP8 pass's exchange of the TP group's amaxes (one float a rank), before
     the tensor it scales is gathered: a column forward's input, a row dgrad's gradient."""
     num, shape = spec.shape.numerics, spec.shape
-    gathered = (spec.pass_name == "fprop") == shape.column and spec.pass_name != "wgrad"
+    gathered = (spec.pass_name, shape.column) in (("fprop", True), ("dgrad", False))
     if not num.fp8 or num.scaling != "tensorwise" or layout.tp == 1 or not gathered:
         return 0.0
     return Sim(hw, layout, Engine("sm", hw.nccl_sms)).collective_us(4)
