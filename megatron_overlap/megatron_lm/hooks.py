@@ -218,7 +218,7 @@ def check_args(args: argparse.Namespace) -> None:
             + (" with --use-legacy-models" if getattr(args, "use_legacy_models", False) else ""))
     packed = [flag for flag, attr in PACKED if getattr(args, attr, False)
               and (attr != "sft" or _sft_packs())]
-    kept = _megatron_attention(args) or _config_keeps_megatron_attention(args)
+    kept = _megatron_attention(args)
     if packed and getattr(args, "transformer_impl", "local") == "local" and kept:
         raise ValueError(
             f"{packed[0]} packs documents into each sequence (THD, cu_seqlens), which "
@@ -237,29 +237,23 @@ def check_args(args: argparse.Namespace) -> None:
 
 def _torch_attention(args: argparse.Namespace) -> bool:
     """Whether the local spec's layers get torch's attention: the local transformer, and
-    neither a flag nor a model setting that keeps Megatron's."""
-    return (getattr(args, "transformer_impl", "local") == "local"
-            and _megatron_attention(args) is None and _config_keeps_megatron_attention(args) is None)
+    nothing that keeps Megatron's (`_megatron_attention`)."""
+    return getattr(args, "transformer_impl", "local") == "local" and _megatron_attention(args) is None
 
 
 def _megatron_attention(args: argparse.Namespace) -> str | None:
-    """The flag that keeps Megatron's DotProductAttention in every layer, or None: ours
-    (`--megatron-overlap-attention megatron`), or an --attention-backend naming
-    Megatron's own."""
-    from ..attention.support import MEGATRON_BACKENDS
+    """What keeps Megatron's DotProductAttention in every layer, or None: our flag
+    (`--megatron-overlap-attention megatron`), an --attention-backend naming Megatron's
+    own, or a model setting torch's kernels lack (`attention.support.unsupported`, read
+    from the arguments of the same names)."""
+    from ..attention.support import MEGATRON_BACKENDS, unsupported
 
     if getattr(args, "megatron_overlap_attention", "torch") != "torch":
         return "--megatron-overlap-attention megatron"
     backend = getattr(args, "attention_backend", None)
     name = getattr(backend, "name", str(backend))
-    return f"--attention-backend {name}" if name in MEGATRON_BACKENDS else None
-
-
-def _config_keeps_megatron_attention(args: argparse.Namespace) -> str | None:
-    """A model setting for which torch's attention hands every layer back to Megatron's
-    (`attention.support.unsupported`, read from the arguments of the same names)."""
-    from ..attention.support import unsupported
-
+    if name in MEGATRON_BACKENDS:
+        return f"--attention-backend {name}"
     why = unsupported(args)
     return f"the model's {why}" if why else None
 
