@@ -160,43 +160,54 @@ def probe_args() -> dict:
     return out
 
 
-def packed_vs_alone(model, args) -> dict:
-    """The model the tree's model_provider built, fed a packed batch as Megatron-LM's SFT
-    get_batch gives it (THD PackedSeqParams from cu_seqlens, positions restarting per
-    document, no mask): each token's loss against its document run alone."""
+def _packed_and_alone(model, tokens, labels, pos, cu) -> tuple[torch.Tensor, float]:
+    """Per-token loss of `tokens` packed as Megatron-LM's get_batch hands a THD batch over
+    (PackedSeqParams from cu_seqlens `cu`, positions `pos`, no mask), and the largest
+    |difference| from each document run alone (padded to TP=2 (sequence parallelism) x 4
+    (proj's pipeline chunks); causal, so the padding changes nothing before it). In eval
+    mode: Megatron-LM's default dropouts (0.1) would draw differently in each run."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    lengths = [8, 16, 8]  # each divides by TP=2 (sequence parallelism) x 4 (proj's pipeline chunks)
-    g = torch.Generator().manual_seed(11)
-    docs = [torch.randint(0, args.padded_vocab_size, (1, n), generator=g) for n in lengths]
-    pos = [torch.arange(n).unsqueeze(0) for n in lengths]
-    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
     training = model.training
-    model.eval()  # Megatron-LM's default dropouts (0.1) would draw differently in each run
+    model.eval()
     with torch.no_grad():
-        tokens = torch.cat(docs, 1)
-        packed = model(tokens, torch.cat(pos, 1), None, labels=torch.roll(tokens, -1, 1),
-                       packed_seq_params=params).float()
-        alone = torch.cat([model(d, p, None, labels=torch.roll(tokens, -1, 1)[:, a:a + n]).float()
-                           for d, p, a, n in zip(docs, pos, cu[:-1].tolist(), lengths)], 1)
+        packed = model(tokens, pos, None, labels=labels, packed_seq_params=params).float()
+        diff = 0.0
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            pad = -(b - a) % 8
+            t = torch.cat([tokens[:, a:b], tokens[:, :pad]], 1)
+            y = torch.cat([labels[:, a:b], labels[:, :pad]], 1)
+            alone = model(t, torch.arange(t.shape[1])[None], None, labels=y).float()[:, :b - a]
+            diff = max(diff, float((packed[:, a:b] - alone).abs().max()))
     model.train(training)
+    return packed, diff
+
+
+def packed_vs_alone(model, args) -> dict:
+    """The model the tree's model_provider built, fed a packed batch as Megatron-LM's SFT
+    get_batch gives it (positions restarting per document): each token's loss against its
+    document run alone."""
+    lengths = [8, 16, 8]
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, args.padded_vocab_size, (1, sum(lengths)), generator=g)
+    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    packed, diff = _packed_and_alone(model, tokens, torch.roll(tokens, -1, 1), pos, cu)
     ran = sorted({r for m in model.modules() for r in getattr(m, "ran", ())})
-    return {"max_abs_diff": float((packed - alone).abs().max()), "ran": ran,
-            "shape": list(packed.shape)}
+    return {"max_abs_diff": diff, "ran": ran, "shape": list(packed.shape)}
 
 
 def sft_vs_alone(model, args) -> dict:
     """The tree's own --sft data (its SFTTokenizer with the prompt format, its SFTDataset
     packing conversations into a sequence with cu_seqlens, as pretrain_gpt builds them;
     benchmarks/sft_standins.py for the Hugging Face loaders) through the model that the
-    tree's model_provider built, as get_batch hands it over (THD PackedSeqParams): each
-    token's loss against its conversation run alone (padded to the TP x pipeline-chunk
-    multiple; causal, so the padding changes nothing before it)."""
+    tree's model_provider built, as get_batch hands it over: each token's loss against its
+    conversation run alone."""
     import pretrain_gpt
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.training.datasets.sft_dataset import SFTDataset
 
     # as pretrain_gpt's train_valid_test_datasets_provider builds it, on every TP rank
@@ -206,27 +217,12 @@ def sft_vs_alone(model, args) -> dict:
     sample = train[0]
     if "cu_seqlens" not in sample:  # a tree whose SFT sequences are not packed (core_v0.14)
         return {"documents": 1, "tokens": int(sample["tokens"].numel())}
-    tokens, labels = sample["tokens"][None], sample["labels"][None]
-    pos, cu = sample["position_ids"][None], sample["cu_seqlens"].to(torch.int32)
+    tokens = sample["tokens"][None]
+    cu = sample["cu_seqlens"].to(torch.int32)
     cu = cu[: int(torch.nonzero(torch.diff(cu)).max()) + 2] if cu.numel() > 2 else cu  # (padding entries)
-    mx = int((cu[1:] - cu[:-1]).max())
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=mx, max_seqlen_kv=mx)
-    training = model.training
-    model.eval()
-    unit = 8  # TP=2 (sequence parallelism) x 4 (proj's pipeline chunks)
-    with torch.no_grad():
-        packed = model(tokens, pos, None, labels=labels, packed_seq_params=params).float()
-        diffs = []
-        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-            pad = -(b - a) % unit
-            t = torch.cat([tokens[:, a:b], tokens[:, :pad]], 1)
-            y = torch.cat([labels[:, a:b], labels[:, :pad]], 1)
-            alone = model(t, torch.arange(t.shape[1])[None], None, labels=y).float()[:, : b - a]
-            diffs.append(float((packed[:, a:b] - alone).abs().max()))
-    model.train(training)
+    _, diff = _packed_and_alone(model, tokens, sample["labels"][None], sample["position_ids"][None], cu)
     mask = sample["loss_mask"]
-    return {"documents": len(cu) - 1, "tokens": int(tokens.shape[1]), "max_abs_diff": max(diffs),
+    return {"documents": len(cu) - 1, "tokens": int(tokens.shape[1]), "max_abs_diff": diff,
             "loss_mask": [float(mask.min()), float(mask.max())],
             "tokenizer": type(global_vars.get_tokenizer()).__name__}
 
