@@ -6,6 +6,7 @@ summed in fp64 where the layer reduces)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import asdict, dataclass
 
@@ -264,9 +265,22 @@ def rowwise_reference(case: Fp8Case, rank: int, tp: int, w, b, x, dy) -> dict[st
             "bias_grad": flat(mine(dy)).sum(0)}
 
 
+@functools.cache
+def _cpu_rowwise() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes row-wise scales (2.13 does, 2.11 not)."""
+    a = torch.ones(16, 16).to(ref.E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
+
+
 def run_case(case: Fp8Case, rank: int, tp: int, device: str = "cpu") -> dict:
-    """The case's layer on this rank against the reference (computed on CPU); `device`:
-    where the layer runs (tests/gpu/test_fp8_gpu.py: "cuda")."""
+    """The case's layer on this rank against the reference (computed on CPU, a row-wise one
+    on `device` where this torch's CPU has no row-wise `_scaled_mm`); `device`: where the
+    layer runs (tests/gpu/test_fp8_gpu.py: "cuda")."""
     import megatron_overlap as mo
 
     dtype = getattr(torch, case.dtype)
@@ -293,7 +307,10 @@ def run_case(case: Fp8Case, rank: int, tp: int, device: str = "cpu") -> dict:
            "weight_grad": layer.weight.main_grad if case.main_grad else layer.weight.grad,
            "bias_grad": layer.bias.grad}
     got = {k: v.cpu() for k, v in got.items()}
-    want = reference(case, rank, tp, *whole)
+    # torch before 2.13 runs only per-tensor scales in a CPU `_scaled_mm`: there a row-wise
+    # reference runs where the layer ran (the GPU's own row-wise kernel, not the schedules)
+    ref_device = device if case.scaling == "rowwise" and not _cpu_rowwise() else "cpu"
+    want = {k: v.cpu() for k, v in reference(case, rank, tp, *(t.to(ref_device) for t in whole)).items()}
     out = {"megatron_forward": layer._use_megatron, "precision": layer.precision.describe(),
            "transport": layer.transport.name,
            "orders": {p: o.label for p, o in layer.ring_orders.items()}}
