@@ -14,6 +14,8 @@ loop (new values in the same input buffers each step).
   that point, so it replays even then. This was the GPU test's 0 captures on `symm`.
 """
 
+import gc
+
 import pytest
 
 from helpers import dist
@@ -26,6 +28,10 @@ def _steps(layer, x, dy, values, tracker, on_device: bool) -> None:
 
     kept = []
     for v in values + values:
+        # a step leaves cyclic garbage (hundreds of objects): collected here, at the same
+        # point every run, rather than whenever the collector runs, so that the emulated
+        # addresses (and whether a signature recurs by chance) are the same every run
+        gc.collect()
         y, xi = step_with(layer, x, dy, v)
         tracker.device = on_device  # off: copies that the device allocator never sees
         kept.append([y.detach().clone(), xi.grad.clone(), layer.weight.grad.clone(),
