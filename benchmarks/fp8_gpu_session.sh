@@ -9,6 +9,7 @@
 #
 #   OUT=$OUT PART=bench bash benchmarks/fp8_gpu_session.sh   # ~5-6 min, at most ~7.7
 #   OUT=$OUT PART=diag bash benchmarks/fp8_gpu_session.sh    # ~4-5 min, at most ~7
+#   OUT=$OUT PART=leak bash benchmarks/fp8_gpu_session.sh    # ~6 min, at most ~8.5 (not in all)
 #   OUT=$OUT bash benchmarks/fp8_gpu_session.sh              # both (PART=all: over 600 s at worst)
 #
 # Estimated wall time per piece on one H200 (timeouts in brackets):
@@ -34,7 +35,7 @@ export PYTHONUNBUFFERED=1
 # torchao's float8 scaling is Python; its optional C++ extensions are not needed here
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
 export NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0
-case "${PART:-all}" in all|bench|diag) ;; *) echo "PART=${PART}: all, bench or diag" >&2; exit 2;; esac
+case "${PART:-all}" in all|bench|diag|leak) ;; *) echo "PART=${PART}: all, bench, diag or leak" >&2; exit 2;; esac
 failed=0
 main() {
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -57,7 +58,7 @@ if [ "${TESTS:-0}" = 1 ]; then
   step "tests/gpu/test_fp8_gpu.py" $?; tail -25 "$OUT/fp8_gpu_tests.log"
 fi
 
-if [ "${PART:-all}" != diag ]; then
+if [ "${PART:-all}" = all ] || [ "${PART}" = bench ]; then
 t=$(date +%s)
 timeout 70 python3 benchmarks/fp8_compute.py --reps "${REPS:-20}" --repeat "${REPEAT:-3}" \
   --out "$OUT" --tag gpu
@@ -72,7 +73,7 @@ timeout 200 python3 benchmarks/fp8_train.py --steps "${STEPS:-200}" --out "$OUT"
 step "benchmarks/fp8_train.py" $?
 fi
 
-if [ "${PART:-all}" != bench ]; then
+if [ "${PART:-all}" = all ] || [ "${PART}" = diag ]; then
 # one change each: pass replay off, eager FP8 kernels, no TP communication (TP=1), no bf16 arm
 DIAG=${DIAG_STEPS:-80}
 t=$(date +%s)
@@ -87,6 +88,23 @@ step "fp8_train.py, TP=1 (no TP communication)" $?
 t=$(date +%s)
 timeout 100 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag fp8_alone --arms fp8
 step "fp8_train.py, the FP8 arm alone" $?
+fi
+
+if [ "${PART:-all}" = leak ]; then
+# after PART=diag: TP=1 trains FP8 as bf16, replay and compiled kernels change nothing. Each
+# run starts with the agreement check (FP8 vs bf16 logits and every parameter's gradient on
+# the same weights and batch: the worst names the pass) and ends with the look-ahead check
+# (the logits at j-1, j-2 when token j changes: a leak of the next token, the label).
+# One change each: none (TP=2), TP=1, row-wise scales (no amax exchange; exactly causal per
+# token, so any look-ahead is a leak), Megatron's attention (its mask explicit), bf16 wgrads.
+DIAG=${DIAG_STEPS:-80}
+for v in "tp2" "tp1 --tp 1" "rowwise --fp8-scaling rowwise" "megatron_attention --attention megatron" \
+         "bf16_wgrad --no-fp8-wgrad"; do
+  set -- $v; tag=$1; shift
+  t=$(date +%s)
+  timeout 100 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag "leak_$tag" "$@"
+  step "fp8_train.py, $tag" $?
+done
 fi
 ls -la "$OUT"
 echo "== $failed step(s) failed"

@@ -59,6 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--arms", default="bf16,fp8", help="the arms to train (comma-separated)")
     ap.add_argument("--eager-kernels", action="store_true",
                     help="FP8 casts and transposes as torch's eager kernels (overlap.fp8.set_fused)")
+    ap.add_argument("--attention", choices=("torch", "megatron"), default="torch",
+                    help="install()'s core attention (megatron: DotProductAttention, its mask explicit)")
+    ap.add_argument("--fp8-scaling", choices=("tensorwise", "rowwise"), default="tensorwise",
+                    help="install()'s fp8_scaling (rowwise: no amax exchange; sets fp8_wgrad=False)")
+    ap.add_argument("--no-fp8-wgrad", action="store_true",
+                    help="the FP8 arm's wgrad GEMMs in bf16 (Megatron's fp8_wgrad=False)")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default=None)
     return ap.parse_args(argv)
@@ -97,6 +103,62 @@ def future_leak(model, spec, seed: int, device: torch.device) -> dict:
             "after_middle_mean": float(late.mean())}
 
 
+def lookahead(model, spec, seed: int, device: torch.device, probes: int = 4) -> dict:
+    """Which logits move when one token changes: for positions j through the sequence, the
+    token of batch element 0 at j is replaced and the largest |logit change| (this rank's
+    vocabulary shard) is taken at j - 1, j - 2, j - 3 (a causal model: rounding of FP8's
+    per-tensor scales only), further before, at j and after (the change itself), and in the
+    other batch elements (none may move but by the scales). Unlike `future_leak`, which
+    compares losses (whose labels move with the tokens), this sees a leak of the very next
+    token, the one that is the label. Forward only."""
+    from megatron_overlap.ab.model import batches
+
+    tokens, pos, mask, _ = next(batches(spec, 1, seed + 3, device))
+    rows = {k: [] for k in ("j-1", "j-2", "j-3", "before", "at_after", "other_rows")}
+    with torch.no_grad():
+        base = model(tokens, pos, mask).float()
+        for j in torch.linspace(spec.seq // 8, spec.seq - 1, probes).long().tolist():
+            t = tokens.clone()
+            t[0, j] = (t[0, j] + 1) % spec.vocab
+            d = (model(t, pos, mask).float() - base).abs().amax(-1).cpu()  # [b, s]
+            for k, v in (("j-1", d[0, j - 1]), ("j-2", d[0, j - 2]), ("j-3", d[0, j - 3]),
+                         ("before", d[0, :j - 3].max()), ("at_after", d[0, j:].mean()),
+                         ("other_rows", d[1:].max() if len(d) > 1 else torch.tensor(0.0))):
+                rows[k].append(float(v))
+    return {k: max(v) for k, v in rows.items()}
+
+
+def agreement(arms: dict, batch) -> dict:
+    """Both arms on the same weights and batch before any step: the FP8 arm's logits and
+    each parameter's gradient (main_grad, after Megatron's finalisation) against the bf16
+    arm's, as ||fp8 - bf16|| / ||bf16||. FP8's rounding moves every tensor a little
+    (a few %); a pass that computes the wrong thing moves its own tensors far more, and
+    the worst parameters name the layer and the GEMM (weight: the wgrad; the layer
+    before it: the dgrad). The grads are dropped after."""
+    from megatron.core.distributed import finalize_model_grads
+
+    tokens, pos, mask, _ = batch
+    seen = {}
+    for k, a in arms.items():
+        with torch.no_grad():
+            logits = a.model(tokens, pos, mask).float()
+        a.model.zero_grad_buffer()
+        a.forward(a.model, batch).backward()
+        finalize_model_grads([a.model])
+        seen[k] = (logits, {n: p.main_grad.float().clone() for n, p in a.model.named_parameters()
+                            if p.requires_grad})
+        a.model.zero_grad_buffer()
+    (l16, g16), (l8, g8) = seen["bf16"], seen["fp8"]
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+    grads = {n.replace("module.", ""): rel(g8[n], g16[n]) for n in g16}
+    worst = sorted(grads.items(), key=lambda kv: -kv[1])
+    return {"logits_rel": rel(l8, l16), "grad_rel_median": statistics.median(grads.values()),
+            "grad_rel_worst": worst[:6], "grad_rel": grads}
+
+
 def gap(bf16: list[float], fp8: list[float], last: int) -> dict:
     """Mean loss of the last `last` steps of each arm, and FP8's relative to bf16's."""
     a, b = statistics.fmean(bf16[-last:]), statistics.fmean(fp8[-last:])
@@ -127,6 +189,17 @@ def text_table(doc: dict, every: int = 10) -> str:
                      f"{k} {a['future_leak']['before_middle_max']:.2e} "
                      f"({a['future_leak']['before_middle_mean']:.2e}); "
                      f"{a['future_leak']['after_middle_mean']:.2e}" for k, a in arms.items()))
+    if doc.get("agreement"):
+        ag = doc["agreement"]
+        lines.append(f"fp8 vs bf16 before the first step (same weights, batch; ||fp8 - bf16|| / "
+                     f"||bf16||): logits {ag['logits_rel']:.3f}, grads median "
+                     f"{ag['grad_rel_median']:.3f}, worst " + ", ".join(
+                         f"{n} {r:.3f}" for n, r in ag["grad_rel_worst"][:4]))
+    if all("lookahead" in a for a in arms.values()):
+        lines.append("max |logit change| when one token j changes, at j-1 / j-2 / j-3 / before / "
+                     "at and after (mean) / other batch rows: " + "; ".join(
+                         f"{k} " + " / ".join(f"{v:.2e}" for v in a["lookahead"].values())
+                         for k, a in arms.items()))
     return "\n".join(lines)
 
 
@@ -157,7 +230,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     device = init_megatron(layout, rank, world, args.seed, _cpu_init)
     dtype = getattr(torch, args.dtype or ("float32" if device.type == "cpu" else "bfloat16"))
     spec = GPTSpec(args.layers, args.hidden, args.heads, args.seq, args.micro_batch, args.vocab, None)
-    mo.install(backend=args.backend)
+    mo.install(backend=args.backend, attention=args.attention, fp8_scaling=args.fp8_scaling)
     if args.eager_kernels:
         from megatron_overlap.overlap import fp8
 
@@ -165,9 +238,11 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     names = [a for a in args.arms.split(",") if a]
     if not names or set(names) - {"bf16", "fp8"}:
         raise SystemExit(f"fp8_train: --arms {args.arms!r}: bf16, fp8 or both")
+    fp8_extra = ({"fp8_wgrad": False} if args.no_fp8_wgrad or args.fp8_scaling == "rowwise"
+                 else {})
     try:  # both built, so that either arm alone starts from the same weights
         models = {"bf16": build_gpt(spec, world, True, dtype, device),
-                  "fp8": build_gpt(spec, world, True, dtype, device, **FP8)}
+                  "fp8": build_gpt(spec, world, True, dtype, device, **FP8, **fp8_extra)}
     finally:
         mo.uninstall()
     models["fp8"][0].load_state_dict(models["bf16"][0].state_dict())
@@ -177,6 +252,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     arms = {k: TrainArm(k, wrap(m), gpt_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr))
             for k, (m, wrap) in models.items()}
     passes = {k: dict.fromkeys(("calls", "replays", "captures"), 0) for k in arms}
+    agreed = (agreement(arms, next(batches(spec, 1, args.seed, device)))
+              if len(arms) == 2 else None)
     for i, b in enumerate(batches(spec, args.steps, args.seed, device)):
         for name in rotated(list(arms), i):
             barrier(device)
@@ -190,6 +267,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                 f"{k} loss {a.results[-1].loss:.4f} ({a.results[-1].step_time_s * 1e3:.0f} ms)"
                 for k, a in arms.items()), flush=True)
     leaks = {k: future_leak(a.model, spec, args.seed, device) for k, a in arms.items()}
+    looks = {k: lookahead(a.model, spec, args.seed, device) for k, a in arms.items()}
     if rank == 0:
         losses = {k: [r.loss for r in a.results] for k, a in arms.items()}
         meta = machine_info(layout, device)
@@ -199,12 +277,16 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                          f"vocab {args.vocab}, TP={world}{' + SP' if world > 1 else ''}, {meta.get('gpu_name') or 'CPU'}, "
                          f"{args.steps} steps, AdamW lr {args.lr}, seed {args.seed}, "
                          f"{transports(arms)}{', eager FP8 kernels' if args.eager_kernels else ''}, "
+                         f"{args.attention} attention, fp8 scaling {args.fp8_scaling}"
+                         f"{', fp8_wgrad off' if 'fp8_wgrad' in fp8_extra else ''}, "
                          f"pass replay {'on' if replay.enabled() and device.type == 'cuda' else 'off'}"),
                "arms": {k: {"losses": losses[k], "precision": ", ".join(precision[k]),
                             "step_time_s": summary([r.step_time_s for r in a.results][3:] or
                                                    [r.step_time_s for r in a.results]),
-                            "passes": passes[k], "future_leak": leaks[k]}
+                            "passes": passes[k], "future_leak": leaks[k],
+                            "lookahead": looks[k]}
                         for k, a in arms.items()},
+               "agreement": agreed,
                "gap": gap(losses["bf16"], losses["fp8"], args.last) if len(arms) == 2 else None}
         tag = args.tag or ("cpu" if device.type == "cpu" else f"{layout.mode}_tp{world}")
         path = os.path.join(args.out, f"fp8_train_{tag}")

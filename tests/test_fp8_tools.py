@@ -85,6 +85,29 @@ def test_fp8_train_cpu(tmp_path):
     assert bf16["future_leak"]["before_middle_max"] == 0.0 < bf16["future_leak"]["after_middle_mean"]
     leak = fp8["future_leak"]
     assert leak["before_middle_mean"] < leak["after_middle_mean"] / 10, leak
+    # the next token (the label) reaches no earlier logit: bf16 exactly, FP8 by its scales
+    look16, look8 = bf16["lookahead"], fp8["lookahead"]
+    assert look16["at_after"] > 0 and all(v == 0.0 for k, v in look16.items() if k != "at_after")
+    assert all(v < look8["at_after"] / 10 for k, v in look8.items() if k != "at_after"), look8
+    # same weights and batch before the first step: FP8 moved the logits and every
+    # gradient by its rounding (~4% and ~8% here), no pass by more
+    ag = doc["agreement"]
+    assert 1e-3 < ag["logits_rel"] < 0.15, ag["logits_rel"]
+    assert len(ag["grad_rel"]) > 10  # every parameter of both layers, the embedding, norms
+    assert 0 < ag["grad_rel_median"] and ag["grad_rel_worst"][0][1] < 0.3, ag["grad_rel_worst"]
+
+
+def test_fp8_train_rowwise_is_exactly_causal(tmp_path):
+    """Row-wise scales are per token: no logit sees a later token at all (unlike the
+    per-tensor scales' amax over every position), so the look-ahead check is exact."""
+    r = _run("benchmarks/fp8_train.py", "--device", "cpu", "--dtype", "bfloat16", "--layers", "2",
+             "--hidden", "64", "--heads", "4", "--seq", "32", "--micro-batch", "2", "--vocab", "128",
+             "--steps", "2", "--last", "1", "--fp8-scaling", "rowwise", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    fp8 = json.load(open(tmp_path / "fp8_train_cpu.json"))["arms"]["fp8"]
+    assert fp8["precision"].startswith("fp8 rowwise"), fp8["precision"]
+    look = fp8["lookahead"]
+    assert look["at_after"] > 0 and all(v == 0.0 for k, v in look.items() if k != "at_after"), look
 
 
 def test_layer_ledger_counts_what_the_fp8_layer_adds(tmp_path):
