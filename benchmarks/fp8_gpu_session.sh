@@ -48,7 +48,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=cs
 python3 -c "import torch, torchao, megatron.core as m; print('torch', torch.__version__, 'torchao', \
 torchao.__version__, 'megatron-core', getattr(m, '__version__', '?'), 'capability', torch.cuda.get_device_capability())" \
   2>&1 | grep -v "^W"
-echo "sources $(find megatron_overlap tests benchmarks -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)"
+echo "sources $(find megatron_overlap tests benchmarks -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)"
 step() { echo "== $1 rc=$2 in $(( $(date +%s) - t )) s"; [ "$2" = 0 ] || failed=$((failed + 1)); }
 
 if [ "${TESTS:-0}" = 1 ]; then

@@ -31,7 +31,8 @@ if ! "$PY" -c "import xdist, torch; assert torch.cuda.is_available()" 2>/dev/nul
 fi
 # what ran: a fingerprint of the package's and the tests' sources (the git metadata a copy of
 # the tree carries may be older than the files), comparable with the same command anywhere
-echo "sources $(find megatron_overlap tests -name '*.py' | sort | xargs cat | sha1sum | cut -c1-12)" \
+# (C collation: a locale that sorts `_` elsewhere gives another order, another digest)
+echo "sources $(find megatron_overlap tests -name '*.py' | LC_ALL=C sort | xargs cat | sha1sum | cut -c1-12)" \
   | tee "$OUT/gpu_suite.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/gpu_suite.log"
 start=$(date +%s)
