@@ -57,16 +57,11 @@ for tree in "$@"; do
   # --sft where the tree's SFT dataset packs (core_v0.16 on); its SFTTokenizer through the
   # legacy tokenizers where megatron.core's have none (core_v0.16); Hugging Face's loaders
   # stood in for (benchmarks/sft_standins.py); one packed sequence a micro-batch
-  sft_args=
-  if grep -q cu_seqlens "$tree/megatron/training/datasets/sft_dataset.py" 2>/dev/null; then
-    # turns short enough that no 1024-token pack is truncated (core_v0.16.1's truncation
-    # extends a list by an int)
-    [ -s "$OUT/sft.jsonl" ] || python3 benchmarks/sft_standins.py "$OUT/sft.jsonl" --conversations 256 --words 8
-    sft_args="--sft --tokenizer-type SFTTokenizer --tokenizer-model standin --data-path $OUT/sft.jsonl
-      --split 100,0,0 --micro-batch-size 1 --global-batch-size 1"
-    grep -qs SFTTokenizer "$tree"/megatron/core/tokenizers/*/build_tokenizer.py \
-      "$tree"/megatron/core/tokenizers/*/*/build_tokenizer.py || sft_args="$sft_args --legacy-tokenizer"
-  fi
+  # turns short enough that no 1024-token pack is truncated (core_v0.16.1's truncation
+  # extends a list by an int); empty where the tree's SFT dataset does not pack
+  sft_args=$(python3 benchmarks/sft_standins.py "$OUT/sft.jsonl" --conversations 256 --words 8 \
+    --args-for "$tree") || exit 2
+  [ -n "$sft_args" ] && sft_args="$sft_args --micro-batch-size 1 --global-batch-size 1"
   for arm in ${ARMS:-on off ${GRAPHS:+graphs graphs_off}}; do
     case $arm in on) flag=--tp-comm-overlap;; off) flag=;; graphs) flag="--tp-comm-overlap $graph_flag";;
       graphs_off) flag="$graph_flag";; attn_megatron) flag="--tp-comm-overlap --megatron-overlap-attention megatron";;

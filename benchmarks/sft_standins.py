@@ -26,6 +26,7 @@ import random
 import re
 import sys
 import types
+from pathlib import Path
 from typing import Any
 
 SPECIALS = ("<SPECIAL_10>", "<SPECIAL_11>", "<SPECIAL_12>", "<SPECIAL_233>", "<unk>", "</s>")
@@ -127,17 +128,44 @@ def conversations(n: int, seed: int, words: int = 40) -> list[dict]:
     return lines
 
 
+def sft_packs(tree: str | Path) -> bool:
+    """Whether a Megatron-LM tree's SFT dataset packs conversations into sequences with
+    cu_seqlens (core_v0.16 on; core_v0.14's returns one conversation with causal masks)."""
+    dataset = Path(tree) / "megatron/training/datasets/sft_dataset.py"
+    return dataset.is_file() and "cu_seqlens" in dataset.read_text()
+
+
+def sft_args(tree: str | Path, data_path: str | Path) -> list[str]:
+    """Megatron-LM's `--sft` flags for a tree on the conversations at `data_path`, its
+    SFTTokenizer on the stand-in tokenizer (through `--legacy-tokenizer` where the tree's
+    megatron.core tokenizers have no SFT one: core_v0.16)."""
+    tree = Path(tree)
+    builders = [*tree.glob("megatron/core/tokenizers/*/build_tokenizer.py"),
+                *tree.glob("megatron/core/tokenizers/*/*/build_tokenizer.py")]
+    # (core_v0.14 has no megatron.core tokenizers, nor --legacy-tokenizer)
+    legacy = bool(builders) and not any("SFTTokenizer" in f.read_text() for f in builders)
+    return ["--sft", "--tokenizer-type", "SFTTokenizer", "--tokenizer-model", "standin",
+            "--data-path", str(data_path), "--split", "100,0,0",
+            *(["--legacy-tokenizer"] if legacy else [])]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
     ap.add_argument("--conversations", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--words", type=int, default=40, help="most words in a turn")
+    ap.add_argument("--args-for", metavar="TREE",
+                    help="print only TREE's --sft flags on OUT (nothing, and no OUT written, "
+                         "where its SFT dataset does not pack sequences)")
     a = ap.parse_args(argv)
+    if a.args_for and not sft_packs(a.args_for):
+        return 0
+    flags = sft_args(a.args_for, a.out) if a.args_for else None
     with open(a.out, "w") as f:
         for line in conversations(a.conversations, a.seed, a.words):
             f.write(json.dumps(line) + "\n")
-    print(f"{a.conversations} lines of conversations: {a.out}")
+    print(" ".join(flags) if flags else f"{a.conversations} lines of conversations: {a.out}")
     return 0
 
 

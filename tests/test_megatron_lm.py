@@ -538,11 +538,8 @@ def _sft_args(tree: Path, directory: Path) -> list[str]:
     path = directory / "sft.jsonl"
     # short enough that no pack is truncated (core_v0.16.1's truncation extends a list by an int)
     path.write_text("".join(json.dumps(c) + "\n" for c in sft_standins.conversations(8, 0, words=3)))
-    core = [tree / "megatron/core/tokenizers" / f / "build_tokenizer.py" for f in ("text/utils", "utils")]
-    legacy = any(f.is_file() and "SFTTokenizer" not in f.read_text() for f in core)
-    return ["--sft", "--tokenizer-type", "SFTTokenizer", "--tokenizer-model", "standin",
-            "--data-path", str(path), "--split", "100,0,0", "--seq-length", "512",
-            "--max-position-embeddings", "512", *(["--legacy-tokenizer"] if legacy else [])]
+    return [*sft_standins.sft_args(tree, path), "--seq-length", "512",
+            "--max-position-embeddings", "512"]
 
 
 def test_model_provider_builds_our_layers_with_the_overlap_on(models, tree):
