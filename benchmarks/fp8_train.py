@@ -63,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="install()'s core attention (megatron: DotProductAttention, its mask explicit)")
     ap.add_argument("--fp8-scaling", choices=("tensorwise", "rowwise"), default="tensorwise",
                     help="install()'s fp8_scaling (rowwise: no amax exchange; sets fp8_wgrad=False)")
+    ap.add_argument("--no-sp", action="store_true",
+                    help="TP without sequence parallelism (no gathers: all-reduces of bf16 partials)")
     ap.add_argument("--no-fp8-wgrad", action="store_true",
                     help="the FP8 arm's wgrad GEMMs in bf16 (Megatron's fp8_wgrad=False)")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
@@ -240,9 +242,10 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         raise SystemExit(f"fp8_train: --arms {args.arms!r}: bf16, fp8 or both")
     fp8_extra = ({"fp8_wgrad": False} if args.no_fp8_wgrad or args.fp8_scaling == "rowwise"
                  else {})
+    no_sp = {"sequence_parallel": False} if args.no_sp else {}
     try:  # both built, so that either arm alone starts from the same weights
-        models = {"bf16": build_gpt(spec, world, True, dtype, device),
-                  "fp8": build_gpt(spec, world, True, dtype, device, **FP8, **fp8_extra)}
+        models = {"bf16": build_gpt(spec, world, True, dtype, device, **no_sp),
+                  "fp8": build_gpt(spec, world, True, dtype, device, **FP8, **fp8_extra, **no_sp)}
     finally:
         mo.uninstall()
     models["fp8"][0].load_state_dict(models["bf16"][0].state_dict())
@@ -274,7 +277,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         doc = {"benchmark": "fp8_train", "command": " ".join([sys.executable, *sys.argv]),
                "config": vars(args), "model": spec.__dict__, "dtype": str(dtype)[6:], "meta": meta,
                "title": (f"GPT {args.layers}L h{args.hidden} seq{args.seq} mb{args.micro_batch} "
-                         f"vocab {args.vocab}, TP={world}{' + SP' if world > 1 else ''}, {meta.get('gpu_name') or 'CPU'}, "
+                         f"vocab {args.vocab}, TP={world}{' + SP' if world > 1 and not args.no_sp else ''}, {meta.get('gpu_name') or 'CPU'}, "
                          f"{args.steps} steps, AdamW lr {args.lr}, seed {args.seed}, "
                          f"{transports(arms)}{', eager FP8 kernels' if args.eager_kernels else ''}, "
                          f"{args.attention} attention, fp8 scaling {args.fp8_scaling}"

@@ -50,9 +50,10 @@ def init_megatron(layout: Layout, rank: int, tp: int, seed: int,
 
 def build_gpt(spec: GPTSpec, tp: int, overlap: bool, dtype: torch.dtype, device: torch.device,
               **config: Any):
-    """(model on `device`, wrap: model -> Megatron DDP). Sequence parallel when tp > 1;
-    `overlap` is Megatron's tp_comm_overlap (our layers when install() is active);
-    `config`: more TransformerConfig fields (e.g. fp8='hybrid', fp8_recipe='tensorwise')."""
+    """(model on `device`, wrap: model -> Megatron DDP). Sequence parallel when tp > 1
+    (unless `config` says sequence_parallel=False); `overlap` is Megatron's tp_comm_overlap
+    (our layers when install() is active); `config`: more TransformerConfig fields (e.g.
+    fp8='hybrid', fp8_recipe='tensorwise')."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -62,7 +63,7 @@ def build_gpt(spec: GPTSpec, tp: int, overlap: bool, dtype: torch.dtype, device:
     config = TransformerConfig(
         num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
         ffn_hidden_size=spec.ffn or 4 * spec.hidden, tensor_model_parallel_size=tp,
-        sequence_parallel=tp > 1, tp_comm_overlap=overlap, params_dtype=dtype,
+        sequence_parallel=config.pop("sequence_parallel", True) and tp > 1, tp_comm_overlap=overlap, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, use_cpu_initialization=cpu, hidden_dropout=0.0,
         attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, **config)
