@@ -9,7 +9,7 @@
 #
 #   OUT=$OUT PART=bench bash benchmarks/fp8_gpu_session.sh   # ~5-6 min, at most ~7.7
 #   OUT=$OUT PART=diag bash benchmarks/fp8_gpu_session.sh    # ~4-5 min, at most ~7
-#   OUT=$OUT PART=leak bash benchmarks/fp8_gpu_session.sh    # ~6 min, at most 9 (not in all)
+#   OUT=$OUT PART=leak bash benchmarks/fp8_gpu_session.sh    # in two calls (LEAK_RUNS, below; not in all)
 #   OUT=$OUT bash benchmarks/fp8_gpu_session.sh              # both (PART=all: over 600 s at worst)
 #
 # Estimated wall time per piece on one H200 (timeouts in brackets):
@@ -94,18 +94,29 @@ if [ "${PART:-all}" = leak ]; then
 # after PART=diag: TP=1 trains FP8 as bf16, replay and compiled kernels change nothing. Each
 # run starts with the agreement check (FP8 vs bf16 logits and every parameter's gradient on
 # the same weights and batch: the worst names the pass) and ends with the look-ahead check
-# (the logits at j-1, j-2 when token j changes: a leak of the next token, the label).
-# One change each: none (TP=2), TP=1, TP=2 without sequence parallelism (no FP8 gathers, no
-# amax exchange), row-wise scales (no amax exchange; exactly causal per token, so any
-# look-ahead is a leak), Megatron's attention (its mask explicit), bf16 wgrads. 60 steps: the
-# gap shows by then (step 50 of the diagnostics: FP8 6.1-6.5, bf16 7.0).
+# (the logits at j-1, j-2 when token j changes: a leak of the next token, the label) and the
+# loss on sequences never trained on (a leak brings it below log vocab; memorizing cannot).
+# One change each (LEAK_RUNS picks; ~65 s each at 60 steps, the probe more):
+#   probe      TP=2 with every FP8 GEMM, shared amax and gathered FP8 tensor of the first 3
+#              steps checked where it happens (benchmarks/probe_fp8_tp.py; replay off)
+#   tp1        TP=1                     no_sp     TP=2 without sequence parallelism (no FP8
+#   rowwise    row-wise scales (no amax exchange; exactly causal per token)   gathers)
+#   megatron_attention  Megatron's attention (its mask explicit)   bf16_wgrad  bf16 wgrads
+#   blocking   TP=2 with CUDA_LAUNCH_BLOCKING=1 (a race between streams, or not)
+# Two calls: LEAK_RUNS="probe tp1 no_sp rowwise", then "megatron_attention bf16_wgrad blocking".
 DIAG=${DIAG_STEPS:-60}
-for v in "tp2" "tp1 --tp 1" "no_sp --no-sp" "rowwise --fp8-scaling rowwise" \
-         "megatron_attention --attention megatron" "bf16_wgrad --no-fp8-wgrad"; do
-  set -- $v; tag=$1; shift
+for run in ${LEAK_RUNS:-probe tp1 no_sp rowwise megatron_attention bf16_wgrad blocking}; do
+  script=benchmarks/fp8_train.py; env=
+  case $run in
+    probe) script=benchmarks/probe_fp8_tp.py; set --;;
+    tp1) set -- --tp 1;; no_sp) set -- --no-sp;; rowwise) set -- --fp8-scaling rowwise;;
+    megatron_attention) set -- --attention megatron;; bf16_wgrad) set -- --no-fp8-wgrad;;
+    blocking) env=CUDA_LAUNCH_BLOCKING=1; set --;;
+    *) echo "LEAK_RUNS: unknown run '$run'" >&2; failed=$((failed + 1)); continue;;
+  esac
   t=$(date +%s)
-  timeout 90 python3 benchmarks/fp8_train.py --steps "$DIAG" --out "$OUT" --tag "leak_$tag" "$@"
-  step "fp8_train.py, $tag" $?
+  env $env timeout 120 python3 "$script" --steps "$DIAG" --out "$OUT" --tag "leak_$run" "$@"
+  step "$script, $run" $?
 done
 fi
 ls -la "$OUT"

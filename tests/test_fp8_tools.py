@@ -8,6 +8,7 @@ GEMM's rows on CPU), 1e-6 relative (fp32, world - 1 additions in another order) 
 pass reduces."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -85,6 +86,8 @@ def test_fp8_train_cpu(tmp_path):
     assert bf16["future_leak"]["before_middle_max"] == 0.0 < bf16["future_leak"]["after_middle_mean"]
     leak = fp8["future_leak"]
     assert leak["before_middle_mean"] < leak["after_middle_mean"] / 10, leak
+    # 4 steps learn nothing of sequences never trained on: about log(vocab) for both
+    assert all(abs(a["future_leak"]["unseen_loss"] - math.log(128)) < 1.0 for a in (bf16, fp8))
     # the next token (the label) reaches no earlier logit: bf16 exactly, FP8 by its scales
     look16, look8 = bf16["lookahead"], fp8["lookahead"]
     assert look16["at_after"] > 0 and all(v == 0.0 for k, v in look16.items() if k != "at_after")
@@ -95,6 +98,27 @@ def test_fp8_train_cpu(tmp_path):
     assert 1e-3 < ag["logits_rel"] < 0.15, ag["logits_rel"]
     assert len(ag["grad_rel"]) > 10  # every parameter of both layers, the embedding, norms
     assert 0 < ag["grad_rel_median"] and ag["grad_rel_worst"][0][1] < 0.3, ag["grad_rel_worst"]
+
+
+def test_probe_fp8_tp_checks_every_fp8_pass(tmp_path):
+    """benchmarks/probe_fp8_tp.py: at TP=2 + SP every FP8 GEMM, shared amax and gathered
+    FP8 tensor of the first steps is checked, and on CPU each agrees (the CPU's scaled GEMM
+    computes what the fp32 reference does; amaxes and gathered bytes exactly)."""
+    r = _run("benchmarks/probe_fp8_tp.py", "--device", "cpu", "--layers", "2", "--hidden", "64",
+             "--heads", "4", "--seq", "32", "--micro-batch", "2", "--vocab", "128", "--steps", "2",
+             "--last", "1", "--probe-steps", "1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    for rank in (0, 1):
+        checks = json.load(open(tmp_path / f"probe_fp8_tp_probe_rank{rank}.json"))["checks"]
+        ops = [f"{n}_{p}" for n in ("qkv", "proj", "fc1", "fc2") for p in ("fprop", "dgrad", "wgrad")]
+        assert {f"gemm {op}: |fp8 - fp32| / |fp32|" for op in ops} <= set(checks), sorted(checks)
+        # the gathered FP8 tensors: the column layers' inputs, the row layers' output grads
+        for op in ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad"):
+            assert checks[f"{op}: gathered bytes wrong (share)"]["count"] == 2  # 2 layers
+            assert checks[f"{op}_amax: |shared - true| / true"]["count"] == 2
+        assert all(c["count"] > 0 for c in checks.values()), checks
+        assert all(c["worst"] < 1e-6 for k, c in checks.items() if k.startswith("gemm")), checks
+        assert all(c["worst"] == 0.0 for k, c in checks.items() if not k.startswith("gemm")), checks
 
 
 def test_fp8_train_rowwise_is_exactly_causal(tmp_path):

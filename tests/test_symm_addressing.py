@@ -38,3 +38,40 @@ def test_a_peer_address_counts_from_the_handle_s_base():
         assert remote.dtype == dtype and remote.shape == t.shape
         assert remote.data_ptr() == segments[1].data_ptr() + BASE + at  # the peer's same place
     assert SymmTransport._remote(me, t, 0, "op") is t  # this rank: the tensor itself
+
+
+def test_a_new_allocation_is_zero_on_the_device_before_peers_can_map_it(monkeypatch):
+    """A heap grown mid-pass: a peer ahead in the pass pushes into the new allocation as
+    soon as `rendezvous` hands it the mapping, so this rank's zeroing must have run on the
+    device by then, not merely be queued behind its work (which would wipe the push)."""
+    import megatron_overlap.comm.symm as symm
+
+    seen = []
+    memory = torch.full((4096,), 0xAB, dtype=torch.uint8)
+
+    class Stream:
+        def synchronize(self):
+            seen.append(("synchronize", bool((memory == 0).all())))
+
+    class FakeSymm:
+        _should_use_implicit_mempool = staticmethod(lambda: True)  # a torch with the pool
+
+        class _SymmetricMemory:
+            @staticmethod
+            def empty_strided_p2p(size, stride, dtype, device):
+                return memory[:size[0]]
+
+        @staticmethod
+        def rendezvous(local, group_name):
+            seen.append(("rendezvous", bool((local == 0).all())))
+            return types.SimpleNamespace(
+                buffer_ptrs=[local.data_ptr()],
+                get_buffer=lambda rank, sizes, dtype, offset: local[offset:])
+
+    monkeypatch.setattr(symm, "_symm", lambda: FakeSymm)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    me = types.SimpleNamespace(rank=0, device=torch.device("cpu"),
+                               group=types.SimpleNamespace(group_name="tp"))
+    buf = SymmTransport._alloc(me, 4096)
+    assert seen == [("synchronize", True), ("rendezvous", True)]  # zeroed, done, then mapped
+    assert buf.base == 0 and (buf.local == 0).all()

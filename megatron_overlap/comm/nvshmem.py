@@ -183,6 +183,11 @@ class NvshmemTransport(HeapTransport):
     def _alloc(self, nbytes: int) -> Buffer:
         local = self._core.interop.torch.bytetensor((nbytes,), except_on_del=False)
         local.zero_()
+        # every PE's zero before any put into it: a peer ahead in the same pass (a heap
+        # grown mid-pass) would otherwise put into the new allocation before this zero runs
+        stream = torch.cuda.current_stream()
+        self._nb.barrier_all_on_stream(stream.cuda_stream)
+        self._watch(stream, f"the barrier after allocating {nbytes} bytes", None)
         self._tensors.append(local)
         return Buffer(local)
 

@@ -111,6 +111,11 @@ class SymmTransport(HeapTransport):
         else:  # a torch without the pool: empty() allocates on its own
             local = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         local.zero_()
+        # done on the device before any peer can map it: rendezvous syncs the hosts only,
+        # and a peer ahead in the same pass pushes into the new allocation at once, which
+        # a zero still queued behind this rank's work would wipe (growth is rare, never
+        # inside a capture: `workspace` refuses it there)
+        torch.cuda.current_stream(self.device).synchronize()
         handle = symm_mem.rendezvous(local, self.group.group_name)
         base = local.data_ptr() - handle.buffer_ptrs[self.rank]
         mine = (handle.get_buffer(self.rank, (nbytes,), torch.uint8, base).data_ptr()
