@@ -25,7 +25,8 @@
 # batch when the tokens after it change: ~1e-2 at most from FP8's per-tensor scales).
 # $OUT gets: session_<PART>.log (everything printed), fp8_compute_gpu.json, fp8_layer_gpu.json,
 # fp8_train_{shared_gpu_tp2,noreplay,eager_kernels,tp1,fp8_alone}.{json,txt,png}
-# (and fp8_gpu_tests.log with TESTS=1). REPS / REPEAT / STEPS / DIAG_STEPS change the lengths.
+# (and fp8_gpu_tests.log with TESTS=1); PART=leak: fp8_train_leak_<run>.{json,txt,png} and
+# probe_fp8_tp_leak_probe_rank{0,1}.json. REPS / REPEAT / STEPS / DIAG_STEPS change the lengths.
 # A device call brings back at most 8 files: for PART=diag (13) write to a folder of its own and
 # tar it into $OUT (OUT=/tmp/d PART=diag bash ...; tar czf $OUT/diag.tgz -C /tmp/d .).
 set -uo pipefail
@@ -96,26 +97,29 @@ if [ "${PART:-all}" = leak ]; then
 # the same weights and batch: the worst names the pass) and ends with the look-ahead check
 # (the logits at j-1, j-2 when token j changes: a leak of the next token, the label) and the
 # loss on sequences never trained on (a leak brings it below log vocab; memorizing cannot).
-# One change each (LEAK_RUNS picks; ~65 s each at 60 steps, the probe more):
-#   probe      TP=2 with every FP8 GEMM, shared amax and gathered FP8 tensor of the first 3
-#              steps checked where it happens (benchmarks/probe_fp8_tp.py; replay off)
-#   tp1        TP=1                     no_sp     TP=2 without sequence parallelism (no FP8
-#   rowwise    row-wise scales (no amax exchange; exactly causal per token)   gathers)
-#   megatron_attention  Megatron's attention (its mask explicit)   bf16_wgrad  bf16 wgrads
-#   blocking   TP=2 with CUDA_LAUNCH_BLOCKING=1 (a race between streams, or not)
-# Two calls: LEAK_RUNS="probe tp1 no_sp rowwise", then "megatron_attention bf16_wgrad blocking".
+# One change each, LEAK_RUNS picks (~65 s each at 60 steps; the default: the first four):
+#   probe               TP=2, every FP8 GEMM, shared amax, gather and reduction of the first
+#                       3 steps checked in place (benchmarks/probe_fp8_tp.py; replay off)
+#   tp1                 TP=1
+#   no_sp               TP=2 without sequence parallelism (no FP8 gathers, no amax exchange)
+#   rowwise             row-wise scales (no amax exchange; exactly causal per token)
+#   megatron_attention  Megatron's attention (its mask explicit)
+#   bf16_wgrad          the wgrads in bf16
+#   blocking            TP=2 under CUDA_LAUNCH_BLOCKING=1 (a race between streams, or not)
+# Two calls: the default, then LEAK_RUNS="megatron_attention bf16_wgrad blocking". More than
+# 8 files: OUT=/tmp/d PART=leak bash ...; tar czf $OUT/leak.tgz -C /tmp/d . (as for diag).
 DIAG=${DIAG_STEPS:-60}
-for run in ${LEAK_RUNS:-probe tp1 no_sp rowwise megatron_attention bf16_wgrad blocking}; do
-  script=benchmarks/fp8_train.py; env=
+for run in ${LEAK_RUNS:-probe tp1 no_sp rowwise}; do
+  script=benchmarks/fp8_train.py; env=; limit=120
   case $run in
     probe) script=benchmarks/probe_fp8_tp.py; set --;;
     tp1) set -- --tp 1;; no_sp) set -- --no-sp;; rowwise) set -- --fp8-scaling rowwise;;
     megatron_attention) set -- --attention megatron;; bf16_wgrad) set -- --no-fp8-wgrad;;
-    blocking) env=CUDA_LAUNCH_BLOCKING=1; set --;;
+    blocking) env=CUDA_LAUNCH_BLOCKING=1; limit=240; set --;;
     *) echo "LEAK_RUNS: unknown run '$run'" >&2; failed=$((failed + 1)); continue;;
   esac
   t=$(date +%s)
-  env $env timeout 120 python3 "$script" --steps "$DIAG" --out "$OUT" --tag "leak_$run" "$@"
+  env $env timeout "$limit" python3 "$script" --steps "$DIAG" --out "$OUT" --tag "leak_$run" "$@"
   step "$script, $run" $?
 done
 fi

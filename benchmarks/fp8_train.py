@@ -13,12 +13,18 @@ Writes <out>/fp8_train_<tag>.json (both loss curves, step times, the gap), a tex
 <out>/fp8_train_<tag>.txt and, where matplotlib imports, <out>/fp8_train_<tag>.png.
 The gap: mean loss of the last --last steps, FP8 against bf16 (relative).
 
-Also, per arm: how its layer passes ran (replayed from CUDA graphs, captured, eager), and
-after training a causality check (`future_leak`): each position's loss on a batch, then
-with every token after the middle replaced. A causal model's loss before the middle
-cannot change, but FP8's per-tensor scales see every position, so there it may move by
-their rounding (~1e-2 on CPU). A far larger move means later tokens reach earlier
-positions. `--arms fp8` trains one arm alone (no state shared with another).
+Also, per arm: how its layer passes ran (replayed from CUDA graphs, captured, eager);
+before the first step, with both arms, their agreement (`agreement`: FP8 against bf16 on
+the same weights and batch, the logits and every parameter's gradient); after training
+two causality checks and the loss on sequences never trained on (memorizing the training
+pool cannot bring it below about log(vocab); a look-ahead leak does). `future_leak`: each
+position's loss on a batch, then with every token after the middle replaced; a causal
+model's loss before the middle cannot change, but FP8's per-tensor scales see every
+position, so there it may move by their rounding (~1e-2 on CPU). It cannot see a leak of
+the next two tokens (the changed ones start three positions after the last it compares);
+`lookahead` can: the logits at j-1, j-2, j-3 when token j alone changes. `--arms fp8`
+trains one arm alone (no state shared with another). `--tp 1`, `--no-sp`, `--attention`,
+`--fp8-scaling`, `--no-fp8-wgrad`, `--eager-kernels` change one thing each (diagnostics).
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 FP8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The flags (benchmarks/probe_fp8_tp.py adds its own to them)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
@@ -70,7 +77,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="the FP8 arm's wgrad GEMMs in bf16 (Megatron's fp8_wgrad=False)")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default=None)
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None, ap: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    ap = ap or build_parser()
+    args = ap.parse_args(argv)
+    if args.seq < 8:  # the look-ahead check compares three positions before its first probe
+        ap.error(f"--seq {args.seq}: at least 8")
+    return args
 
 
 def _cpu_init(tp: int, seed: int) -> None:
@@ -122,7 +137,7 @@ def lookahead(model, spec, seed: int, device: torch.device, probes: int = 4) -> 
     rows = {k: [] for k in ("j-1", "j-2", "j-3", "before", "at_after", "other_rows")}
     with torch.no_grad():
         base = model(tokens, pos, mask).float()
-        for j in torch.linspace(spec.seq // 8, spec.seq - 1, probes).long().tolist():
+        for j in torch.linspace(max(4, spec.seq // 8), spec.seq - 1, probes).long().tolist():
             t = tokens.clone()
             t[0, j] = (t[0, j] + 1) % spec.vocab
             d = (model(t, pos, mask).float() - base).abs().amax(-1).cpu()  # [b, s]
@@ -134,25 +149,37 @@ def lookahead(model, spec, seed: int, device: torch.device, probes: int = 4) -> 
 
 
 def agreement(arms: dict, batch) -> dict:
-    """Both arms on the same weights and batch before any step: the FP8 arm's logits and
-    each parameter's gradient (main_grad, after Megatron's finalisation) against the bf16
-    arm's, as ||fp8 - bf16|| / ||bf16||. FP8's rounding moves every tensor a little
+    """Both arms on the same weights and batch before any step: the FP8 arm's logits (this
+    rank's vocabulary shard) and each parameter's gradient (this rank's shard, main_grad
+    after Megatron's finalisation) against the bf16 arm's, as ||fp8 - bf16|| / ||bf16||. FP8's rounding moves every tensor a little
     (a few %); a pass that computes the wrong thing moves its own tensors far more, and
     the worst parameters name the layer and the GEMM (weight: the wgrad; the layer
     before it: the dgrad). The grads are dropped after."""
-    from megatron.core.distributed import finalize_model_grads
+    from megatron_overlap.overlap import replay
 
     tokens, pos, mask, _ = batch
     seen = {}
-    for k, a in arms.items():
-        with torch.no_grad():
-            logits = a.model(tokens, pos, mask).float()
-        a.model.zero_grad_buffer()
-        a.forward(a.model, batch).backward()
-        finalize_model_grads([a.model])
-        seen[k] = (logits, {n: p.main_grad.float().clone() for n, p in a.model.named_parameters()
-                            if p.requires_grad})
-        a.model.zero_grad_buffer()
+    # nothing of it may show in training: no pass sighted or captured for replay, and the
+    # layers' first-micro-batch flags (the FP8 weight cache's) as a step will find them
+    replayed = replay.set_enabled(False)
+    layers = [m for a in arms.values() for m in a.model.modules() if hasattr(m, "is_first_microbatch")]
+    flags = {m: m.is_first_microbatch for m in layers}
+    caches = {m: dict(vars(m._fp8_cache)) for m in layers if getattr(m, "_fp8_cache", None)}
+    try:
+        for k, a in arms.items():
+            with torch.no_grad():
+                logits = a.model(tokens, pos, mask).float()
+            a.gradients(batch)
+            seen[k] = (logits, {n: p.main_grad.float().clone() for n, p in a.model.named_parameters()
+                                if p.requires_grad})
+            a.model.zero_grad_buffer()
+    finally:
+        replay.set_enabled(replayed)
+        for m, flag in flags.items():
+            m.is_first_microbatch = flag
+        for m, state in caches.items():
+            vars(m._fp8_cache).clear()
+            vars(m._fp8_cache).update(state)
     (l16, g16), (l8, g8) = seen["bf16"], seen["fp8"]
 
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -1,17 +1,25 @@
 """Checks inside the FP8 training run at TP > 1: `fp8_train.py`'s run (same flags), with
-every FP8 pass of the FP8 arm's first --probe-steps steps checked where it happens:
+every pass of the FP8 arm's first --probe-steps steps checked where it happens:
 
 1. every scaled GEMM against an fp32 product of the very FP8 operands and scales it was
    given (a wrong or partial GEMM, a scale misapplied, an `out=` not written: O(1); FP8
    products in bf16 are ~4e-3 off);
 2. every amax the TP group shares (`shared_amax`, the scale of a tensor that is gathered)
-   against an all-reduce(MAX) of the ranks' own amaxes over the process group (a peer's
-   amax read early or from the wrong place: the gathered rows would carry two scales);
-3. every FP8 tensor an all-gather GEMM gathered, byte for byte, against the ranks' own
-   rows sent over the process group (a block read before it landed, a wrong offset, rows
-   shifted: one position is `micro_batch` rows in Megatron's [s, b, h] layout).
+   against an all-reduce(MAX) of the ranks' own amaxes (a peer's amax read early or from
+   the wrong place: the gathered rows would carry two scales);
+3. every all-gather GEMM: the tensor it gathered, byte for byte, against the ranks' own
+   rows sent over the process group, and its output against the fp32 product of those
+   true rows (a block read before it landed, a wrong offset, rows shifted: one position is
+   `micro_batch` rows in Megatron's [s, b, h] layout; a GEMM fed the wrong block);
+4. every GEMM + reduce-scatter (or all-reduce): its output against the fp32 products of
+   every rank summed over the process group, this rank's rows (a reduction that lands
+   rows elsewhere);
+5. every bulk all-gather, reduce-scatter and all-reduce of the transport (the column
+   dgrad's gather of the FP8 input for the wgrad, the dgrad's reduce-scatter) against the
+   same collective over the process group, once it has been waited for.
 
-The pass replay is off (the checks read values on the host, which a capture cannot).
+The pass replay is off (the checks read values on the host, which a capture cannot);
+tensorwise scales only (`--fp8-scaling rowwise` is refused: its GEMMs are not checked).
 
     python benchmarks/probe_fp8_tp.py --steps 60 --out $OUT       # on a GPU: 2 ranks share it
     python benchmarks/probe_fp8_tp.py --device cpu --layers 2 --hidden 64 --heads 4 --seq 32 \\
@@ -43,49 +51,140 @@ def _note(stats: Stats, key: str, value: float) -> None:
     stats[key] = (n + 1, max(worst, float(value)))
 
 
+def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _pg(t: torch.Tensor) -> torch.Tensor:
+    """`t` where the process group's backend takes it (gloo: the host)."""
+    return t.cpu() if dist.get_backend() == "gloo" else t
+
+
+def _gather(t: torch.Tensor) -> torch.Tensor:
+    every = [torch.empty_like(_pg(t)) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, _pg(t).contiguous())
+    return torch.cat(every)
+
+
+def _summed(t: torch.Tensor) -> torch.Tensor:
+    total = _pg(t).double().contiguous()
+    dist.all_reduce(total)
+    return total.float()
+
+
+def _operands(gemm, x: torch.Tensor, w: torch.Tensor) -> tuple | None:
+    """x and w as the GEMM reads them, in fp32 (None: a GEMM these checks do not know)."""
+    from megatron_overlap.overlap import fp8, matmul
+
+    if isinstance(gemm, fp8.ScaledGemm):
+        return x.float() * gemm.a_inv, w.float() * gemm.b_inv
+    if gemm is matmul:
+        return x.float(), w.float()
+    return None
+
+
+class _Checked:
+    """A transport's handle whose wait() also runs a check (once the transfer is done)."""
+
+    def __init__(self, inner, check) -> None:
+        self._inner, self._check = inner, check
+
+    def wait(self) -> None:
+        self._inner.wait()
+        self._check()
+
+
 def install_checks(stats: Stats) -> dict:
-    """Wrap the FP8 GEMM, the shared amax and the all-gather GEMM with the checks; they
-    run while the returned switch's 'on' is True."""
+    """Wrap the FP8 GEMM, the shared amax, the two schedules and the transport's bulk
+    collectives with the checks; they run while the returned switch's 'on' is True."""
     import megatron_overlap.layers.fp8 as layer_fp8
     import megatron_overlap.layers.functions as functions
     import megatron_overlap.overlap.fp8 as fp8
-    from megatron_overlap.comm.transport import FLOAT8
+    from megatron_overlap.comm.transport import FLOAT8, Transport
+    from megatron_overlap.overlap import matmul
 
     switch = {"on": False}
-    gemm, shared, gather_mm = fp8.ScaledGemm.__call__, fp8.shared_amax, functions.all_gather_matmul
+    gemm_call, shared = fp8.ScaledGemm.__call__, fp8.shared_amax
+    gather_mm, mm_scatter = functions.all_gather_matmul, functions.matmul_reduce_scatter
+    all_gather, reduce_scatter, all_reduce = (Transport.all_gather, Transport.reduce_scatter,
+                                              Transport.all_reduce)
 
     def checked_gemm(self, a, b, out=None, *, op, chunk=0):
-        res = gemm(self, a, b, out, op=op, chunk=chunk)
+        res = gemm_call(self, a, b, out, op=op, chunk=chunk)
         if switch["on"]:
             pairs = zip(a, b) if a.dim() == 3 else [(a, b)]
             ref = torch.stack([(x.float() * self.a_inv) @ (w.float() * self.b_inv) for x, w in pairs])
-            ref = ref.view(res.shape)
-            _note(stats, f"gemm {op}: |fp8 - fp32| / |fp32|",
-                  ((res.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item())
+            _note(stats, f"gemm {op}: |fp8 - fp32| / |fp32|", _rel(res, ref.view(res.shape)))
         return res
 
     def checked_amax(x, tp, op):
         m = shared(x, tp, op)
         if switch["on"]:
-            true = fp8.amax(x).float().cpu().reshape(1)
-            dist.all_reduce(true, op=dist.ReduceOp.MAX)  # the process group: the TP ranks here
+            true = _pg(fp8.amax(x).float().reshape(1))
+            dist.all_reduce(true, op=dist.ReduceOp.MAX)
             _note(stats, f"{op}: |shared - true| / true",
                   abs(m.item() - true.item()) / max(true.item(), 1e-30))
         return m
 
-    def checked_gather(x, w, tp, method, **kw):
+    def checked_gather_mm(x, w, tp, method, **kw):
         out, gathered = gather_mm(x, w, tp, method, **kw)
-        if switch["on"] and x.dtype in FLOAT8:
-            mine = x.view(torch.uint8).cpu()
-            every = [torch.empty_like(mine) for _ in range(tp.world_size)]
-            dist.all_gather(every, mine)
-            wrong = gathered.view(torch.uint8).cpu() != torch.cat(every)
-            _note(stats, f"{kw.get('op')}: gathered bytes wrong (share)", wrong.float().mean().item())
+        if switch["on"]:
+            op = kw.get("op")
+            true = _gather(x.view(torch.uint8) if x.dtype in FLOAT8 else x)
+            _note(stats, f"{op}: gathered rows wrong (share)",
+                  (_pg(gathered.view(torch.uint8) if x.dtype in FLOAT8 else gathered) != true)
+                  .any(-1).float().mean().item())
+            full = true.view(x.dtype).to(x.device) if x.dtype in FLOAT8 else true.to(x.device)
+            ops = _operands(kw.get("gemm", matmul), full, w)
+            if ops is not None:
+                _note(stats, f"{op}: output vs the true rows' product", _rel(out, ops[0] @ ops[1].t()))
         return out, gathered
+
+    def checked_mm_scatter(x, w, tp, method, num_splits, **kw):
+        out = mm_scatter(x, w, tp, method, num_splits, **kw)
+        ops = _operands(kw.get("gemm", matmul), x, w) if switch["on"] else None
+        if ops is not None:
+            total = _summed(ops[0] @ ops[1].t())
+            if kw.get("scatter", True):
+                rows = total.shape[0] // tp.world_size
+                total = total[tp.rank * rows:(tp.rank + 1) * rows]
+            _note(stats, f"{kw.get('op')}: output vs every rank's product summed",
+                  _rel(_pg(out), total))
+        return out
+
+    def checked_all_gather(self, out, inp, *, op, chunk=0):
+        handle = all_gather(self, out, inp, op=op, chunk=chunk)
+        if not switch["on"]:
+            return handle
+        def check():
+            view = (lambda t: t.view(torch.uint8)) if inp.dtype in FLOAT8 else (lambda t: t)
+            _note(stats, f"{op} (bulk gather): rows wrong (share)",
+                  (_pg(view(out)) != _gather(view(inp))).any(-1).float().mean().item())
+        return _Checked(handle, check)
+
+    def checked_reduce_scatter(self, out, inp, *, op, chunk=0):
+        handle = reduce_scatter(self, out, inp, op=op, chunk=chunk)
+        if not switch["on"]:
+            return handle
+        def check():
+            rows = out.shape[0]
+            ref = _summed(inp)[self.rank * rows:(self.rank + 1) * rows]
+            _note(stats, f"{op} (bulk reduce-scatter): vs the process group's", _rel(_pg(out), ref))
+        return _Checked(handle, check)
+
+    def checked_all_reduce(self, tensor, *, op, chunk=0):
+        before = tensor.clone() if switch["on"] else None
+        handle = all_reduce(self, tensor, op=op, chunk=chunk)
+        if before is None:
+            return handle
+        return _Checked(handle, lambda: _note(stats, f"{op} (bulk all-reduce): vs the process group's",
+                                              _rel(_pg(tensor), _summed(before))))
 
     fp8.ScaledGemm.__call__ = checked_gemm
     fp8.shared_amax = layer_fp8.shared_amax = checked_amax
-    functions.all_gather_matmul = checked_gather
+    functions.all_gather_matmul, functions.matmul_reduce_scatter = checked_gather_mm, checked_mm_scatter
+    Transport.all_gather, Transport.reduce_scatter = checked_all_gather, checked_reduce_scatter
+    Transport.all_reduce = checked_all_reduce
     return switch
 
 
@@ -116,11 +215,13 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
 def main(argv=None) -> int:
     from megatron_overlap.ab.launch import launch
 
-    ap = argparse.ArgumentParser(add_help=False)
+    ap = fp8_train.build_parser()
+    ap.description = __doc__
     ap.add_argument("--probe-steps", type=int, default=3, help="the FP8 arm's steps checked")
-    own, rest = ap.parse_known_args(argv)
-    args = fp8_train.parse_args(rest)
-    args.probe_steps = own.probe_steps
+    args = fp8_train.parse_args(argv, ap)
+    if args.fp8_scaling != "tensorwise":
+        raise SystemExit("probe_fp8_tp: --fp8-scaling rowwise: its row-scaled GEMMs are not "
+                         "checked here; probe the tensorwise recipe")
     os.makedirs(args.out, exist_ok=True)
     os.environ["MEGATRON_OVERLAP_GRAPHS"] = "0"
     launch(worker, args.tp, args, device=args.device)

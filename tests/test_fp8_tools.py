@@ -101,9 +101,9 @@ def test_fp8_train_cpu(tmp_path):
 
 
 def test_probe_fp8_tp_checks_every_fp8_pass(tmp_path):
-    """benchmarks/probe_fp8_tp.py: at TP=2 + SP every FP8 GEMM, shared amax and gathered
-    FP8 tensor of the first steps is checked, and on CPU each agrees (the CPU's scaled GEMM
-    computes what the fp32 reference does; amaxes and gathered bytes exactly)."""
+    """benchmarks/probe_fp8_tp.py: at TP=2 + SP every FP8 GEMM, shared amax, gathered FP8
+    tensor and reduction of the first steps is checked, and on CPU each agrees (the CPU's
+    scaled GEMM computes what the fp32 reference does; amaxes and gathered rows exactly)."""
     r = _run("benchmarks/probe_fp8_tp.py", "--device", "cpu", "--layers", "2", "--hidden", "64",
              "--heads", "4", "--seq", "32", "--micro-batch", "2", "--vocab", "128", "--steps", "2",
              "--last", "1", "--probe-steps", "1", "--out", str(tmp_path))
@@ -112,13 +112,68 @@ def test_probe_fp8_tp_checks_every_fp8_pass(tmp_path):
         checks = json.load(open(tmp_path / f"probe_fp8_tp_probe_rank{rank}.json"))["checks"]
         ops = [f"{n}_{p}" for n in ("qkv", "proj", "fc1", "fc2") for p in ("fprop", "dgrad", "wgrad")]
         assert {f"gemm {op}: |fp8 - fp32| / |fp32|" for op in ops} <= set(checks), sorted(checks)
-        # the gathered FP8 tensors: the column layers' inputs, the row layers' output grads
+        # the gathered FP8 tensors (the column layers' inputs, the row layers' output grads)
+        # and the row layers' reductions, each layer once (2 layers)
         for op in ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad"):
-            assert checks[f"{op}: gathered bytes wrong (share)"]["count"] == 2  # 2 layers
+            assert checks[f"{op}: gathered rows wrong (share)"]["count"] == 2
+            assert checks[f"{op}: output vs the true rows' product"]["count"] == 2
             assert checks[f"{op}_amax: |shared - true| / true"]["count"] == 2
+        for op in ("proj_fprop", "fc2_fprop"):
+            assert checks[f"{op}: output vs every rank's product summed"]["count"] == 2
+        # the column dgrads' bulk gathers of the FP8 input (for the wgrads) and their
+        # reduce-scatters, through the transport
+        for op in ("qkv", "fc1"):
+            assert checks[f"{op}_dgrad (bulk gather): rows wrong (share)"]["count"] == 2
+            assert checks[f"{op}_wgrad (bulk reduce-scatter): vs the process group's"]["count"] == 2
         assert all(c["count"] > 0 for c in checks.values()), checks
-        assert all(c["worst"] < 1e-6 for k, c in checks.items() if k.startswith("gemm")), checks
-        assert all(c["worst"] == 0.0 for k, c in checks.items() if not k.startswith("gemm")), checks
+        # products and sums against fp32 ones (the same numbers on CPU), rows and amaxes exact
+        exact = [k for k in checks if "rows wrong" in k or "amax" in k]
+        assert all(checks[k]["worst"] == 0.0 for k in exact), checks
+        assert all(c["worst"] < 1e-6 for c in checks.values()), checks
+
+
+PLANTED = """
+import sys
+sys.path.insert(0, {bench!r})
+import probe_fp8_tp
+
+
+def worker(rank, world, args):
+    import megatron_overlap.layers.functions as functions
+
+    real = functions.all_gather_matmul
+
+    def shifted(x, w, tp, method, **kw):  # the GEMM's rows one position late: a leak
+        out, gathered = real(x, w, tp, method, **kw)
+        out.copy_(out.roll(-args.micro_batch, 0))
+        return out, gathered
+
+    functions.all_gather_matmul = shifted
+    probe_fp8_tp.worker(rank, world, args)
+
+
+if __name__ == "__main__":
+    import probe_fp8_tp as p
+    p.worker = worker
+    sys.exit(p.main())
+"""
+
+
+def test_probe_fp8_tp_sees_a_planted_row_shift(tmp_path):
+    """The probe's checks can fail: outputs of the all-gather GEMMs shifted by one position
+    (what a look-ahead leak would be) move its product check by O(1) while the gathered
+    rows stay right, and the look-ahead check of fp8_train sees the next token."""
+    script = tmp_path / "planted.py"
+    script.write_text(PLANTED.format(bench=os.path.join(ROOT, "benchmarks")))
+    r = _run(str(script), "--device", "cpu", "--layers", "2", "--hidden", "64", "--heads", "4",
+             "--seq", "32", "--micro-batch", "2", "--vocab", "128", "--steps", "2", "--last", "1",
+             "--probe-steps", "1", "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    checks = json.load(open(tmp_path / "probe_fp8_tp_probe_rank0.json"))["checks"]
+    assert checks["qkv_fprop: output vs the true rows' product"]["worst"] > 0.5, checks
+    assert checks["qkv_fprop: gathered rows wrong (share)"]["worst"] == 0.0, checks
+    look = json.load(open(tmp_path / "fp8_train_cpu.json"))["arms"]["fp8"]["lookahead"]
+    assert look["j-1"] > look["at_after"] / 10, look
 
 
 def test_fp8_train_rowwise_is_exactly_causal(tmp_path):

@@ -2,7 +2,8 @@
 tensor's place in the peer's part of the same allocation, counted from the handle's
 buffer pointer. `symm`'s allocations are its own (base 0); torch maps a block of its
 memory pool from the segment's start, which this holds the arithmetic to (base > 0).
-The copies themselves are the GPU suite's."""
+A new allocation (of `symm` or `nvshmem`) is zero on the device before a peer can put
+into it. The copies themselves are the GPU suite's."""
 
 import types
 
@@ -70,8 +71,30 @@ def test_a_new_allocation_is_zero_on_the_device_before_peers_can_map_it(monkeypa
 
     monkeypatch.setattr(symm, "_symm", lambda: FakeSymm)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
-    me = types.SimpleNamespace(rank=0, device=torch.device("cpu"),
+    me = types.SimpleNamespace(rank=0, device=torch.device("cuda"),  # (not touched: stand-ins)
                                group=types.SimpleNamespace(group_name="tp"))
+    me._device_sync = types.MethodType(HeapTransport._device_sync, me)
     buf = SymmTransport._alloc(me, 4096)
     assert seen == [("synchronize", True), ("rendezvous", True)]  # zeroed, done, then mapped
     assert buf.base == 0 and (buf.local == 0).all()
+
+
+def test_nvshmem_zeroes_a_new_allocation_before_an_on_stream_barrier(monkeypatch):
+    """The same for `nvshmem` (comm/nvshmem.py `_alloc`): NVSHMEM's allocation is collective
+    on the hosts only, so each PE's zero is followed by a barrier on the stream it ran on,
+    which a peer's first put into the new allocation is ordered after."""
+    from megatron_overlap.comm.nvshmem import NvshmemTransport
+
+    seen, memory = [], torch.full((4096,), 0xAB, dtype=torch.uint8)
+    stream = types.SimpleNamespace(cuda_stream=7)
+    me = types.SimpleNamespace(
+        device=torch.device("cuda"), _tensors=[],
+        _core=types.SimpleNamespace(interop=types.SimpleNamespace(torch=types.SimpleNamespace(
+            bytetensor=lambda size, except_on_del: memory[:size[0]]))),
+        _nb=types.SimpleNamespace(barrier_all_on_stream=lambda s: seen.append(
+            ("barrier", s, bool((memory == 0).all())))),
+        _watch=lambda s, what, slot: seen.append(("watched", s is stream)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    buf = NvshmemTransport._alloc(me, 4096)
+    assert seen == [("barrier", 7, True), ("watched", True)]  # zeroed, then the barrier, watched
+    assert me._tensors == [buf.local] and (buf.local == 0).all()

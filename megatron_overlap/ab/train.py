@@ -36,15 +36,21 @@ class TrainArm:
         self.results: list[StepResult] = []
         _identity_grad_sync_on_gloo_cuda(ddp_model, self.device)
 
-    def step(self, batch: object) -> StepResult:
+    def gradients(self, batch: object) -> torch.Tensor:
+        """Forward and backward on `batch` into fresh grad buffers, finalised as Megatron's
+        training does (each parameter's `main_grad`); returns the loss."""
         from megatron.core.distributed import finalize_model_grads
 
-        _sync(self.device)
-        t0 = time.perf_counter()
         self.model.zero_grad_buffer()
         loss = self.forward(self.model, batch)
         loss.backward()
         finalize_model_grads([self.model])
+        return loss
+
+    def step(self, batch: object) -> StepResult:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        loss = self.gradients(batch)
         for p in self.params:
             p.grad = p.main_grad.to(p.dtype)
         self.optimizer.step()

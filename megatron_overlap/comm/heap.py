@@ -130,13 +130,19 @@ class HeapTransport(Transport):
         if (not self.frees_outgrown or len(self._bufs) < 2 or self._pinned
                 or self._capturing()):
             return
-        if self.device.type == "cuda":
-            try:
-                torch.cuda.synchronize(self.device)
-            except RuntimeError:
-                self.check()  # a peer that never reached the barrier: the watchdog's diagnosis
-                raise
+        self._device_sync()
         del self._bufs[:-1]
+
+    def _device_sync(self, stream: torch.cuda.Stream | None = None) -> None:
+        """Wait on the host for `stream` (None: the whole device). A wait queued before it
+        that a peer never answers fails there: raised as the watchdog's diagnosis."""
+        if self.device.type != "cuda":
+            return
+        try:
+            stream.synchronize() if stream is not None else torch.cuda.synchronize(self.device)
+        except RuntimeError:
+            self.check()  # a peer that never reached its barrier: the watchdog's diagnosis
+            raise
 
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()

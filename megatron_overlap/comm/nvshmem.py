@@ -184,8 +184,10 @@ class NvshmemTransport(HeapTransport):
         local = self._core.interop.torch.bytetensor((nbytes,), except_on_del=False)
         local.zero_()
         # every PE's zero before any put into it: a peer ahead in the same pass (a heap
-        # grown mid-pass) would otherwise put into the new allocation before this zero runs
-        stream = torch.cuda.current_stream()
+        # grown mid-pass) would otherwise put into the new allocation before this zero runs.
+        # Its first put comes from its communication stream, which is ordered after the
+        # stream that grew the heap (`_on_comm_stream`), so after this barrier there.
+        stream = torch.cuda.current_stream(self.device)
         self._nb.barrier_all_on_stream(stream.cuda_stream)
         self._watch(stream, f"the barrier after allocating {nbytes} bytes", None)
         self._tensors.append(local)

@@ -115,7 +115,7 @@ class SymmTransport(HeapTransport):
         # and a peer ahead in the same pass pushes into the new allocation at once, which
         # a zero still queued behind this rank's work would wipe (growth is rare, never
         # inside a capture: `workspace` refuses it there)
-        torch.cuda.current_stream(self.device).synchronize()
+        self._device_sync(torch.cuda.current_stream(self.device))
         handle = symm_mem.rendezvous(local, self.group.group_name)
         base = local.data_ptr() - handle.buffer_ptrs[self.rank]
         mine = (handle.get_buffer(self.rank, (nbytes,), torch.uint8, base).data_ptr()
