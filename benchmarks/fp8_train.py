@@ -148,11 +148,16 @@ def lookahead(model, spec, seed: int, device: torch.device, probes: int = 4) -> 
     return {k: max(v) for k, v in rows.items()}
 
 
+def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """||got - ref|| / ||ref||, in fp32."""
+    return float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
 def agreement(arms: dict, batch) -> dict:
     """Both arms on the same weights and batch before any step: the FP8 arm's logits (this
     rank's vocabulary shard) and each parameter's gradient (this rank's shard, main_grad
-    after Megatron's finalisation) against the bf16 arm's, as ||fp8 - bf16|| / ||bf16||. FP8's rounding moves every tensor a little
-    (a few %); a pass that computes the wrong thing moves its own tensors far more, and
+    after Megatron's finalisation) against the bf16 arm's, as ||fp8 - bf16|| / ||bf16||.
+    FP8's rounding moves every tensor a little (a few %); a pass that computes the wrong thing moves its own tensors far more, and
     the worst parameters name the layer and the GEMM (weight: the wgrad; the layer
     before it: the dgrad). The grads are dropped after."""
     from megatron_overlap.overlap import replay
@@ -162,7 +167,8 @@ def agreement(arms: dict, batch) -> dict:
     # nothing of it may show in training: no pass sighted or captured for replay, and the
     # layers' first-micro-batch flags (the FP8 weight cache's) as a step will find them
     replayed = replay.set_enabled(False)
-    layers = [m for a in arms.values() for m in a.model.modules() if hasattr(m, "is_first_microbatch")]
+    layers = [m for a in arms.values() for m in a.model.modules()
+              if hasattr(m, "is_first_microbatch")]
     flags = {m: m.is_first_microbatch for m in layers}
     caches = {m: dict(vars(m._fp8_cache)) for m in layers if getattr(m, "_fp8_cache", None)}
     try:
@@ -181,13 +187,9 @@ def agreement(arms: dict, batch) -> dict:
             vars(m._fp8_cache).clear()
             vars(m._fp8_cache).update(state)
     (l16, g16), (l8, g8) = seen["bf16"], seen["fp8"]
-
-    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-    grads = {n.replace("module.", ""): rel(g8[n], g16[n]) for n in g16}
+    grads = {n.replace("module.", ""): rel_error(g8[n], g16[n]) for n in g16}
     worst = sorted(grads.items(), key=lambda kv: -kv[1])
-    return {"logits_rel": rel(l8, l16), "grad_rel_median": statistics.median(grads.values()),
+    return {"logits_rel": rel_error(l8, l16), "grad_rel_median": statistics.median(grads.values()),
             "grad_rel_worst": worst[:6], "grad_rel": grads}
 
 
@@ -229,11 +231,10 @@ def text_table(doc: dict, every: int = 10) -> str:
                      f"||bf16||): logits {ag['logits_rel']:.3f}, grads median "
                      f"{ag['grad_rel_median']:.3f}, worst " + ", ".join(
                          f"{n} {r:.3f}" for n, r in ag["grad_rel_worst"][:4]))
-    if all("lookahead" in a for a in arms.values()):
-        lines.append("max |logit change| when one token j changes, at j-1 / j-2 / j-3 / before / "
-                     "at and after (mean) / other batch rows: " + "; ".join(
-                         f"{k} " + " / ".join(f"{v:.2e}" for v in a["lookahead"].values())
-                         for k, a in arms.items()))
+    lines.append("max |logit change| when one token j changes, at j-1 / j-2 / j-3 / before / "
+                 "at and after (mean) / other batch rows: " + "; ".join(
+                     f"{k} " + " / ".join(f"{v:.2e}" for v in a["lookahead"].values())
+                     for k, a in arms.items()))
     return "\n".join(lines)
 
 

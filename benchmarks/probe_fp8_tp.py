@@ -51,22 +51,30 @@ def _note(stats: Stats, key: str, value: float) -> None:
     stats[key] = (n + 1, max(worst, float(value)))
 
 
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 def _pg(t: torch.Tensor) -> torch.Tensor:
     """`t` where the process group's backend takes it (gloo: the host)."""
     return t.cpu() if dist.get_backend() == "gloo" else t
 
 
-def _gather(t: torch.Tensor) -> torch.Tensor:
-    every = [torch.empty_like(_pg(t)) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, _pg(t).contiguous())
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s rows as bytes (an FP8 or bf16 row compared bit for bit)."""
+    return _pg(t).contiguous().view(torch.uint8)
+
+
+def _gathered(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's `t`, in rank order, as bytes: what a gather of `t` must hold."""
+    every = [torch.empty_like(_bytes(t)) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, _bytes(t))
     return torch.cat(every)
 
 
+def _rows_wrong(got: torch.Tensor, true: torch.Tensor) -> float:
+    """The share of `got`'s rows whose bytes differ from `true`'s (bytes too)."""
+    return (_bytes(got) != true).any(-1).float().mean().item()
+
+
 def _summed(t: torch.Tensor) -> torch.Tensor:
+    """The sum of every rank's `t` (in fp64, then fp32)."""
     total = _pg(t).double().contiguous()
     dist.all_reduce(total)
     return total.float()
@@ -100,7 +108,7 @@ def install_checks(stats: Stats) -> dict:
     import megatron_overlap.layers.fp8 as layer_fp8
     import megatron_overlap.layers.functions as functions
     import megatron_overlap.overlap.fp8 as fp8
-    from megatron_overlap.comm.transport import FLOAT8, Transport
+    from megatron_overlap.comm.transport import Transport
     from megatron_overlap.overlap import matmul
 
     switch = {"on": False}
@@ -112,9 +120,8 @@ def install_checks(stats: Stats) -> dict:
     def checked_gemm(self, a, b, out=None, *, op, chunk=0):
         res = gemm_call(self, a, b, out, op=op, chunk=chunk)
         if switch["on"]:
-            pairs = zip(a, b) if a.dim() == 3 else [(a, b)]
-            ref = torch.stack([(x.float() * self.a_inv) @ (w.float() * self.b_inv) for x, w in pairs])
-            _note(stats, f"gemm {op}: |fp8 - fp32| / |fp32|", _rel(res, ref.view(res.shape)))
+            x, w = _operands(self, a, b)  # (3-D: batched, `b` expanded)
+            _note(stats, f"gemm {op}: |fp8 - fp32| / |fp32|", fp8_train.rel_error(res, x @ w))
         return res
 
     def checked_amax(x, tp, op):
@@ -129,15 +136,11 @@ def install_checks(stats: Stats) -> dict:
     def checked_gather_mm(x, w, tp, method, **kw):
         out, gathered = gather_mm(x, w, tp, method, **kw)
         if switch["on"]:
-            op = kw.get("op")
-            true = _gather(x.view(torch.uint8) if x.dtype in FLOAT8 else x)
-            _note(stats, f"{op}: gathered rows wrong (share)",
-                  (_pg(gathered.view(torch.uint8) if x.dtype in FLOAT8 else gathered) != true)
-                  .any(-1).float().mean().item())
-            full = true.view(x.dtype).to(x.device) if x.dtype in FLOAT8 else true.to(x.device)
-            ops = _operands(kw.get("gemm", matmul), full, w)
+            op, true = kw.get("op"), _gathered(x)
+            _note(stats, f"{op}: gathered rows wrong (share)", _rows_wrong(gathered, true))
+            ops = _operands(kw.get("gemm", matmul), true.view(x.dtype).to(x.device), w)
             if ops is not None:
-                _note(stats, f"{op}: output vs the true rows' product", _rel(out, ops[0] @ ops[1].t()))
+                _note(stats, f"{op}: output vs the true rows' product", fp8_train.rel_error(out, ops[0] @ ops[1].t()))
         return out, gathered
 
     def checked_mm_scatter(x, w, tp, method, num_splits, **kw):
@@ -146,31 +149,25 @@ def install_checks(stats: Stats) -> dict:
         if ops is not None:
             total = _summed(ops[0] @ ops[1].t())
             if kw.get("scatter", True):
-                rows = total.shape[0] // tp.world_size
-                total = total[tp.rank * rows:(tp.rank + 1) * rows]
+                total = total.chunk(tp.world_size)[tp.rank]
             _note(stats, f"{kw.get('op')}: output vs every rank's product summed",
-                  _rel(_pg(out), total))
+                  fp8_train.rel_error(_pg(out), total))
         return out
 
     def checked_all_gather(self, out, inp, *, op, chunk=0):
         handle = all_gather(self, out, inp, op=op, chunk=chunk)
         if not switch["on"]:
             return handle
-        def check():
-            view = (lambda t: t.view(torch.uint8)) if inp.dtype in FLOAT8 else (lambda t: t)
-            _note(stats, f"{op} (bulk gather): rows wrong (share)",
-                  (_pg(view(out)) != _gather(view(inp))).any(-1).float().mean().item())
-        return _Checked(handle, check)
+        return _Checked(handle, lambda: _note(stats, f"{op} (bulk gather): rows wrong (share)",
+                                              _rows_wrong(out, _gathered(inp))))
 
     def checked_reduce_scatter(self, out, inp, *, op, chunk=0):
         handle = reduce_scatter(self, out, inp, op=op, chunk=chunk)
         if not switch["on"]:
             return handle
-        def check():
-            rows = out.shape[0]
-            ref = _summed(inp)[self.rank * rows:(self.rank + 1) * rows]
-            _note(stats, f"{op} (bulk reduce-scatter): vs the process group's", _rel(_pg(out), ref))
-        return _Checked(handle, check)
+        return _Checked(handle, lambda: _note(
+            stats, f"{op} (bulk reduce-scatter): vs the process group's",
+            fp8_train.rel_error(_pg(out), _summed(inp).chunk(self.world_size)[self.rank])))
 
     def checked_all_reduce(self, tensor, *, op, chunk=0):
         before = tensor.clone() if switch["on"] else None
@@ -178,7 +175,7 @@ def install_checks(stats: Stats) -> dict:
         if before is None:
             return handle
         return _Checked(handle, lambda: _note(stats, f"{op} (bulk all-reduce): vs the process group's",
-                                              _rel(_pg(tensor), _summed(before))))
+                                              fp8_train.rel_error(_pg(tensor), _summed(before))))
 
     fp8.ScaledGemm.__call__ = checked_gemm
     fp8.shared_amax = layer_fp8.shared_amax = checked_amax

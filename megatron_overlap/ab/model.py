@@ -63,7 +63,8 @@ def build_gpt(spec: GPTSpec, tp: int, overlap: bool, dtype: torch.dtype, device:
     config = TransformerConfig(
         num_layers=spec.layers, hidden_size=spec.hidden, num_attention_heads=spec.heads,
         ffn_hidden_size=spec.ffn or 4 * spec.hidden, tensor_model_parallel_size=tp,
-        sequence_parallel=config.pop("sequence_parallel", True) and tp > 1, tp_comm_overlap=overlap, params_dtype=dtype,
+        sequence_parallel=config.pop("sequence_parallel", True) and tp > 1,
+        tp_comm_overlap=overlap, params_dtype=dtype,
         bf16=dtype == torch.bfloat16, use_cpu_initialization=cpu, hidden_dropout=0.0,
         attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, **config)
