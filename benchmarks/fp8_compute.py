@@ -11,14 +11,15 @@ replay, medians of --repeat rounds of --reps):
   'hybrid'), the whole-GEMM form every FP8 pass has (row-major x column-major);
 - fp8 chunked: the same pass in FP8 (`tune.passes.fp8_trial_pass`: FP8 operands with
   their scaled GEMM into the same pass function);
-- fp8 whole + layout (wgrad passes only): the whole FP8 GEMM with the two transposed
-  copies of its token-major operands made inside it, as the pass makes them: the work a
-  wgrad pays with or without chunking, so that chunked / this is the chunking's own cost.
+- fp8 whole + layout (wgrad passes only): the whole FP8 GEMM with the transposed copy of
+  its gathered token-major operand (a column layer's input, a row layer's gradient) made
+  inside it, as the pass makes it: the work a wgrad pays with or without chunking, so
+  that chunked / this is the chunking's own cost.
 
 The FP8 operands are quantized before the timing: the layer quantizes each once per pass
-(before any transfer), whole or chunked alike; so is the dgrad's transposed weight (made
-with the weight's cast); a wgrad's transposed operands are made in the pass, as the
-layer's wgrad makes them. The whole layer with its quantization is benchmarks/fp8_layer.py's;
+(before any transfer), whole or chunked alike; so are the transposed copies its casts
+write (the dgrad's weight; a wgrad's operand that is not gathered); a wgrad's gathered
+operand is transposed in the pass, as the layer's wgrad transposes it. The whole layer with its quantization is benchmarks/fp8_layer.py's;
 the FP8 work's bytes and kernels, simulate/fp8_work.py's. Goal: fp8 chunked >= 0.93 of fp8
 whole (graphed).
 
@@ -87,10 +88,14 @@ def fns(trial, device: str) -> dict:
             "bf16_chunked": trial_pass(trial, tp, device, dtype, nodes=nodes).run,
             "fp8_whole": lambda: whole8(a8, b8.t(), out8, op="whole"),
             "fp8_chunked": trial_pass(trial, tp, device, dtype, nodes=nodes, precision=HYBRID).run}
-    if trial.spec.pass_name == "wgrad":  # its operands are token-major: [k, m] and [k, n]
-        a_tok, b_tok = fp8.transposed(a8), fp8.transposed(b8)
-        arms["fp8_whole_layout"] = lambda: whole8(fp8.transposed(a_tok), fp8.transposed(b_tok).t(),
-                                                  out8, op="whole")
+    if trial.spec.pass_name == "wgrad":  # the gathered operand token-major: [k, n] or [k, m]
+        if trial.spec.shape.column:  # the gathered input (b); the gradient as its cast left it
+            b_tok = fp8.transposed(b8)
+            layout = lambda: whole8(a8, fp8.transposed(b_tok).t(), out8, op="whole")  # noqa: E731
+        else:  # the gathered gradient (a); the input as its cast left it
+            a_tok = fp8.transposed(a8)
+            layout = lambda: whole8(fp8.transposed(a_tok), b8.t(), out8, op="whole")  # noqa: E731
+        arms["fp8_whole_layout"] = layout
     return arms
 
 
@@ -138,12 +143,12 @@ def table(doc: dict) -> str:
                  f"{'met' if g['met'] else 'NOT MET'} (worst {g['worst']:.3f}, {g['worst_pass']}; "
                  f"median {g['median']:.3f}; {g['below']} of {len(doc['rows'])} below)")
     lay = [r["fp8_chunked_vs_whole_layout"] for r in doc["rows"]]
-    lines.append(f"against the whole FP8 GEMM with its own layout work (a wgrad's transposes): worst "
+    lines.append(f"against the whole FP8 GEMM with its own layout work (a wgrad's gathered operand transposed): worst "
                  f"{min(lay):.3f}, median {statistics.median(lay):.3f}, {sum(v < GOAL for v in lay)} "
                  f"of {len(lay)} below {GOAL}")
     lines.append("ms per pass; ch/wh = whole ms / chunked ms (>= 1: chunking costs nothing); "
                  "fp8 x = bf16 ms / fp8 ms; ch/wh+layout = the same against the whole FP8 GEMM "
-                 "with a wgrad's transposes in it (other passes: as ch/wh). FP8 operands quantized "
+                 "with a wgrad's transposed gathered operand in it (other passes: as ch/wh). FP8 operands quantized "
                  "beforehand (as the layer does once per pass, whole or chunked).")
     return "\n".join(lines)
 

@@ -200,15 +200,17 @@ class Ledger(TorchDispatchMode):
                             if isinstance(t, torch.Tensor) else t, got)
 
 
-COMPILED = {"cast": "fp8 cast", "transpose": "transpose", "scale": "elementwise"}
+COMPILED = {"cast": "fp8 cast", "cast_t": "fp8 cast", "transpose": "transpose",
+            "scale": "elementwise"}
+OUTPUTS = {"cast_t": 2}  # a kernel's trailing arguments it writes (else its last one)
 
 
 @contextlib.contextmanager
 def compiled_kernels(ledger: Ledger):
     """A GPU's compiled FP8 kernels (`overlap.fp8._run_compiled`, CUDA only: the fused
     cast, the transposed copy, the scale) as one recorded operation each: the same numbers
-    (the function run eagerly, unrecorded), one launch, its inputs read once and its output
-    (the last argument) written once."""
+    (the function run eagerly, unrecorded), one launch, its inputs read once and its outputs
+    (the last argument; the cast with its transposed copy, the last two) written once."""
     from megatron_overlap.overlap import fp8
 
     def run(key: tuple, fn, *args: torch.Tensor) -> bool:
@@ -216,9 +218,11 @@ def compiled_kernels(ledger: Ledger):
             return False
         with _disable_current_modes():
             fn(*args)
-        *ins, out = args
+        split = len(args) - OUTPUTS.get(key[0], 1)
+        ins, outs = args[:split], args[split:]
         ledger.add(Op(f"compiled {key[0]}", COMPILED[key[0]], _site(), ledger.phase,
-                      sum(map(_bytes, ins)), _bytes(out), 0.0, [list(t.shape) for t in ins]))
+                      sum(map(_bytes, ins)), sum(map(_bytes, outs)), 0.0,
+                      [list(t.shape) for t in ins]))
         return True
 
     original, fp8._run_compiled = fp8._run_compiled, run

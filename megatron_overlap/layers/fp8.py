@@ -20,7 +20,11 @@ along the contracted dimension; the wgrad in the parameters' dtype).
   the parameters per column of W (g @ W contracts over W's rows).
 - A transposed copy (`col_major`) is what cuBLAS needs for the second operand of every
   FP8 GEMM (column-major) and for the wgrad's first (row-major g^T): Transformer
-  Engine keeps the same 'columnwise' copies. Transposing FP8 data is exact.
+  Engine keeps the same 'columnwise' copies. Transposing FP8 data is exact. A tensor
+  quantized on this rank and read transposed (the weight by the dgrad; a row layer's
+  input and a column layer's gradient by the wgrad) gets that copy from its cast's own
+  kernel (TE's cast-transpose); only a gathered one (a column layer's input, a row
+  layer's gradient) is transposed after its gather, in the wgrad pass.
 """
 
 from __future__ import annotations
@@ -37,17 +41,23 @@ from .precision import Precision
 
 
 def col_major(t: torch.Tensor) -> torch.Tensor:
-    """`t` (2-D) with the same values, laid out column-major (a transposed copy)."""
+    """`t` (2-D) with the same values, laid out column-major: `t` itself where it already
+    is (made so by its cast: `quantize(..., out_t=)`), else a transposed copy."""
+    if t.dim() == 2 and t.stride(0) == 1 and t.stride(1) == t.shape[0]:
+        return t
     return transposed(t).t()
 
 
 def quantized(x: torch.Tensor, dtype: torch.dtype, tp: Optional[Transport] = None,
-              op: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """(x in FP8, its scale); the amax is the TP group's when `tp` is given (a tensor the
+              op: str = "", col: bool = False) -> tuple[torch.Tensor, torch.Tensor,
+                                                        Optional[torch.Tensor]]:
+    """(x in FP8, its scale, and with `col` the same values column-major, written by the
+    cast's kernel, else None); the amax is the TP group's when `tp` is given (a tensor the
     pass gathers: `op`'s amax exchange, named '<op>_amax')."""
     a = shared_amax(x, tp, f"{op}_amax") if tp is not None else amax(x)
     s = scale_for(a, dtype)
-    return quantize(x, s, dtype), s
+    t = x.new_empty(x.shape[::-1], dtype=dtype) if col else None
+    return quantize(x, s, dtype, out_t=t), s, (None if t is None else t.t())
 
 
 _STALE = object()  # a cache key no weight has
@@ -55,8 +65,8 @@ _STALE = object()  # a cache key no weight has
 
 class Fp8WeightCache:
     """A layer's FP8 weight kept across the micro-batches of a step (tensorwise), as
-    Transformer Engine's parameter cache under Megatron: the weight quantized (and
-    transposed, for the dgrad) at a step's first micro-batch, reused by the rest. Megatron's
+    Transformer Engine's parameter cache under Megatron: the weight quantized (and, by the
+    same kernel, transposed for the dgrad) at a step's first micro-batch, reused by the rest. Megatron's
     schedules say which micro-batch is first (`set_is_first_microbatch` sets the layer's
     `is_first_microbatch`; `disable_parameter_transpose_cache=True` turns the cache off).
 
@@ -115,18 +125,24 @@ class Fp8WeightCache:
 
 class Fp8Forward:
     """What an FP8 forward pass writes for its backward: the FP8 input rows and weight,
-    with their scales. `rows`: the input flattened to [tokens, k]. `cache` (tensorwise):
-    the layer's Fp8WeightCache, whose weight this pass quantizes (and transposes), or,
-    with `reuse`, only reads."""
+    with their scales. `rows`: the input flattened to [tokens, k]. Tensorwise, the weight
+    is also written transposed (`w8t`, the dgrad's layout) by its cast's kernel; `cache`:
+    the layer's Fp8WeightCache, whose weight this pass quantizes, or, with `reuse`, only
+    reads. `input_t` (tensorwise): the input's cast also writes it transposed (`x8t`),
+    what a wgrad on this rank's own input (a row layer's) takes, kept for the backward in
+    place of `x8`."""
 
     def __init__(self, p: Precision, rows: torch.Tensor, weight: torch.Tensor,
-                 cache: Optional[Fp8WeightCache] = None, reuse: bool = False):
+                 cache: Optional[Fp8WeightCache] = None, reuse: bool = False,
+                 input_t: bool = False):
         self.p = p
         self.rowwise = p.recipe == "rowwise"
         tokens, k = rows.shape
         f32 = dict(dtype=torch.float32, device=rows.device)
         self.x8 = torch.empty((tokens, k + TAIL) if self.rowwise else rows.shape, dtype=p.fwd,
                               device=rows.device)
+        self.x8t = (torch.empty((k, tokens), dtype=p.fwd, device=rows.device)
+                    if input_t and not self.rowwise else None)
         self.x_scale = torch.empty((), **f32)  # (row-wise: unused, the scales are in x8)
         self.quantize_weight = not reuse
         if cache is not None and not self.rowwise:
@@ -134,10 +150,16 @@ class Fp8Forward:
         else:
             self.w8 = torch.empty(weight.shape, dtype=p.fwd, device=weight.device)
             self.w_scale = torch.empty((weight.shape[0], 1) if self.rowwise else (), **f32)
-            self.w8t = None
+            self.w8t = (None if self.rowwise else
+                        torch.empty(weight.shape[::-1], dtype=p.fwd, device=weight.device))
 
     def tensors(self) -> tuple[Optional[torch.Tensor], ...]:
-        return self.x8, self.w8, self.x_scale, self.w_scale, self.w8t
+        return self.x8, self.x8t, self.w8, self.x_scale, self.w_scale, self.w8t
+
+    def kept_input(self) -> torch.Tensor:
+        """The FP8 input the backward's wgrad reads: column-major where the cast wrote it
+        so (`x8t`), else `x8` (a column layer's: gathered again, row-major)."""
+        return self.x8 if self.x8t is None else self.x8t.t()
 
     def operands(self, x2: torch.Tensor, weight: torch.Tensor, tp: Transport, op: str,
                  gathered: bool, out_dtype: torch.dtype
@@ -152,36 +174,35 @@ class Fp8Forward:
             return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype)
         a = shared_amax(x2, tp, f"{op}_amax") if gathered else amax(x2)
         scale_for(a, fwd, out=self.x_scale)
-        quantize(x2, self.x_scale, fwd, out=self.x8)
-        if self.quantize_weight:
+        quantize(x2, self.x_scale, fwd, out=self.x8, out_t=self.x8t)
+        if self.quantize_weight:  # with the dgrad's layout (cached: made once per step)
             scale_for(amax(weight), fwd, out=self.w_scale)
-            quantize(weight, self.w_scale, fwd, out=self.w8)
-            if self.w8t is not None:  # the cached weight's dgrad layout, made once per step
-                transposed(self.w8, out=self.w8t)
+            quantize(weight, self.w_scale, fwd, out=self.w8, out_t=self.w8t)
         return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
 
 
 class Fp8Backward:
-    """A backward pass's FP8 side: the forward's FP8 weight and scales (tensorwise; the
-    parameters for row-wise), and the gradient's FP8 type. The pass quantizes the
-    gradient with `grad()`."""
+    """A backward pass's FP8 side: the forward's FP8 weight, transposed, and scales
+    (tensorwise; the parameters for row-wise), and the gradient's FP8 type. The pass
+    quantizes the gradient with `grad()`."""
 
-    def __init__(self, p: Precision, w8: torch.Tensor, w_scale: torch.Tensor,
-                 x_scale: torch.Tensor, weight: Optional[torch.Tensor] = None,
-                 w8t: Optional[torch.Tensor] = None):
-        self.p, self.w8, self.w_scale, self.x_scale = p, w8, w_scale, x_scale
-        self.rowwise, self.weight, self.w8t = p.recipe == "rowwise", weight, w8t
+    def __init__(self, p: Precision, w8t: Optional[torch.Tensor], w_scale: torch.Tensor,
+                 x_scale: torch.Tensor, weight: Optional[torch.Tensor] = None):
+        self.p, self.w8t, self.w_scale, self.x_scale = p, w8t, w_scale, x_scale
+        self.rowwise, self.weight = p.recipe == "rowwise", weight
 
     def tensors(self) -> tuple[Optional[torch.Tensor], ...]:
-        return self.w8, self.w_scale, self.x_scale, self.w8t
+        return self.w8t, self.w_scale, self.x_scale
 
-    def grad(self, g: torch.Tensor, tp: Optional[Transport] = None, op: str = ""
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(g in the gradient's FP8 type, its scale); the group's amax with `tp`.
-        Row-wise: (g row-scaled, None), its own rows' amaxes (`tp` not needed)."""
+    def grad(self, g: torch.Tensor, tp: Optional[Transport] = None, op: str = "",
+             col: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor],
+                                         Optional[torch.Tensor]]:
+        """(g in the gradient's FP8 type, its scale, and with `col` g column-major from
+        the cast's kernel: the wgrad's layout of a gradient not gathered); the group's amax
+        with `tp`. Row-wise: (g row-scaled, None, None), its own rows' amaxes."""
         if self.rowwise:
-            return rows_quantized(g, self.p.grad), None
-        return quantized(g, self.p.grad, tp, op)
+            return rows_quantized(g, self.p.grad), None, None
+        return quantized(g, self.p.grad, tp, op, col)
 
     def dgrad(self, g_scale: Optional[torch.Tensor], out_dtype: torch.dtype
               ) -> tuple[torch.Tensor, ScaledGemm | RowScaledGemm]:
@@ -191,8 +212,7 @@ class Fp8Backward:
             wt = self.weight.t()
             s = row_scales(wt, self.p.fwd)  # [k, 1]: W^T's rows are W's columns
             return quantize(wt, s, self.p.fwd).contiguous(), RowScaledGemm(s.t(), out_dtype)
-        w8t = self.w8t if self.w8t is not None else transposed(self.w8)  # (cached: made once)
-        return w8t, ScaledGemm(g_scale, self.w_scale, out_dtype)
+        return self.w8t, ScaledGemm(g_scale, self.w_scale, out_dtype)
 
     def dequantized(self, g8: torch.Tensor, g_scale: Optional[torch.Tensor],
                     dtype: torch.dtype) -> torch.Tensor:

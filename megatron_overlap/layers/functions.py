@@ -161,7 +161,8 @@ def column_wgrad(g, inp, weight, grad_w, grad_in, pending, plan: LayerPlan, tp: 
 
 def _wgrad_layout(g: torch.Tensor, inp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The FP8 wgrad's operands as cuBLAS takes them (g^T row-major, the input
-    column-major): transposed copies, made inside the wgrad pass that reads them."""
+    column-major): a gathered operand transposed inside the wgrad pass that reads it; one
+    this rank cast came column-major from its cast (`Fp8Forward`, `Fp8Backward.grad`)."""
     return col_major(g), col_major(inp)
 
 
@@ -175,17 +176,19 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
                q: Fp8Backward | None = None) -> None:
     """grad_in (reduce-scattered under SP, all-reduced when asked), grad_w (or main_grad;
     neither when `wgrad` is False: a frozen weight), grad_b: the dgrad pass, then the
-    wgrad pass, in one transport pass. FP8 (`q`): g is this rank's own, so its own amax;
-    the dgrad multiplies by the forward's FP8 weight; the wgrad runs in FP8 on the
-    gathered FP8 input (x2) when the recipe's fp8_wgrad says so."""
+    wgrad pass, in one transport pass. FP8 (`q`): g is this rank's own, so its own amax,
+    and its cast writes the wgrad's layout too; the dgrad multiplies by the forward's FP8
+    weight; the wgrad runs in FP8 on the gathered FP8 input (x2) when the recipe's
+    fp8_wgrad says so."""
     dname, streams = begin(tp, plan, "dgrad")
     gd, wd, dgemm, gw, wgemm, fp8_w = g, weight, matmul, g, matmul, False
     if q is not None:
-        gd, g_scale = q.grad(g)
+        fp8_w = q.p.wgrad and wgrad  # g column-major for it, from the cast's kernel
+        gd, g_scale, g_col = q.grad(g, col=fp8_w)
         w8t, dgemm = q.dgrad(g_scale, grad_in.dtype)
         wd = w8t.t()
-        if q.p.wgrad and wgrad:
-            gw, fp8_w = gd, True
+        if fp8_w:
+            gw = g_col
             wgemm = q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse))
     inp, pending = column_dgrad(gd, x2, wd, grad_in, plan, tp, nodes, streams, dname,
                                 allreduce_dgrad, wgrad, dgemm)
@@ -260,11 +263,12 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
         if wgrad:
             row_wgrad(g_full, x2, weight, grad_w, plan, fuse)
     else:
-        g8, g_scale = q.grad(g, tp if plan.sequence_parallel else None, dname)
+        sp = plan.sequence_parallel  # g gathered; else its own, column-major from its cast
+        g8, g_scale, g_col = q.grad(g, tp if sp else None, dname, col=not sp and wgrad and q.p.wgrad)
         w8t, dgemm = q.dgrad(g_scale, grad_in.dtype)
         g_full = row_dgrad(g8, w8t.t(), grad_in, plan, tp, nodes, streams, dname, dgemm)
         if wgrad and q.p.wgrad:
-            row_wgrad(g_full, x2, weight, grad_w, plan, fuse,
+            row_wgrad(g_full if g_col is None else g_col, x2, weight, grad_w, plan, fuse,
                       q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse)), fp8=True)
         elif wgrad:
             row_wgrad(q.dequantized(g_full, g_scale, x2.dtype), x2, weight, grad_w, plan, fuse)
@@ -274,11 +278,16 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
 
 # -- autograd ------------------------------------------------------------------------------
 def _fp8_forward(precision: Optional[Precision], x: torch.Tensor, weight: torch.Tensor,
-                 fp8_weight: Optional[tuple] = None) -> Optional[Fp8Forward]:
-    """The FP8 forward's operands; `fp8_weight`: (the layer's Fp8WeightCache, reuse) or None."""
+                 fp8_weight: Optional[tuple] = None, own_input: bool = False
+                 ) -> Optional[Fp8Forward]:
+    """The FP8 forward's operands; `fp8_weight`: (the layer's Fp8WeightCache, reuse) or None.
+    `own_input`: the wgrad reads this rank's own input, not a gather of it (a row layer):
+    its cast also writes the wgrad's layout, when an FP8 wgrad runs."""
     if precision is None or not precision.fp8:
         return None
-    return Fp8Forward(precision, _flat(x), weight, *(fp8_weight or ()))
+    input_t = own_input and precision.wgrad and weight.requires_grad
+    return Fp8Forward(precision, _flat(x), weight, *(fp8_weight or (None, False)),
+                      input_t=input_t)
 
 
 def _fp8_static(q: Optional[Fp8Forward]) -> tuple:
@@ -289,21 +298,22 @@ def _fp8_static(q: Optional[Fp8Forward]) -> tuple:
 def _save(ctx, x: torch.Tensor, weight: torch.Tensor, q: Optional[Fp8Forward] = None) -> None:
     """Save what the backward reads. The input feeds only the wgrad, so a frozen weight's
     layer keeps no activation (as Megatron's frozen path), only the input's shape. FP8:
-    the forward's FP8 weight and scales, and its FP8 input in place of the input when
-    the wgrad runs in FP8 (half the bytes kept, and gathered, under SP)."""
+    the forward's FP8 weight (transposed, as the dgrad reads it) and scales, and its FP8
+    input in place of the input when the wgrad runs in FP8 (half the bytes kept, and
+    gathered, under SP; column-major where the wgrad reads it ungathered)."""
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
     ctx.precision = None if q is None else q.p
-    keep = (q.x8 if q is not None and q.p.wgrad else x) if weight.requires_grad else None
+    keep = (q.kept_input() if q is not None and q.p.wgrad else x) if weight.requires_grad else None
     # (row-wise: the backward quantizes the weight again, per column, from the weight)
-    extra = ((None,) * 4 if q is None or q.rowwise else (q.w8, q.w_scale, q.x_scale, q.w8t))
+    extra = ((None,) * 3 if q is None or q.rowwise else (q.w8t, q.w_scale, q.x_scale))
     ctx.save_for_backward(keep, weight, *extra)
 
 
 def _saved(ctx):
     """(input or FP8 input, weight, the backward's Fp8Backward or None)."""
-    x, weight, w8, w_scale, x_scale, w8t = ctx.saved_tensors
-    q = None if ctx.precision is None else Fp8Backward(ctx.precision, w8, w_scale, x_scale,
-                                                        weight, w8t)
+    x, weight, w8t, w_scale, x_scale = ctx.saved_tensors
+    q = None if ctx.precision is None else Fp8Backward(ctx.precision, w8t, w_scale, x_scale,
+                                                        weight)
     return x, weight, q
 
 
@@ -332,7 +342,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.allreduce_dgrad = plan, tp, fuse_wgrad, allreduce_dgrad
         ctx.layouts = layouts = layouts or {}
         ctx.graphs, ctx.use_bias, ctx.audit = graphs, bias is not None, audit
-        q = _fp8_forward(precision, x, weight, fp8_weight)
+        q = _fp8_forward(precision, x, weight, fp8_weight, own_input=not plan.sequence_parallel)
         _save(ctx, x, weight, q)
         # the output in its final shape (no host-side view after a replay): SP gathers the sequence
         seq = x.shape[0] * (tp.world_size if plan.sequence_parallel else 1)
@@ -374,7 +384,7 @@ class RowParallelMatmul(torch.autograd.Function):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs, ctx.audit = plan, tp, fuse_wgrad, graphs, audit
         ctx.use_bias = bias is not None
         ctx.layouts = layouts = layouts or {}
-        q = _fp8_forward(precision, x, weight, fp8_weight)
+        q = _fp8_forward(precision, x, weight, fp8_weight, own_input=True)
         _save(ctx, x, weight, q)
         # SP reduce-scatters the sequence (the layer's door checked that TP divides it)
         seq = x.shape[0] // (tp.world_size if plan.sequence_parallel else 1)

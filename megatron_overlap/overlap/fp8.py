@@ -7,7 +7,8 @@ Transformer Engine's and Megatron's 'tensorwise' recipe) or per-row scales (torc
   [fp8] extra), imported when FP8 first runs, so the runtime imports without it. A scale
   is torchao's: fp8 = saturate(x * scale), x ~ fp8 / scale. On a GPU the cast runs as one
   fused kernel (`_fused_cast`), the amax as one reduction, the scale as one kernel
-  (`scale_for`), the transposed copies FP8 GEMMs need as one tiled kernel (`transposed`):
+  (`scale_for`), the transposed copies FP8 GEMMs need as one tiled kernel (`transposed`),
+  or in the cast's own kernel where the tensor is cast (`quantize(..., out_t=)`):
   torch.compile, `set_fused` turns it off.
 - Own code, and why:
   - `ScaledGemm` calls `torch._scaled_mm` itself: the schedules write every chunk's
@@ -142,6 +143,14 @@ def _run_compiled(key: tuple, fn, *args: torch.Tensor) -> bool:
     return True
 
 
+def _cast_t_by(saturate, x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+               out_t: torch.Tensor) -> torch.Tensor:
+    """`_cast_by`, also written transposed into `out_t`: the same numbers twice."""
+    q = saturate(x.to(torch.float32) * scale, out.dtype)
+    out_t.copy_(q.t())
+    return out.copy_(q)
+
+
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:
     """`_cast` as one kernel on a GPU, or None where it does not run so: eagerly the cast is
     four passes over fp32 temporaries (upcast, multiply, clamp, cast: ~27 bytes of memory
@@ -176,15 +185,41 @@ def transposed(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Ten
     return out.copy_(t.t())
 
 
+def _fused_cast_t(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+                  out_t: torch.Tensor) -> bool:
+    """The cast and the transposed copy as one kernel on a GPU (Transformer Engine's
+    cast-transpose): x read once, both layouts written from the same values; False where
+    it does not run so. A transposed copy made after the cast reads the FP8 tensor back
+    and launches once more; inductor tiles the kernel so that both writes are coalesced."""
+    if scale.numel() != 1 or not (x.is_contiguous() and out.is_contiguous()
+                                  and out_t.is_contiguous()):
+        return False
+    fn = functools.partial(_cast_t_by, _ao().to_fp8_saturated)
+    return _run_compiled(("cast_t", x.dtype, out.dtype), fn, x, scale, out, out_t)
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """saturate(x * scale) in `dtype` (x upcast to fp32 first), into `out` when given."""
+             out: Optional[torch.Tensor] = None, out_t: Optional[torch.Tensor] = None
+             ) -> torch.Tensor:
+    """saturate(x * scale) in `dtype` (x upcast to fp32 first), into `out` when given.
+    `out_t` (2-D `x`, a contiguous tensor of the transposed shape): the same values
+    transposed written there too, in the same kernel where the cast is compiled (the FP8
+    GEMMs' other layout: `transposed`)."""
     if out is None:
         out = torch.empty(x.shape, dtype=dtype, device=x.device)
     elif out.dtype != dtype:
         raise TypeError(f"quantize: out is {out.dtype}, not {dtype}")
+    if out_t is not None:
+        if out_t.dtype != dtype or x.dim() != 2 or out_t.shape != x.shape[::-1]:
+            raise ValueError(f"quantize: out_t {tuple(out_t.shape)} {out_t.dtype} is not "
+                             f"{tuple(x.shape[::-1])} {dtype}")
+        if _fused_cast_t(x, scale, out, out_t):
+            return out
     fused = _fused_cast(x, scale, out)
-    return fused if fused is not None else _cast(x, scale, out)
+    out = fused if fused is not None else _cast(x, scale, out)
+    if out_t is not None:
+        transposed(out, out=out_t)
+    return out
 
 
 def row_scales(x: torch.Tensor, dtype: torch.dtype, dim: int = -1) -> torch.Tensor:

@@ -9,13 +9,17 @@ per element:
 
 | pass | column layer (input gathered) | row layer (output reduce-scattered) |
 |---|---|---|
-| fprop | its input block [T/W, K]; the weight [N, K] (and, tensorwise, its transposed copy) | its input [T, K]; the weight |
+| fprop | its input block [T/W, K]; the weight [N, K] | its input [T, K]; the weight |
 | dgrad | the output gradient [T, N] | its block of the gradient [T/W, N] |
-| wgrad | copies of the gradient [T, N] and the gathered input [T, K] (fp8_wgrad), the product added into main_grad | the same; without fp8_wgrad the gathered gradient dequantized |
+| wgrad | a transposed copy of the gathered input [T, K] (fp8_wgrad), the product added into main_grad | a transposed copy of the gathered gradient [T, N]; without fp8_wgrad the gathered gradient dequantized |
 
 - Tensorwise (`quantize`): the amax read (the TP group's, a gathered tensor's: one more
   kernel over the group's amaxes), one compiled scale kernel, one compiled cast; each
-  pass's scaled GEMM takes two reciprocal scales.
+  pass's scaled GEMM takes two reciprocal scales. A tensor that an FP8 GEMM reads
+  transposed and that is not gathered (the weight, for the dgrad; with fp8_wgrad a row
+  layer's input and a column layer's gradient, for the wgrad) gets its transposed copy
+  from the cast's kernel: one byte more written an element, no kernel; a gathered one is
+  transposed in the wgrad (`transpose`).
 - Row-wise: the amax along each row (torchao: |x| written, then reduced) and eight small
   kernels on the [rows, 1] scales (power-of-two rounding), the cast eagerly (upcast,
   multiply, clamp, cast, copy: `EAGER_CAST` bytes an element beyond p), the scales copied
@@ -76,16 +80,17 @@ class PassWork:
 
 
 def quantize(elems: int, p: int, rowwise: bool = False, rows: int = 0,
-             scales_out: bool = True) -> Work:
+             scales_out: bool = True, col: bool = False) -> Work:
     """One tensor of `elems` elements (`rows` rows) in p-byte precision made FP8 with its
-    scale(s). Row-wise: |x| written and read, the amax, the eager cast, and with
-    `scales_out` the scales copied out (into the rows' tails, or the weight's scale
-    tensor: 4 bytes read and written a row)."""
+    scale(s); `col` (tensorwise): its cast also writes it transposed. Row-wise: |x|
+    written and read, the amax, the eager cast, and with `scales_out` the scales copied
+    out (into the rows' tails, or the weight's scale tensor: 4 bytes read and written a
+    row)."""
     if rowwise:
         copy = Work(8 * rows, 1) if scales_out else Work()
         return Work((3 * p + p + EAGER_CAST[1]) * elems + ROW_SCALE_BYTES * rows,
                     ROW_SCALE_KERNELS + EAGER_CAST[0]) + copy
-    return Work(p * elems + (p + 1) * elems, TENSORWISE_KERNELS)
+    return Work(p * elems + (p + 1 + col) * elems, TENSORWISE_KERNELS)
 
 
 def transpose(elems: int) -> Work:
@@ -111,20 +116,19 @@ def pass_work(pass_name: str, column: bool, tokens: int, tp: int, k: int, n: int
     gemm = Work(0, 1 + gemm_calls) if rowwise else Work(0, RECIPROCALS)
     shared = Work(0, 0 if rowwise or tp == 1 else 1)  # the max over the group's amaxes
     cached = weight_cached and not rowwise
+    own_t = fp8_wgrad and not rowwise  # the wgrad's layout of an operand not gathered
     if pass_name == "fprop":
         rows = tokens // tp if column else tokens
-        act = quantize(rows * k, p, rowwise, rows) + gemm + (shared if column else Work())
-        weight = quantize(n * k, p, rowwise, n)
-        if cached:  # made with the cast, the dgrad's transposed copy too
-            return PassWork(act, weight + transpose(n * k))
-        return PassWork(act + weight)
+        act = (quantize(rows * k, p, rowwise, rows, col=own_t and not column) + gemm
+               + (shared if column else Work()))
+        weight = quantize(n * k, p, rowwise, n, col=not rowwise)  # with the dgrad's layout
+        return PassWork(act, weight) if cached else PassWork(act + weight)
     if pass_name == "dgrad":
         rows = tokens if column else tokens // tp
-        act = quantize(rows * n, p, rowwise, rows) + gemm + (Work() if column else shared)
+        act = (quantize(rows * n, p, rowwise, rows, col=own_t and column) + gemm
+               + (Work() if column else shared))
         if rowwise:  # the weight again, per column (its copy out transposes it); no tails
             act += quantize(n * k, p, True, k, scales_out=False)
-        elif not cached:  # the weight's transposed copy, made here
-            act += transpose(n * k)
         return PassWork(act)
     if pass_name == "wgrad":
         if rowwise or not fp8_wgrad:  # in p: only a row layer's gathered gradient, dequantized
@@ -132,5 +136,5 @@ def pass_work(pass_name: str, column: bool, tokens: int, tp: int, k: int, n: int
                             Work(tokens * n * (p + DEQUANT[1]) + (4 * tokens if rowwise else 0),
                                  DEQUANT[0]))
         add = Work(ACCUMULATE * n * k, 1) if accumulates else Work()
-        return PassWork(transpose(tokens * n) + transpose(tokens * k) + gemm + add)
+        return PassWork(transpose(tokens * (k if column else n)) + gemm + add)
     raise ValueError(f"pass {pass_name!r}: fprop, dgrad or wgrad")

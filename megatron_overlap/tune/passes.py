@@ -138,10 +138,10 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
     """The trial's pass in FP8 (`precision`: its types; the wgrad in FP8): its operands
     quantized beforehand (the layer quantizes each once per pass, before any transfer, so
     chunking does not change that cost) and laid out as the layer hands them to the same
-    pass function, with their scaled GEMM; outputs in `dtype`. The FP8 weight's
-    transposed copy is made beforehand too (under Megatron's schedules the layer makes it
-    with the weight's cast, once per step); the wgrad's transposed operands inside the
-    timed pass, where the layer's wgrad makes them. The cost model adds what is made
+    pass function, with their scaled GEMM; outputs in `dtype`. The transposed copies the
+    layer's casts write (the FP8 weight's; a column wgrad's gradient, a row wgrad's input)
+    are made beforehand too; a wgrad's gathered operand is transposed inside the timed
+    pass, where the layer's wgrad transposes it. The cost model adds what is made
     beforehand (simulate/fp8_work.py).
     Random operands, one scale per FP8 type (`tensors`: 'scale_fwd', 'scale_grad'), the
     same on every rank, so a gathered FP8 tensor has one scale, as in the layer. The column
@@ -199,8 +199,8 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
         x8, sx = q8(precision.fwd, m, k)
         gemm = fp8.ScaledGemm(sg, sx, dtype)
         t.update(g=g8, grad_w=empty(n, k))
-        if shape.column:
-            t.update(inp=x8, grad_in=empty(m // w, k))
+        if shape.column:  # the gradient column-major, as its cast leaves it
+            t.update(g=transposed(g8).t(), inp=x8, grad_in=empty(m // w, k))
             if not (trial.comm_moved and overlap):
                 t["pending"] = empty(m, k).normal_()
 
@@ -208,8 +208,8 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
                 F.begin(tp, plan, "wgrad")
                 F.column_wgrad(t["g"], t["inp"], t["weight"], t["grad_w"], t["grad_in"],
                                t.get("pending"), plan, tp, False, gemm=gemm, fp8=True)
-        else:
-            t["x"] = x8
+        else:  # this rank's input column-major, as its cast leaves it
+            t["x"] = transposed(x8).t()
 
             def body():
                 F.begin(tp, plan, "wgrad")

@@ -1,6 +1,6 @@
 """FP8 on one GPU, one process: the fused cast (`overlap.fp8._fused_cast`, torch.compile of
 the one definition) gives the bits eager torchao gives, the one-pass amax torchao's amax,
-the compiled transpose torch's copy;
+the compiled transpose torch's copy, the cast with its transposed copy both in one kernel;
 row-wise scaled GEMMs run on the GPU's kernel with the operands the layers give them."""
 
 import pytest
@@ -58,6 +58,41 @@ def test_compiled_transpose_equals_torchs_copy(shape):
         finally:
             f.set_fused(before)
     assert f._compiled.get(("transpose",)) is not None, f._compiled
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("shape", [(1024, 8192), (8192, 1280), (1000, 272)])
+def test_cast_with_its_transposed_copy_is_one_kernel_with_eagers_bits(dtype, fp8, shape):
+    """`quantize(..., out_t=)` (the cast that also writes the FP8 GEMMs' other layout, as
+    the layers cast the weight, a row layer's input and a column layer's gradient): both
+    outputs the bytes eager torchao's cast and torch's transposed copy give, written by one
+    kernel (counted by the profiler, after a warm-up call that compiles it)."""
+    pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
+    from torch.profiler import ProfilerActivity, profile
+    from torchao.float8 import float8_utils as ao
+
+    from megatron_overlap.overlap import fp8 as f
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(*shape, generator=g) * 40).to(dtype).cuda()
+    scale = ao.amax_to_scale(f.amax(x), fp8)
+    want = ao.to_fp8_saturated(x.float() * scale, fp8).view(torch.uint8)
+    out = torch.empty(shape, dtype=fp8, device="cuda")
+    out_t = torch.empty(shape[::-1], dtype=fp8, device="cuda")
+    assert f.quantize(x, scale, fp8, out=out, out_t=out_t) is out  # compiles
+    assert torch.equal(out.view(torch.uint8), want)
+    assert torch.equal(out_t.view(torch.uint8), want.t().contiguous())
+    assert f._compiled.get(("cast_t", dtype, fp8)) is not None, f._compiled
+    out.zero_(), out_t.zero_()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        f.quantize(x, scale, fp8, out=out, out_t=out_t)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert len(kernels) == 1, kernels
+    assert torch.equal(out.view(torch.uint8), want)
+    assert torch.equal(out_t.view(torch.uint8), want.t().contiguous())
 
 
 @pytest.mark.parametrize("first", [torch.float8_e4m3fn, torch.float8_e5m2])
