@@ -10,6 +10,8 @@
 #   OUT=$OUT PART=bench bash benchmarks/fp8_gpu_session.sh   # ~5-6 min, at most ~7.7
 #   OUT=$OUT PART=diag bash benchmarks/fp8_gpu_session.sh    # ~4-5 min, at most ~7
 #   OUT=$OUT PART=leak bash benchmarks/fp8_gpu_session.sh    # in two calls (LEAK_RUNS, below; not in all)
+#   OUT=$OUT PART=tune bash benchmarks/fp8_gpu_session.sh    # the tuner in FP8, then fp8_compute at its
+#                                                            # picks (~3-5 min, at most ~8.5; not in all)
 #   OUT=$OUT bash benchmarks/fp8_gpu_session.sh              # both (PART=all: over 600 s at worst)
 #
 # Estimated wall time per piece on one H200 (timeouts in brackets):
@@ -36,7 +38,7 @@ export PYTHONUNBUFFERED=1
 # torchao's float8 scaling is Python; its optional C++ extensions are not needed here
 export TORCHAO_FORCE_SKIP_LOADING_SO_FILES=1
 export NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0
-case "${PART:-all}" in all|bench|diag|leak) ;; *) echo "PART=${PART}: all, bench, diag or leak" >&2; exit 2;; esac
+case "${PART:-all}" in all|bench|diag|leak|tune) ;; *) echo "PART=${PART}: all, bench, diag, leak or tune" >&2; exit 2;; esac
 failed=0
 main() {
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -122,6 +124,23 @@ for run in ${LEAK_RUNS:-probe tp1 no_sp rowwise}; do
   env $env timeout "$limit" python3 "$script" --steps "$DIAG" --out "$OUT" --tag "leak_$run" "$@"
   step "$script, $run" $?
 done
+fi
+if [ "${PART:-all}" = tune ]; then
+# fp8_compute's default picks are the bf16 tuner's; these are the tuner's own in FP8 (its
+# one-GPU mode: every candidate's GEMM side measured through the FP8 pass, the transfers
+# modelled), so chunked / whole is read at the picks an FP8 model gets
+for m in "70b 8" "8b 2"; do
+  set -- $m
+  t=$(date +%s)
+  timeout 240 python3 -m megatron_overlap.cli tune --model "$1" --tp "$2" --measure compute --fp8 hybrid \
+    --reps 5 --json "$OUT/tune_fp8_${1}_tp$2.json" --yaml "$OUT/tune_fp8_${1}_tp$2.yaml" \
+    --no-cache --wandb off --no-progress > "$OUT/tune_fp8_${1}_tp$2.log" 2>&1
+  step "megatron-overlap tune --model $1 --tp $2 --fp8 hybrid" $?; tail -4 "$OUT/tune_fp8_${1}_tp$2.log"
+done
+t=$(date +%s)
+timeout 70 python3 benchmarks/fp8_compute.py --tune "$OUT/tune_fp8_70b_tp8.json" "$OUT/tune_fp8_8b_tp2.json" \
+  --reps "${REPS:-20}" --repeat "${REPEAT:-3}" --out "$OUT" --tag gpu_fp8_picks
+step "benchmarks/fp8_compute.py at the FP8 picks" $?
 fi
 ls -la "$OUT"
 echo "== $failed step(s) failed"
