@@ -149,8 +149,10 @@ def lookahead(model, spec, seed: int, device: torch.device, probes: int = 4) -> 
 
 
 def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    """||got - ref|| / ||ref||, in fp32."""
-    return float((got.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+    """||got - ref|| / ||ref||, in fp32 (`ab.compare.rel_error`: a model's gradients on a GPU)."""
+    from megatron_overlap.ab.compare import rel_error as rel
+
+    return rel(got, ref, dtype=torch.float32)
 
 
 def agreement(arms: dict, batch) -> dict:

@@ -59,6 +59,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+from megatron_overlap.ab.compare import rel_error  # noqa: E402
 from megatron_overlap.simulate.shapes import PRESETS, ModelDims  # noqa: E402
 
 
@@ -253,8 +254,8 @@ def _zero_grads(arm: Arm) -> None:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+    """The largest difference over the largest value, in fp32."""
+    return rel_error(a, b, "max", torch.float32)
 
 
 def check(emu, arms: list[Arm], e: Extras, tol: float, mirror=None) -> dict:

@@ -31,6 +31,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
 
 from megatron_overlap.ab import async_tp, backends as backend_sel
+from megatron_overlap.ab.compare import rel_error
 from megatron_overlap.ab.launch import default_world, emulate_nodes, init_dist, launch, plan_layout
 from megatron_overlap.ab.layer_arms import (Arm, Method, baseline_arms, inputs, overlap_arms,
                                             parse_methods, torch_arm)
@@ -76,8 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return rel_error(a, b, dtype=torch.float32)
 
 
 def _agree(local: dict[str, tuple[float | None, str | None]]) -> dict[str, tuple[float | None, str | None]]:

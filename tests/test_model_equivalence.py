@@ -39,7 +39,7 @@ def _train_pair(rank, world, variant, ckpt_dir):
     stats.snapshot()
     losses_ours = train(wrap_ours(ours))
     moved = stats.snapshot()
-    rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()  # noqa: E731
+    from megatron_overlap.ab.compare import rel_error as rel
     param_err = {n: rel(p, q) for (n, p), (_, q) in zip(ours.named_parameters(), plain.named_parameters())}
     norms = {n: p.detach().clone() for n, p in ours.named_parameters() if "layernorm" in n}
     stepped = min(rel(p.detach(), q) for p, q in zip(plain.parameters(), initial))

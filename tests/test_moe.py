@@ -84,7 +84,7 @@ def _moe_pair(rank, world, dispatcher, ckpt_dir):
     stats.snapshot()
     losses_ours = train(wrap_ours(ours))
     moved = set(stats.snapshot())
-    rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()  # noqa: E731
+    from megatron_overlap.ab.compare import rel_error as rel
     param_err = max(rel(p, q) for p, q in zip(ours.parameters(), plain.parameters()))
     ckpt_err = checkpoint_both_ways(rank, ckpt_dir, ours, plain, fresh_ours, fresh_plain,
                                     tag=f"{dispatcher}_")

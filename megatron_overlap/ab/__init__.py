@@ -8,7 +8,8 @@ compute-only floor, run side by side, with loss / output parity and medians.
 - `model`: the GPT of the end-to-end runs; `shapes`, `layer_arms`, `async_tp`: the
   per-layer benchmark's arms (their floor: the schedule on `comm.NullTransport`);
   `emulated_tp`: one process playing a TP rank (the whole-layer benchmark); `timing`,
-  `results`, `plots`: measuring and writing.
+  `results`, `plots`: measuring and writing; `compare`: the one relative error every
+  check reports (the benchmarks' and the tests').
 
 A tool: imports the runtime and `simulate` (the shapes); matplotlib, rich and wandb
 only through `extras.require` ([ab]).

@@ -143,7 +143,7 @@ def _mla(rank, world):
         i, j = torch.arange(64, device="cuda")[:, None], torch.arange(64, device="cuda")[None, :]
         seen = (j <= i) & ((j >= i - window[0]) if window else True)
         want = (s.masked_fill(~seen, float("-inf")).softmax(-1) @ vd).permute(2, 0, 1, 3).reshape(64, 2, -1)
-        out[str(window)] = (((got - want).norm() / want.norm()).item(), sorted(mla.ran))
+        out[str(window)] = (gpu.rel(got, want), sorted(mla.ran))
     return out
 
 

@@ -11,6 +11,8 @@ from typing import Optional
 
 import torch
 
+from megatron_overlap.ab.compare import rel_error
+
 
 @dataclass(frozen=True)
 class Case:
@@ -110,7 +112,7 @@ def run(module, q, k, v, mask, seed: int = 7, **kwargs):
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return rel_error(a, b, dtype=torch.promote_types(a.dtype, b.dtype))
 
 
 def compare(case: Case, dtype: torch.dtype, device: str, tp: int = 1) -> dict[str, float]:

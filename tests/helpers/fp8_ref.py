@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_overlap.ab.compare import rel_error
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -65,6 +67,4 @@ def dequantize(t8: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.T
     return (t8.to(torch.float32) / s).to(dtype)
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+rel = rel_error

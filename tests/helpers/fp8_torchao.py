@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import torch
 
+from megatron_overlap.ab.compare import rel_error
+
 K, N = 256, 512  # the whole layer: column K -> N; row N -> K (per rank N / TP)
 SEQ, BATCH = 32, 2  # per rank under SP
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def _whole(kind: str, seq: int, device, dtype, seed: int = 0):
@@ -101,6 +100,6 @@ def compare(rank: int, tp: int, kind: str, sp: bool, device, dtype=torch.bfloat1
            "megatron_forward": layer._use_megatron}
     for key in ours:
         assert ours[key].shape == ao[key].shape, (key, ours[key].shape, ao[key].shape)
-        out[key] = {"ours_ao": _rel(ours[key], ao[key]), "ours_exact": _rel(ours[key], exact[key]),
-                    "ao_exact": _rel(ao[key], exact[key]), "dtype": str(ours[key].dtype)}
+        out[key] = {"ours_ao": rel_error(ours[key], ao[key]), "ours_exact": rel_error(ours[key], exact[key]),
+                    "ao_exact": rel_error(ao[key], exact[key]), "dtype": str(ours[key].dtype)}
     return out

@@ -175,7 +175,7 @@ def checkpoint_both_ways(rank: int, ckpt_dir: str, ours, plain, fresh_ours, fres
     from megatron.core import dist_checkpointing, parallel_state
 
     meta = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
-    rel = lambda a, b: ((a - b).norm() / b.norm().clamp_min(1e-30)).item()  # noqa: E731
+    from megatron_overlap.ab.compare import rel_error as rel
     err = {}
     for label, src, dst in (("ours_to_plain", ours, fresh_plain), ("plain_to_ours", plain, fresh_ours)):
         path = os.path.join(ckpt_dir, tag + label)

@@ -6,6 +6,8 @@ import os
 
 import torch
 
+from megatron_overlap.ab.compare import rel_error
+
 ENV = {"TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -51,8 +53,7 @@ def symm(timeout_s: float | None = None):
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return rel_error(a, b, dtype=torch.float32)
 
 
 def full(seed: int, *shape: int) -> torch.Tensor:

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from megatron_overlap.ab.compare import rel_error
+
 
 @dataclass(frozen=True)
 class Case:
@@ -102,8 +104,7 @@ def rel(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
         return 0.0
     if a is None or b is None:
         return float("inf")
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return rel_error(a, b)
 
 
 def run_pair(ref, ours, x: torch.Tensor, seed: int = 1) -> dict[str, float]:

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from megatron_overlap.ab.compare import rel_error
+
 INTER, INTRA = "inter:torch_p2p", "intra:torch_p2p"
 # name -> (ub_cfgs overrides, Megatron flags): every pass that runs a ring
 CASES = {
@@ -81,9 +83,6 @@ def _events(ev, op: str | None = None) -> list[tuple]:
     return [(e.kind, e.chunk, e.via) for e in ev if op is None or e.op == op]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 # -- pieces --------------------------------------------------------------------------------------
@@ -140,7 +139,7 @@ def schedule_traces(rank: int, world: int, tp, layouts: dict[str, Any]) -> dict[
                 y, gathered = all_gather_matmul(x_local, w, tp, "ring_exchange", op="ag",
                                                 nodes=layout, **kw)
             out[f"{kind}/{name}"] = _events(ev)
-            errs[f"{kind}/{name}"] = max(_rel(y, x_full @ w.t()), _rel(gathered, x_full))
+            errs[f"{kind}/{name}"] = max(rel_error(y, x_full @ w.t()), rel_error(gathered, x_full))
         for method in ("ring_exchange", "pipeline"):
             for scatter in (True, False):
                 with trace.recording() as ev:
@@ -148,7 +147,7 @@ def schedule_traces(rank: int, world: int, tp, layouts: dict[str, Any]) -> dict[
                                               scatter=scatter)
                 key = f"rs_{method}{'' if scatter else '_allreduce'}/{name}"
                 out[key] = _events(ev)
-                errs[key] = _rel(y, ref_rs[rank * 4:(rank + 1) * 4] if scatter else ref_rs)
+                errs[key] = rel_error(y, ref_rs[rank * 4:(rank + 1) * 4] if scatter else ref_rs)
     return {"events": out, "errors": errs}
 
 
@@ -196,7 +195,7 @@ def gpt_pair(rank: int, world: int, variant: str) -> dict[str, Any]:
     losses_plain = train(wrap_plain(plain))
     with trace.recording() as ev:
         losses_ours = train(wrap_ours(ours))
-    rel = {n: _rel(p.detach(), q.detach())
+    rel = {n: rel_error(p.detach(), q.detach())
            for (n, p), (_, q) in zip(ours.named_parameters(), plain.named_parameters())}
     layers = {n: {p: o.label for p, o in m.ring_orders.items()}
               for n, m in ours.named_modules() if hasattr(m, "ring_orders") and m.overlap_plan.enabled}

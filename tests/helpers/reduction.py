@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from megatron_overlap.ab.compare import rel_error
+
 # unit roundoff (half an ulp, relative) of the data types the heap transports sum in fp32
 UNIT = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11, torch.float32: 2.0 ** -24}
 
@@ -36,8 +38,6 @@ def in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
     return acc
 
 
-def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((got.double() - ref).norm() / ref.norm()).item()
 
 
 def fp32_bound(parts: list[torch.Tensor], ref: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
