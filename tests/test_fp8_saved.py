@@ -12,7 +12,10 @@ layout (layers/fp8.py: the cast writes the transposed copy too):
   the backward gathers it (row-major, as the transport moves rows) and transposes the
   gathered tensor.
 
-And with fp8_wgrad off, the input is kept in the parameters' dtype (the wgrad's own)."""
+And with fp8_wgrad off, the input is kept in the parameters' dtype (the wgrad's own). A
+frozen weight's layer keeps no input; at a step's later micro-batch the kept FP8 weight is
+the cache's; a forward without autograd casts the input in one layout only, and an
+uncached weight too (the casts' calls, counted)."""
 
 import pytest
 
@@ -93,3 +96,75 @@ def test_the_fp8_forward_keeps_one_copy_of_each_operand_in_the_layout_it_is_read
         want = (e4m3, (tokens, k), (1, tokens))
     assert sorted(fp8) == sorted([(e4m3, (k, n), (n, 1)), want]), r
     assert not [x for x in r["kept"] if x[0] == fp32 and not x[3] and len(x[1]) > 1], r
+
+
+def _others(rank, world):
+    import torch
+
+    import megatron_overlap as mo
+    from helpers.fp8_layers import config
+    from helpers.megatron_cpu import init
+    from megatron_overlap.layers import OverlapRowParallelLinear
+    from megatron_overlap.layers import fp8 as lf
+
+    init(world)
+    out = {}
+    mo.install(backend="torch_p2p")
+    try:
+        layers = {cache: OverlapRowParallelLinear(
+            N, K, config=config(world, True, torch.float32, {}, fp8="hybrid",
+                                fp8_recipe="tensorwise",
+                                disable_parameter_transpose_cache=not cache),
+            init_method=torch.nn.init.normal_, bias=False, input_is_parallel=True,
+            skip_bias_add=True, tp_comm_buffer_name="proj") for cache in (True, False)}
+    finally:
+        mo.uninstall()
+    x = torch.randn(SEQ, BATCH, N // world, requires_grad=True)
+
+    def run(layer, first=None, grad=True):
+        kept, casts, real = [], [], lf.quantize
+
+        def pack(t):
+            kept.append(t)
+            return t
+
+        def counting(t, *a, out_t=None, **k):
+            casts.append((tuple(t.shape), out_t is not None))
+            return real(t, *a, out_t=out_t, **k)
+        if first is not None:
+            layer.is_first_microbatch = first
+        lf.quantize = counting
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                    torch.set_grad_enabled(grad):
+                y, _ = layer(x)
+        finally:
+            lf.quantize = real
+        if grad:
+            y.sum().backward()
+        return kept, casts
+
+    cached = layers[True]
+    for first in (True, True):  # a schedule seen driving the flag: the cache in use
+        run(cached, first)
+    kept, _ = run(cached, False)  # a later micro-batch: the cache's transposed weight kept
+    cache = cached._fp8_cache
+    out["later_kept_cache_w8t"] = any(t is cache.w8t for t in kept)
+    _, casts = run(layers[False], grad=False)
+    out["no_grad_casts"] = casts  # (shape, with a transposed copy) per cast
+    layers[False].weight.requires_grad_(False)
+    kept, _ = run(layers[False])
+    out["frozen_kept"] = [(str(t.dtype), tuple(t.shape)) for t in kept
+                          if t is not layers[False].weight]
+    return out
+
+
+def test_what_a_later_micro_batch_a_forward_without_autograd_and_a_frozen_weight_keep():
+    r = dist.run(_others, 2, timeout=300)[0]
+    assert r["later_kept_cache_w8t"], r
+    tokens, k = SEQ * BATCH, N // 2
+    # the input and the weight, each cast once, neither with a transposed copy
+    assert sorted(r["no_grad_casts"]) == sorted([((tokens, k), False), ((K, k), False)]), r
+    # a frozen weight: no input kept, only the FP8 weight transposed (for the dgrad) and scales
+    assert [s for d, s in r["frozen_kept"] if len(s) > 1] == [(k, K)], r
+    assert all(d.startswith("torch.float8") for d, s in r["frozen_kept"] if len(s) > 1), r

@@ -6,8 +6,9 @@ along the contracted dimension; the wgrad in the parameters' dtype).
 - Forward: the input is quantized once, before any transfer; when it is to be gathered
   (sequence parallelism) its amax is the TP group's, so the gathered FP8 tensor has one
   scale. The weight is quantized with its own shard's amax. Both, with their scales, are
-  what the forward leaves for the backward (`Fp8Forward`: allocated by the caller, so a
-  replayed pass writes them at the same addresses).
+  what the forward leaves for the backward, each in the layout the backward reads
+  (`Fp8Forward`: allocated by the caller, so a replayed pass writes them at the same
+  addresses).
 - Backward: the output gradient is quantized (e5m2 under 'hybrid'), with the TP group's
   amax where it is gathered (a row layer under SP). The dgrad reuses the forward's FP8
   weight, transposed; the wgrad reuses the FP8 input (the column layer gathers the
@@ -126,15 +127,15 @@ class Fp8WeightCache:
 class Fp8Forward:
     """What an FP8 forward pass writes for its backward: the FP8 input rows and weight,
     with their scales. `rows`: the input flattened to [tokens, k]. Tensorwise, the weight
-    is also written transposed (`w8t`, the dgrad's layout) by its cast's kernel; `cache`:
-    the layer's Fp8WeightCache, whose weight this pass quantizes, or, with `reuse`, only
-    reads. `input_t` (tensorwise): the input's cast also writes it transposed (`x8t`),
-    what a wgrad on this rank's own input (a row layer's) takes, kept for the backward in
-    place of `x8`."""
+    is also written transposed (`w8t`, the dgrad's layout) by its cast's kernel (with
+    `weight_t`; always into a `cache`: the layer's Fp8WeightCache, whose weight this pass
+    quantizes, or, with `reuse`, only reads). `input_t` (tensorwise): the input's cast also
+    writes it transposed (`x8t`), what a wgrad on this rank's own, ungathered input takes,
+    kept for the backward in place of `x8`."""
 
     def __init__(self, p: Precision, rows: torch.Tensor, weight: torch.Tensor,
                  cache: Optional[Fp8WeightCache] = None, reuse: bool = False,
-                 input_t: bool = False):
+                 input_t: bool = False, weight_t: bool = True):
         self.p = p
         self.rowwise = p.recipe == "rowwise"
         tokens, k = rows.shape
@@ -150,7 +151,7 @@ class Fp8Forward:
         else:
             self.w8 = torch.empty(weight.shape, dtype=p.fwd, device=weight.device)
             self.w_scale = torch.empty((weight.shape[0], 1) if self.rowwise else (), **f32)
-            self.w8t = (None if self.rowwise else
+            self.w8t = (None if self.rowwise or not weight_t else
                         torch.empty(weight.shape[::-1], dtype=p.fwd, device=weight.device))
 
     def tensors(self) -> tuple[Optional[torch.Tensor], ...]:

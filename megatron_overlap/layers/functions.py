@@ -278,16 +278,19 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
 
 # -- autograd ------------------------------------------------------------------------------
 def _fp8_forward(precision: Optional[Precision], x: torch.Tensor, weight: torch.Tensor,
-                 fp8_weight: Optional[tuple] = None, own_input: bool = False
-                 ) -> Optional[Fp8Forward]:
+                 fp8_weight: Optional[tuple] = None, own_input: bool = False,
+                 grad_mode: bool = True) -> Optional[Fp8Forward]:
     """The FP8 forward's operands; `fp8_weight`: (the layer's Fp8WeightCache, reuse) or None.
-    `own_input`: the wgrad reads this rank's own input, not a gather of it (a row layer):
-    its cast also writes the wgrad's layout, when an FP8 wgrad runs."""
+    `own_input`: the wgrad reads this rank's own input, not a gather of it (a row layer, a
+    column layer without SP): its cast also writes the wgrad's layout when an FP8 wgrad
+    will run. `grad_mode`: autograd was on at the call (inside the Function it never is),
+    so a backward may follow; without one no layout for it is written (an uncached
+    weight's neither)."""
     if precision is None or not precision.fp8:
         return None
-    input_t = own_input and precision.wgrad and weight.requires_grad
+    input_t = own_input and precision.wgrad and weight.requires_grad and grad_mode
     return Fp8Forward(precision, _flat(x), weight, *(fp8_weight or (None, False)),
-                      input_t=input_t)
+                      input_t=input_t, weight_t=grad_mode)
 
 
 def _fp8_static(q: Optional[Fp8Forward]) -> tuple:
@@ -338,11 +341,12 @@ class ColumnParallelMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool, allreduce_dgrad: bool,
                 layouts: dict | None = None, graphs: Graphs = None, audit=None,
-                precision: Optional[Precision] = None, fp8_weight: Optional[tuple] = None):
+                precision: Optional[Precision] = None, fp8_weight: Optional[tuple] = None,
+                grad_mode: bool = True):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.allreduce_dgrad = plan, tp, fuse_wgrad, allreduce_dgrad
         ctx.layouts = layouts = layouts or {}
         ctx.graphs, ctx.use_bias, ctx.audit = graphs, bias is not None, audit
-        q = _fp8_forward(precision, x, weight, fp8_weight, own_input=not plan.sequence_parallel)
+        q = _fp8_forward(precision, x, weight, fp8_weight, not plan.sequence_parallel, grad_mode)
         _save(ctx, x, weight, q)
         # the output in its final shape (no host-side view after a replay): SP gathers the sequence
         seq = x.shape[0] * (tp.world_size if plan.sequence_parallel else 1)
@@ -360,7 +364,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
         need_in, wgrad, need_b = ctx.needs_input_grad[:3]
         if not (need_in or wgrad):  # frozen weight, input without grad: only a bias trains
             grad_b = _flat(grad_out).sum(0) if need_b else None
-            return None, None, grad_b, None, None, None, None, None, None, None, None, None
+            return None, None, grad_b, None, None, None, None, None, None, None, None, None, None
         grad_in, grad_w = _grad_in(ctx, weight), grad_buffer(weight, grad_out, fuse, wgrad)
         grad_b = grad_out.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
         # whether the wgrad runs changes what the pass issues: part of its replay key
@@ -371,7 +375,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
              *(q.tensors() if q is not None else ()), static=(ctx.allreduce_dgrad, wgrad),
              audit=ctx.audit)
         grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
-        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
 
 
 class RowParallelMatmul(torch.autograd.Function):
@@ -380,11 +384,12 @@ class RowParallelMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool,
                 layouts: dict | None = None, graphs: Graphs = None, audit=None,
-                precision: Optional[Precision] = None, fp8_weight: Optional[tuple] = None):
+                precision: Optional[Precision] = None, fp8_weight: Optional[tuple] = None,
+                grad_mode: bool = True):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs, ctx.audit = plan, tp, fuse_wgrad, graphs, audit
         ctx.use_bias = bias is not None
         ctx.layouts = layouts = layouts or {}
-        q = _fp8_forward(precision, x, weight, fp8_weight, own_input=True)
+        q = _fp8_forward(precision, x, weight, fp8_weight, True, grad_mode)
         _save(ctx, x, weight, q)
         # SP reduce-scatters the sequence (the layer's door checked that TP divides it)
         seq = x.shape[0] // (tp.world_size if plan.sequence_parallel else 1)
@@ -408,7 +413,7 @@ class RowParallelMatmul(torch.autograd.Function):
              grad_out, x, weight, grad_in, grad_w, grad_b, main_grad_written(weight, fuse, wgrad),
              *(q.tensors() if q is not None else ()), static=(wgrad,), audit=ctx.audit)
         grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
-        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None
+        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None, None
 
 
 # -- the last-dim gather / split around a layer (gather_output, a row's unsplit input) ----

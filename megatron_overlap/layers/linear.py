@@ -228,7 +228,7 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
             out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
                                              self.gradient_accumulation_fusion, self._allreduce_dgrad,
                                              self._layouts, self.pass_graphs, audit, self.precision,
-                                             self._fp8_weight(w))
+                                             self._fp8_weight(w), torch.is_grad_enabled())
         if gather and self.transport.world_size > 1:  # bounded, unlike Megatron's gather
             out = GatherLastDim.apply(out, self.transport, self.overlap_plan.op_name("gather_output"))
         return out, (self.bias if self.skip_bias_add else None)
@@ -262,5 +262,6 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
             self._note_tokens(input_, full=True)
             out = RowParallelMatmul.apply(x, w, bias, self.overlap_plan, self.transport,
                                           self.gradient_accumulation_fusion, self._layouts, self.pass_graphs,
-                                          audit, self.precision, self._fp8_weight(w))
+                                          audit, self.precision, self._fp8_weight(w),
+                                          torch.is_grad_enabled())
         return out, (self.bias if self.skip_bias_add else None)

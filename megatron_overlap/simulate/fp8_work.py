@@ -5,7 +5,9 @@ pass's GEMM and transfers are the schedules'; this is the rest, which an FP8 pas
 and a bf16 pass does not, on the GEMMs' stream before or after them.
 
 Per pass, with T tokens, TP size W, per-rank K (in) and N (out), p the parameters' bytes
-per element:
+per element, under sequence parallelism (what the overlapped passes run; without it
+nothing is gathered, so the casts write every wgrad layout and the wgrad transposes
+nothing, which this table does not model):
 
 | pass | column layer (input gathered) | row layer (output reduce-scattered) |
 |---|---|---|
