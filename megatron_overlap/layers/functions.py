@@ -320,6 +320,21 @@ def _saved(ctx):
     return x, weight, q
 
 
+def _forward(ctx, fprop, x: torch.Tensor, weight: torch.Tensor, bias, seq: int,
+             plan: LayerPlan, tp: Transport, layouts: dict, graphs: Graphs, audit,
+             q: Optional[Fp8Forward]) -> torch.Tensor:
+    """Either layer's forward: what its backward reads saved, the output allocated in its
+    final shape (`seq` long: no host-side view after a replay), and `fprop` (the layer's
+    forward pass function) run as the transport pass 'fprop', replayed where it can be."""
+    _save(ctx, x, weight, q)
+    out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
+    _run(graphs, "fprop", tp,
+         lambda: fprop(_flat(x), weight, bias, _flat(out), plan, tp, layouts.get("fprop"), q),
+         x, weight, bias, out, *(q.tensors() if q is not None else ()), static=_fp8_static(q),
+         audit=audit)
+    return out
+
+
 def _grad_in(ctx, weight: torch.Tensor) -> torch.Tensor:
     return weight.new_empty(ctx.x_shape, dtype=ctx.x_dtype)
 
@@ -347,15 +362,8 @@ class ColumnParallelMatmul(torch.autograd.Function):
         ctx.layouts = layouts = layouts or {}
         ctx.graphs, ctx.use_bias, ctx.audit = graphs, bias is not None, audit
         q = _fp8_forward(precision, x, weight, fp8_weight, not plan.sequence_parallel, grad_mode)
-        _save(ctx, x, weight, q)
-        # the output in its final shape (no host-side view after a replay): SP gathers the sequence
-        seq = x.shape[0] * (tp.world_size if plan.sequence_parallel else 1)
-        out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
-        _run(graphs, "fprop", tp,
-             lambda: column_fprop(_flat(x), weight, bias, _flat(out), plan, tp, layouts.get("fprop"), q),
-             x, weight, bias, out, *(q.tensors() if q is not None else ()), static=_fp8_static(q),
-             audit=audit)
-        return out
+        seq = x.shape[0] * (tp.world_size if plan.sequence_parallel else 1)  # SP gathers it
+        return _forward(ctx, column_fprop, x, weight, bias, seq, plan, tp, layouts, graphs, audit, q)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -390,15 +398,9 @@ class RowParallelMatmul(torch.autograd.Function):
         ctx.use_bias = bias is not None
         ctx.layouts = layouts = layouts or {}
         q = _fp8_forward(precision, x, weight, fp8_weight, True, grad_mode)
-        _save(ctx, x, weight, q)
         # SP reduce-scatters the sequence (the layer's door checked that TP divides it)
         seq = x.shape[0] // (tp.world_size if plan.sequence_parallel else 1)
-        out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
-        _run(graphs, "fprop", tp,
-             lambda: row_fprop(_flat(x), weight, bias, _flat(out), plan, tp, layouts.get("fprop"), q),
-             x, weight, bias, out, *(q.tensors() if q is not None else ()), static=_fp8_static(q),
-             audit=audit)
-        return out
+        return _forward(ctx, row_fprop, x, weight, bias, seq, plan, tp, layouts, graphs, audit, q)
 
     @staticmethod
     def backward(ctx, grad_out):
