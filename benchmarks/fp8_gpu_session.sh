@@ -99,7 +99,8 @@ if [ "${PART:-all}" = leak ]; then
 # the same weights and batch: the worst names the pass) and ends with the look-ahead check
 # (the logits at j-1, j-2 when token j changes: a leak of the next token, the label) and the
 # loss on sequences never trained on (a leak brings it below log vocab; memorizing cannot).
-# One change each, LEAK_RUNS picks (~65 s each at 60 steps; the default: the first four):
+# One change each, LEAK_RUNS picks (~65 s each at 60 steps, blocking ~2-3x; the default:
+# probe no_sp blocking rowwise, the four that split the candidates most):
 #   probe               TP=2, every FP8 GEMM, shared amax, gather and reduction of the first
 #                       3 steps checked in place (benchmarks/probe_fp8_tp.py; replay off)
 #   tp1                 TP=1
@@ -108,16 +109,16 @@ if [ "${PART:-all}" = leak ]; then
 #   megatron_attention  Megatron's attention (its mask explicit)
 #   bf16_wgrad          the wgrads in bf16
 #   blocking            TP=2 under CUDA_LAUNCH_BLOCKING=1 (a race between streams, or not)
-# Two calls: the default, then LEAK_RUNS="megatron_attention bf16_wgrad blocking". More than
+# Two calls: the default, then LEAK_RUNS="tp1 megatron_attention bf16_wgrad". More than
 # 8 files: OUT=/tmp/d PART=leak bash ...; tar czf $OUT/leak.tgz -C /tmp/d . (as for diag).
 DIAG=${DIAG_STEPS:-60}
-for run in ${LEAK_RUNS:-probe tp1 no_sp rowwise}; do
+for run in ${LEAK_RUNS:-probe no_sp blocking rowwise}; do
   script=benchmarks/fp8_train.py; env=; limit=120
   case $run in
     probe) script=benchmarks/probe_fp8_tp.py; set --;;
     tp1) set -- --tp 1;; no_sp) set -- --no-sp;; rowwise) set -- --fp8-scaling rowwise;;
     megatron_attention) set -- --attention megatron;; bf16_wgrad) set -- --no-fp8-wgrad;;
-    blocking) env=CUDA_LAUNCH_BLOCKING=1; limit=240; set --;;
+    blocking) env=CUDA_LAUNCH_BLOCKING=1; limit=200; set --;;
     *) echo "LEAK_RUNS: unknown run '$run'" >&2; failed=$((failed + 1)); continue;;
   esac
   t=$(date +%s)
