@@ -130,16 +130,7 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
 
 def check(emu, arms, e, tol: float) -> dict:
     """Every arm against Megatron's on the mirror transport (layer_compute's measure)."""
-    from megatron_overlap.ab.emulated_tp import MirrorTransport
-
-    emu.use(MirrorTransport(emu.world, emu.rank), [a.layer for a in arms])
-    got = {}
-    for arm in arms:
-        lc._zero_grads(arm)
-        out = arm.step(e).detach()
-        got[arm.name] = {"output": out, "input grad": arm.x.grad.detach().clone(),
-                         **{f"grad {n}": p.grad.detach().clone() for n, p in arm.layer.named_parameters()}}
-        lc._zero_grads(arm)
+    got = lc.mirrored_results(emu, arms, e)[0]
     errs = {a: {k: lc._rel(got[a][k], v) for k, v in got["megatron"].items()} for a in ARMS[1:]}
     worst = {a: max(e.values()) for a, e in errs.items()}
     return {"tol_rel": tol, "max_rel_err": worst, "rel_err": errs,

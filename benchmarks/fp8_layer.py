@@ -119,16 +119,8 @@ class EagerKernelsArm(lc.Arm):
 def check(emu, arms, e) -> dict:
     """The fp8 arm against the bf16 arm on the mirror transport, relative (norm)."""
     from megatron_overlap.ab.compare import rel_error
-    from megatron_overlap.ab.emulated_tp import MirrorTransport
 
-    emu.use(MirrorTransport(emu.world, emu.rank), [a.layer for a in arms])
-    got = {}
-    for arm in arms:
-        lc._zero_grads(arm)
-        out = arm.step(e).detach()
-        got[arm.name] = {"output": out, "input grad": arm.x.grad.detach().clone(),
-                         **{f"grad {n}": p.grad.detach().clone() for n, p in arm.layer.named_parameters()}}
-        lc._zero_grads(arm)
+    got = lc.mirrored_results(emu, arms, e)[0]
     rel = lambda a, b: rel_error(a, b, dtype=torch.float32)  # noqa: E731
     errs = {k: rel(got["fp8"][k], v) for k, v in got["bf16"].items()}
     # the compiled kernels compute the eager ones' bits and the reused FP8 weight is the one

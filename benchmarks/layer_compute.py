@@ -258,18 +258,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return rel_error(a, b, "max", torch.float32)
 
 
-def check(emu, arms: list[Arm], e: Extras, tol: float, mirror=None) -> dict:
-    """Both layers on MirrorTransport, once each from zero grads: output, input grad and
-    every parameter grad of ours against Megatron's (max |diff| / max |megatron|), and
-    the transfers each arm started there, per op. `mirror`: the transport class
-    (MirrorTransport; a test hands in a broken one)."""
+def mirrored_results(emu, arms: list[Arm], e: Extras, mirror=None
+                     ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, dict]]:
+    """Each arm once on MirrorTransport from zero grads (the checks of this benchmark,
+    attention_layer's and fp8_layer's): per arm its output, input grad and every
+    parameter grad, and the transfers it started there, per op. `mirror`: the transport
+    class (MirrorTransport; a test hands in a broken one)."""
     from megatron_overlap.ab.emulated_tp import MirrorTransport
     from megatron_overlap.comm import stats
 
-    ref, ours = arms[0], arms[1]
     emu.use((mirror or MirrorTransport)(emu.world, emu.rank), [a.layer for a in arms])
     got, moved = {}, {}
-    for arm in (ref, ours):
+    for arm in arms:
         _zero_grads(arm)
         stats.snapshot(reset=True)
         out = arm.step(e).detach()
@@ -278,6 +278,14 @@ def check(emu, arms: list[Arm], e: Extras, tol: float, mirror=None) -> dict:
                          **{f"grad {n}": p.grad.detach().clone()
                             for n, p in arm.layer.named_parameters()}}
         _zero_grads(arm)
+    return got, moved
+
+
+def check(emu, arms: list[Arm], e: Extras, tol: float, mirror=None) -> dict:
+    """Both layers on MirrorTransport (`mirrored_results`): output, input grad and every
+    parameter grad of ours against Megatron's (max |diff| / max |megatron|), and the
+    transfers each arm started there."""
+    got, moved = mirrored_results(emu, arms[:2], e, mirror)
     errs = {k: _rel(got["ours"][k], v) for k, v in got["megatron"].items()}
     worst = max(errs, key=errs.get)
     return {"transport": "mirror", "tol_rel": tol, "max_rel_err": errs[worst], "worst": worst,
