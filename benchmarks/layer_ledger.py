@@ -1,6 +1,7 @@
 """The ledger of one transformer layer's forward + backward: every device operation it
 issues, with the bytes it reads and writes, its FLOPs and where in the code it comes from,
 for two arms of the same layer (--pair): fp8, the bf16 and the FP8 layer install() builds;
+attention, the layer with a plain causal SDPA call against install()'s core attention;
 overlap, Megatron's linears against our overlapped linears (bf16, install()'s attention in
 both); fp8_micro, the FP8 layer quantizing its weights at every forward against the same at
 a step's later micro-batches, its FP8 weights reused (benchmarks/fp8_layer.py's arms). METHOD's first step for benchmarks/fp8_layer.py and attention_layer.py: count before
@@ -25,7 +26,7 @@ the innermost frame in megatron_overlap (else in megatron, else torch). Predicte
 the memory-bound rest: bytes / --bandwidth + launches x --launch-us (stated assumptions,
 not measurements; the device's copy bandwidth is to be measured, METHOD.md).
 
-    python benchmarks/layer_ledger.py [--pair fp8|overlap|fp8_micro] [--shapes all] [--top 12]
+    python benchmarks/layer_ledger.py [--pair fp8|overlap|fp8_micro|attention] [--shapes all] [--top 12]
     python benchmarks/layer_ledger.py --shapes tiny           # seconds; what tests run
 
 Writes <out>/layer_ledger_<pair>_<tag>.json (every operation of both arms) and prints, per
@@ -287,15 +288,20 @@ def _micro_pair(shape, args, dtype, device):
     return [a for a in arms if a.name in ("fp8", "fp8_later_micro")], e
 
 
-def _overlap_pair(shape, args, dtype, device):
-    arms, e = al.build_arms(shape, args, dtype, device)
-    return [a for a in arms if a.name in ("ours_attention", "ours")], e
+def _attention_pair(names: tuple[str, str]):
+    def build(shape, args, dtype, device):
+        arms, e = al.build_arms(shape, args, dtype, device)
+        return [a for a in arms if a.name in names], e
+    return build
 
 
 # --pair: (what differs, the arms' builder); the second arm is the one whose sites are listed
 PAIRS = {"fp8": ("the layer install() builds, bf16 vs fp8 (hybrid, tensorwise)", _fp8_pair),
          "overlap": ("bf16, Megatron's linears (ours_attention) vs our overlapped linears (ours), "
-                     "both with install()'s attention", _overlap_pair),
+                     "both with install()'s attention", _attention_pair(("ours_attention", "ours"))),
+         "attention": ("bf16, Megatron's linears, the core attention a plain causal SDPA call "
+                       "(sdpa_ref) vs install()'s (ours_attention)",
+                       _attention_pair(("sdpa_ref", "ours_attention"))),
          "fp8_micro": ("fp8 at every forward vs at a step's later micro-batches under Megatron's "
                        "schedules (fp8_later_micro: its FP8 weights reused)", _micro_pair)}
 
@@ -341,14 +347,16 @@ def table(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = al.arguments(__doc__, fp8_layer.SHAPES)
+    ap = al.arguments(__doc__, al.SHAPES)
     ap.add_argument("--pair", choices=sorted(PAIRS), default="fp8", help="which two arms (PAIRS)")
     ap.add_argument("--bandwidth", type=float, default=3.5, help="TB/s assumed for the memory-bound ops")
     ap.add_argument("--launch-us", type=float, default=2.0, help="us assumed per kernel (graphed)")
     ap.add_argument("--top", type=int, default=12)
     ap.set_defaults(device="cpu")
     args = ap.parse_args(argv)
-    return al.run(f"layer_ledger_{args.pair}", args, fp8_layer.SHAPES, run_shape, table, torch.bfloat16)
+    # 'all': the shapes of the benchmark whose arms the pair compares
+    shapes = fp8_layer.SHAPES if args.pair.startswith("fp8") else tuple(al.SHAPES)
+    return al.run(f"layer_ledger_{args.pair}", args, shapes, run_shape, table, torch.bfloat16)
 
 
 if __name__ == "__main__":
