@@ -168,3 +168,53 @@ def test_what_a_later_micro_batch_a_forward_without_autograd_and_a_frozen_weight
     # a frozen weight: no input kept, only the FP8 weight transposed (for the dgrad) and scales
     assert [s for d, s in r["frozen_kept"] if len(s) > 1] == [(k, K)], r
     assert all(d.startswith("torch.float8") for d, s in r["frozen_kept"] if len(s) > 1), r
+
+
+def _recompute(rank, world):
+    import torch
+
+    import megatron_overlap as mo
+    from helpers.gpt import make_config, make_model, train
+    from helpers.megatron_cpu import init, rng_states_on_cpu
+
+    init(world)
+    rng_states_on_cpu()  # Megatron's checkpoint saves a CUDA generator's state too
+    fp8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
+    ways = {"full": dict(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=1),
+            "selective_mlp": dict(recompute_granularity="selective", recompute_modules=["mlp"])}
+    out = {}
+    mo.install()  # trained while installed: the checkpoint is install()'s while it is
+    try:
+        plain, wrap_plain = make_model(make_config(world, "swiglu_gqa_rms", overlap=True, **fp8))
+        models = {"plain": (plain, wrap_plain)}
+        for name, how in ways.items():
+            try:
+                models[name] = make_model(make_config(world, "swiglu_gqa_rms", overlap=True,
+                                                      **fp8, **how))
+            except TypeError as exc:  # recompute_modules: megatron-core 0.15 on
+                out[name] = f"not in this megatron-core: {exc}"
+        start = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                 for k, v in plain.state_dict().items()}
+        for name, (model, wrap) in models.items():
+            model.load_state_dict(start)  # every model from the same weights
+            out[name] = train(wrap(model), steps=3, schedule=True, microbatches=2)
+    finally:
+        mo.uninstall()
+    import megatron.core.transformer.transformer_block as block
+
+    out["restored"] = block.te_checkpoint is None  # (no TE here: megatron-core's None)
+    return out
+
+
+def test_fp8_training_under_activation_recompute_equals_it_without():
+    """megatron-core checkpoints an FP8 model with Transformer Engine's te_checkpoint, which
+    without TE is None or raises: install() makes it Megatron's own checkpoint. Full
+    recompute runs each layer's forward twice, the first without autograd (no layout for a
+    backward written, the FP8 weight cache made at a step's first micro-batch); selective
+    recompute the MLP's: the losses are those of the same FP8 model without recompute, bit
+    for bit."""
+    for r in dist.run(_recompute, 2, timeout=300):
+        assert r["full"] == r["plain"], r
+        assert r["selective_mlp"] == r["plain"] or r["selective_mlp"].startswith("not in"), r
+        assert r["restored"], r

@@ -513,6 +513,9 @@ def models(tree, tmp_path_factory) -> dict:
             "megatron_attention": _model(tree, "--tp-comm-overlap", "--megatron-overlap-attention",
                                          "megatron"),
             "fp8": _model(tree, "--tp-comm-overlap", *FP8),
+            "fp8_recompute": _model(tree, "--tp-comm-overlap", *FP8, "--recompute-granularity",
+                                    "full", "--recompute-method", "uniform",
+                                    "--recompute-num-layers", "1"),
             "bf16": _model(tree, "--tp-comm-overlap", "--bf16"),
             "fp8_rowwise": _model(tree, "--tp-comm-overlap", "--bf16", *FP8, "--no-fp8-wgrad",
                                   "--megatron-overlap-fp8-scaling", "rowwise"),
@@ -611,6 +614,15 @@ def test_fp8_flags_run_fp8_in_our_linears(models):
             for p in fp8["precision"].values()), fp8["precision"]
         assert fp8["loss"] == pytest.approx(off["loss"], rel=5e-3) and fp8["loss"] != off["loss"]
         assert fp8["te_imported"] is False
+
+
+def test_fp8_with_full_activation_recompute_trains_as_without(models):
+    """--recompute-granularity full beside the FP8 flags, no Transformer Engine: megatron-core
+    checkpoints an FP8 config's layers with TE's te_checkpoint (None here); through the
+    entry point they run Megatron's own checkpoint instead, to the same loss, bit for bit."""
+    for again, fp8 in zip(models["fp8_recompute"], models["fp8"]):
+        assert again["precision"] == fp8["precision"]
+        assert again["loss"] == fp8["loss"] and again["te_imported"] is False
 
 
 def test_rowwise_fp8_flags_run_rowwise_fp8_in_our_linears(models):

@@ -10,7 +10,7 @@ from ..config import OverlapConfig, state
 from ..layers import precision
 from ..overlap import replay, streams
 from . import attention as core_attention
-from . import norms, swap
+from . import norms, recompute, swap
 
 log = logging.getLogger("megatron_overlap")
 _previous: list[tuple[state.State | None, tuple]] = []
@@ -48,8 +48,9 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool
             fp8_scaling: str = "tensorwise") -> OverlapConfig:
     """Turn the overlap on for layers built from now on: Megatron's TP linears
     built for the 'qkv' / 'proj' / 'fc1' / 'fc2' buffers of a config with
-    `tp_comm_overlap=True` become overlapped, and torch norms accept sequence
-    parallelism.
+    `tp_comm_overlap=True` become overlapped, torch norms accept sequence
+    parallelism, and, without Transformer Engine, an FP8 config's activation recompute
+    runs Megatron's own checkpoint (megatron-core asks TE's for it: `recompute`).
 
     ub_cfgs: None (Transformer Engine's defaults), a path to a TE-style
     `--tp-comm-overlap-cfg` YAML, or the same as a dict. backend: "auto" or a
@@ -85,6 +86,7 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool
         swap.patch()
         norms.patch()
         core_attention.patch()
+        recompute.patch()
     _previous.append((state.set_state(new), previous_knobs))
     if log.isEnabledFor(logging.INFO):
         # per-peer transports: the table shows what the inter-node link honours
@@ -106,4 +108,5 @@ def uninstall() -> None:
         swap.unpatch()
         norms.unpatch()
         core_attention.unpatch()
+        recompute.unpatch()
         comm.reset()

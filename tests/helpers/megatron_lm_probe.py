@@ -228,7 +228,7 @@ def sft_vs_alone(model, args) -> dict:
 
 
 def probe_model() -> dict:
-    from helpers.megatron_cpu import install_cpu_shims
+    from helpers.megatron_cpu import install_cpu_shims, rng_states_on_cpu
     from megatron.core.tensor_parallel import random as mrandom
 
     if "--sft" in sys.argv:  # Megatron-LM's own SFT data path, its HF loaders stood in for
@@ -236,6 +236,8 @@ def probe_model() -> dict:
         import sft_standins
         sft_standins.install()
     install_cpu_shims()
+    if "--recompute-granularity" in sys.argv:  # Megatron's checkpoint saves a CUDA generator too
+        rng_states_on_cpu()
     initialize._compile_dependencies = lambda *a, **k: None  # make/pybind11 helpers, CUDA kernels
     real_init_distributed = initialize._initialize_distributed
 
