@@ -19,9 +19,9 @@ replay, medians of --repeat rounds of --reps):
 The FP8 operands are quantized before the timing: the layer quantizes each once per pass
 (before any transfer), whole or chunked alike; so are the transposed copies its casts
 write (the dgrad's weight; a wgrad's operand that is not gathered); a wgrad's gathered
-operand is transposed in the pass, as the layer's wgrad transposes it. The whole layer with its quantization is benchmarks/fp8_layer.py's;
-the FP8 work's bytes and kernels, simulate/fp8_work.py's. Goal: fp8 chunked >= 0.93 of fp8
-whole (graphed).
+operand is transposed in the pass, as the layer's wgrad transposes it. The whole layer
+with its quantization is benchmarks/fp8_layer.py's; the FP8 work's bytes and kernels,
+simulate/fp8_work.py's. Goal: fp8 chunked >= 0.93 of fp8 whole (graphed).
 
     python benchmarks/fp8_compute.py [--tune A.json B.json] [--reps 20] [--repeat 3]
     python benchmarks/fp8_compute.py --device cpu --shrink 64       # FUNCTIONAL ONLY

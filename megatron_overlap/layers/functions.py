@@ -264,7 +264,8 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
             row_wgrad(g_full, x2, weight, grad_w, plan, fuse)
     else:
         sp = plan.sequence_parallel  # g gathered; else its own, column-major from its cast
-        g8, g_scale, g_col = q.grad(g, tp if sp else None, dname, col=not sp and wgrad and q.p.wgrad)
+        g8, g_scale, g_col = q.grad(g, tp if sp else None, dname,
+                                    col=not sp and wgrad and q.p.wgrad)
         w8t, dgemm = q.dgrad(g_scale, grad_in.dtype)
         g_full = row_dgrad(g8, w8t.t(), grad_in, plan, tp, nodes, streams, dname, dgemm)
         if wgrad and q.p.wgrad:

@@ -146,9 +146,8 @@ def _run_compiled(key: tuple, fn, *args: torch.Tensor) -> bool:
 def _cast_t_by(saturate, x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
                out_t: torch.Tensor) -> torch.Tensor:
     """`_cast_by`, also written transposed into `out_t`: the same numbers twice."""
-    q = saturate(x.to(torch.float32) * scale, out.dtype)
-    out_t.copy_(q.t())
-    return out.copy_(q)
+    out_t.copy_(_cast_by(saturate, x, scale, out).t())
+    return out
 
 
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:

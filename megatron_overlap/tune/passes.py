@@ -198,7 +198,7 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
         g8, sg = q8(precision.grad, m, n)
         x8, sx = q8(precision.fwd, m, k)
         gemm = fp8.ScaledGemm(sg, sx, dtype)
-        t.update(g=g8, grad_w=empty(n, k))
+        t["grad_w"] = empty(n, k)
         if shape.column:  # the gradient column-major, as its cast leaves it
             t.update(g=transposed(g8).t(), inp=x8, grad_in=empty(m // w, k))
             if not (trial.comm_moved and overlap):
@@ -208,8 +208,8 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
                 F.begin(tp, plan, "wgrad")
                 F.column_wgrad(t["g"], t["inp"], t["weight"], t["grad_w"], t["grad_in"],
                                t.get("pending"), plan, tp, False, gemm=gemm, fp8=True)
-        else:  # this rank's input column-major, as its cast leaves it
-            t["x"] = transposed(x8).t()
+        else:  # the gathered gradient row-major; this rank's input column-major (its cast)
+            t.update(g=g8, x=transposed(x8).t())
 
             def body():
                 F.begin(tp, plan, "wgrad")
