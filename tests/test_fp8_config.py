@@ -38,14 +38,50 @@ def test_tensorwise_runs_with_megatrons_formats(fmt, grad):
     assert not off.wgrad and "wgrad high precision" in off.describe()
 
 
-def test_megatrons_default_recipe_delayed_is_refused_naming_what_runs():
+def test_megatrons_default_recipe_delayed_runs_with_its_fields():
     cfg = _config(fp8="hybrid")  # fp8_recipe left at Megatron's default
     assert cfg.fp8_recipe == "delayed"
-    err = _refusal(cfg)
-    msg = str(err)
-    assert (err.layer, err.key, err.value) == ("qkv (column)", "fp8_recipe", "delayed")
-    assert "'qkv (column)'" in msg and "amax history" in msg
-    assert "recipes that run: tensorwise" in msg and "fp8_recipe='tensorwise'" in msg
+    p = layer_precision(cfg, "qkv (column)", 2)
+    assert (p.recipe, p.fwd, p.grad, p.wgrad) == ("delayed", torch.float8_e4m3fn,
+                                                   torch.float8_e5m2, True)
+    assert (p.history, p.algo, p.margin) == (1, "most_recent", 0)  # Megatron's defaults
+    assert "amax history 1 (most_recent), margin 0" in p.describe()
+    assert p.dp_amax and "not over data-parallel ranks" in p.describe()  # reported, not done
+    p = layer_precision(_config(fp8="e4m3", fp8_amax_history_len=1024, fp8_amax_compute_algo="max",
+                                fp8_margin=2, tp_only_amax_red=True), "fc2 (row)", 2)
+    assert (p.grad, p.history, p.algo, p.margin, p.dp_amax) == (torch.float8_e4m3fn, 1024, "max",
+                                                                 2, False)
+    assert "data-parallel" not in p.describe()
+
+
+@pytest.mark.parametrize("kw,key", [
+    (dict(fp8_amax_compute_algo="mean"), "fp8_amax_compute_algo"),
+    (dict(fp8_amax_history_len=0), "fp8_amax_history_len"),
+    (dict(fp8_margin=-1), "fp8_margin"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+     "fp8_recipe"),
+    (dict(recompute_granularity="selective", recompute_modules=["mlp"]), "fp8_recipe")])
+def test_delayed_settings_that_cannot_run_are_refused(kw, key):
+    err = _refusal(_config(fp8="hybrid", **kw))
+    assert err.key == key and "'qkv (column)'" in str(err), str(err)
+    if key == "fp8_recipe":  # recompute: the reason and both ways out
+        assert "twice" in str(err) and "tensorwise" in str(err) and "core_attn" in str(err)
+
+
+def test_delayed_with_selective_recompute_of_core_attention_runs():
+    p = layer_precision(_config(fp8="hybrid", recompute_granularity="selective"), "qkv", 2)
+    assert p.recipe == "delayed"  # core_attn (the default module) recomputes no linear
+
+
+def test_rowwise_scales_on_the_delayed_recipe_are_refused():
+    from megatron_overlap.layers.precision import set_scaling
+
+    before = set_scaling("rowwise")
+    try:
+        err = _refusal(_config(fp8="hybrid", fp8_recipe="delayed"))
+    finally:
+        set_scaling(before)
+    assert err.key == "fp8_recipe" and "row-wise" in str(err) and "current scaling" in str(err)
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "blockwise", "custom", "rowwise", "nonsense"])

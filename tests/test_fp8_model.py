@@ -25,7 +25,7 @@ from megatron_overlap.ab.compare import rel_error
 LOSS_RTOL, UPDATE_RTOL = 5e-3, 0.15
 
 
-def _train(rank, world, variant, ckpt_dir):
+def _train(rank, world, variant, ckpt_dir, recipe="tensorwise"):
     import torch
 
     import megatron_overlap as mo
@@ -35,19 +35,23 @@ def _train(rank, world, variant, ckpt_dir):
     from megatron_overlap.config import ConfigError
 
     init(world)
-    fp8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
+    fp8 = dict(fp8="hybrid", fp8_recipe=recipe, **(DELAYED if recipe == "delayed" else {}))
     mo.install()
     try:
         plain, wrap_plain = make_model(make_config(world, variant, overlap=False))
         ours, wrap_ours = make_model(make_config(world, variant, overlap=True, **fp8))
         fresh_plain, _ = make_model(make_config(world, variant, overlap=False))
         fresh_ours, _ = make_model(make_config(world, variant, overlap=True, **fp8))
-        bf16_end, _ = make_model(make_config(world, variant, overlap=True, **fp8,
+        # (Megatron refuses first_last_layers_bf16 with delayed scaling itself)
+        bf16_end, _ = make_model(make_config(world, variant, overlap=True, fp8="hybrid",
+                                             fp8_recipe="tensorwise",
                                              first_last_layers_bf16=True,
                                              num_layers_at_start_in_bf16=0,
                                              num_layers_at_end_in_bf16=1))
-        try:
-            make_model(make_config(world, variant, overlap=True, fp8="hybrid"))
+        try:  # delayed scaling under full recompute: refused
+            make_model(make_config(world, variant, overlap=True, fp8="hybrid",
+                                   recompute_granularity="full", recompute_method="uniform",
+                                   recompute_num_layers=1))
             delayed = "built"
         except ConfigError as exc:
             delayed = str(exc)
@@ -76,26 +80,30 @@ def _train(rank, world, variant, ckpt_dir):
                          if n.endswith(("linear_qkv", "output_layer"))})
 
 
-CASES = [(2, "gelu_bias"), (4, "swiglu_gqa_rms")]
+CASES = [(2, "gelu_bias", "tensorwise"), (4, "swiglu_gqa_rms", "tensorwise"),
+         (2, "gelu_bias", "delayed")]
+# delayed scaling as Transformer Engine users run it: the largest of 16 amaxes
+DELAYED = dict(fp8_amax_history_len=16, fp8_amax_compute_algo="max", tp_only_amax_red=True)
 
 
-@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"tp{c[0]}-{c[1]}")
+@pytest.fixture(scope="module", params=CASES, ids=lambda c: f"tp{c[0]}-{c[1]}-{c[2]}")
 def trained(request, tmp_path_factory):
-    tp, variant = request.param
-    return tp, dist.run(_train, tp, variant, str(tmp_path_factory.mktemp("ckpt")), timeout=400)
+    tp, variant, recipe = request.param
+    return tp, recipe, dist.run(_train, tp, variant, str(tmp_path_factory.mktemp("ckpt")),
+                                recipe, timeout=400)
 
 
 def test_every_overlapped_linear_runs_fp8(trained):
-    _, per_rank = trained
+    _, recipe, per_rank = trained
     r = per_rank[0]
     assert len(r["precision"]) == 8  # 2 layers x qkv, proj, fc1, fc2; the output layer is Megatron's
-    assert all(p.startswith("fp8 tensorwise (e4m3fn fprop, e5m2 grads")
+    assert all(p.startswith(f"fp8 {recipe} (e4m3fn fprop, e5m2 grads")
                for p in r["precision"].values()), r["precision"]
     assert r["classes"]["output_layer"] == "ColumnParallelLinear"
 
 
 def test_fp8_training_is_within_tolerance_of_the_model_without_fp8(trained):
-    _, per_rank = trained
+    _, recipe, per_rank = trained
     for r in per_rank:
         plain, ours = r["losses"]
         assert ours == pytest.approx(plain, rel=LOSS_RTOL)
@@ -107,7 +115,7 @@ def test_fp8_training_is_within_tolerance_of_the_model_without_fp8(trained):
 def test_fp8_gathers_halve_against_bf16_bytes(trained):
     """The forward gathers of qkv and fc1 moved one byte per value: a quarter of the
     fp32 parameters' four, half of bf16's two (the model's activations are fp32)."""
-    tp, per_rank = trained
+    tp, _, per_rank = trained
     from helpers.gpt import BATCH, SEQ
 
     moved = per_rank[0]["moved"]
@@ -118,20 +126,21 @@ def test_fp8_gathers_halve_against_bf16_bytes(trained):
 
 
 def test_checkpoints_move_both_ways_between_fp8_and_plain(trained):
-    _, per_rank = trained
+    _, recipe, per_rank = trained
     for r in per_rank:
         assert r["ckpt_err"] == {"ours_to_plain": 0.0, "plain_to_ours": 0.0}
 
 
 def test_megatrons_bf16_layers_and_default_recipe(trained):
-    _, per_rank = trained
+    _, recipe, per_rank = trained
     r = per_rank[0]
     last = {n: p for n, p in r["bf16_end"].items() if n.startswith("decoder.layers.1.")}
     first = {n: p for n, p in r["bf16_end"].items() if n.startswith("decoder.layers.0.")}
     assert len(last) == len(first) == 4
     assert all(p.startswith("bf16 (first_last_layers_bf16: layer 2 of 2") for p in last.values())
     assert all(p.startswith("fp8 tensorwise") for p in first.values())
-    assert "fp8_recipe='delayed'" in r["delayed"] and "tensorwise" in r["delayed"]
+    # Megatron's default recipe builds (the model above); under full recompute it is refused
+    assert "fp8_recipe='delayed'" in r["delayed"] and "recompute" in r["delayed"]
 
 
 # -- row-wise scaling (install(fp8_scaling='rowwise')): bf16 parameters, the wgrad in bf16 ----

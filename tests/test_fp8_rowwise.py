@@ -221,7 +221,7 @@ def test_rowwise_is_chosen_on_megatrons_tensorwise_recipe(rowwise, fmt, grad):
 @pytest.mark.parametrize("kw,key,says", [
     (dict(fp8_wgrad=True), "fp8_wgrad", "set fp8_wgrad=False (--no-fp8-wgrad)"),
     (dict(params_dtype=torch.float32), "params_dtype", "outputs bf16 only"),
-    (dict(fp8_recipe="delayed"), "fp8_recipe", "amax history"),
+    (dict(fp8_recipe="delayed"), "fp8_recipe", "current scaling"),
 ])
 def test_rowwise_refuses_what_it_does_not_run(rowwise, kw, key, says):
     from megatron_overlap.config import ConfigError

@@ -35,9 +35,9 @@ from typing import Optional
 import torch
 
 from ..comm.transport import Transport
-from ..overlap.fp8 import (TAIL, RowScaledGemm, ScaledGemm, amax, quantize, row_scales,
-                           rows_dequantized, rows_quantized, scale_for, shared_amax,
-                           transposed)
+from ..overlap.fp8 import (TAIL, AmaxHistory, RowScaledGemm, ScaledGemm, amax,
+                           delayed_quantize, group_max, quantize, row_scales, rows_dequantized,
+                           rows_quantized, scale_for, shared_amax, transposed, update_scale)
 from .precision import Precision
 
 
@@ -59,6 +59,80 @@ def quantized(x: torch.Tensor, dtype: torch.dtype, tp: Optional[Transport] = Non
     s = scale_for(a, dtype)
     t = x.new_empty(x.shape[::-1], dtype=dtype) if col else None
     return quantize(x, s, dtype, out_t=t), s, (None if t is None else t.t())
+
+
+class DelayedScales:
+    """A layer's delayed scaling (fp8_recipe 'delayed', Transformer Engine's semantics):
+    for each FP8 tensor of its GEMMs (the input, the weight, the output gradient) an
+    `AmaxHistory`. A quantization uses the scale its history holds, then records its
+    amax, the TP group's (so every rank keeps the same history: a gathered tensor has
+    one scale, and the checkpoint, which keeps TP rank 0's, restores every rank), and
+    the scale for the next one follows. The histories are the layer's extra state in a
+    checkpoint (`state`, `load`)."""
+
+    ROLES = ("input", "weight", "grad")
+
+    def __init__(self, p: Precision):
+        self.p = p
+        self._states: dict[str, AmaxHistory] = {}
+        self._loaded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, role: str, device: torch.device) -> AmaxHistory:
+        """`role`'s history, made on `device` at its first use (from a loaded checkpoint
+        where there was one)."""
+        st = self._states.get(role)
+        if st is None:
+            st = self._states[role] = AmaxHistory(self.p.history, device)
+            if role in self._loaded:
+                self._copy_in(st, *self._loaded.pop(role))
+        return st
+
+    def quantize(self, role: str, x: torch.Tensor, dtype: torch.dtype, used: torch.Tensor,
+                 amax_out: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 out_t: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`x` quantized with `role`'s current scale (into `used`), its amax into `amax_out`."""
+        return delayed_quantize(x, self.get(role, x.device), dtype, used, amax_out, out, out_t)
+
+    def record(self, roles: tuple[str, ...], local: torch.Tensor, tp: Transport, op: str,
+               dtypes: tuple[torch.dtype, ...]) -> None:
+        """The amaxes `local` ([len(roles)], this rank's) reduced over the TP group (one
+        exchange, '<op>_amax'), recorded, and each role's next scale set."""
+        group = group_max(local, tp, f"{op}_amax")
+        for i, (role, dtype) in enumerate(zip(roles, dtypes)):
+            update_scale(self._states[role], group[i], dtype, self.p.margin, self.p.algo)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for role in self.ROLES if role in self._states
+                     for t in self._states[role].tensors())
+
+    def state(self) -> dict:
+        """What a checkpoint keeps (the layer's extra state): per role, its amax history
+        (oldest first) and scale, on the CPU."""
+        held = {r: (st.history, st.scale) for r, st in self._states.items()}
+        held.update({r: v for r, v in self._loaded.items() if r not in held})
+        return {"fp8_recipe": "delayed",
+                "amax_history": {r: h.detach().cpu().clone() for r, (h, _) in held.items()},
+                "scale": {r: s.detach().cpu().clone() for r, (_, s) in held.items()}}
+
+    def load(self, state: dict) -> None:
+        """Restore `state()`: into the histories in place where they exist (their addresses
+        stay, for replayed passes), else at their first use. A history of another length
+        keeps its newest amaxes."""
+        for role, h in state.get("amax_history", {}).items():
+            s = state["scale"][role]
+            if role in self._states:
+                self._copy_in(self._states[role], h, s)
+            else:
+                self._loaded[role] = (h, s)
+
+    @staticmethod
+    def _copy_in(st: AmaxHistory, h: torch.Tensor, s: torch.Tensor) -> None:
+        n = min(len(h), len(st.history))
+        with torch.no_grad():
+            st.history.zero_()
+            if n:
+                st.history[-n:].copy_(h[-n:])
+            st.scale.copy_(s)
 
 
 _STALE = object()  # a cache key no weight has
@@ -131,12 +205,14 @@ class Fp8Forward:
     `weight_t`; always into a `cache`: the layer's Fp8WeightCache, whose weight this pass
     quantizes, or, with `reuse`, only reads). `input_t` (tensorwise): the input's cast also
     writes it transposed (`x8t`), what a wgrad on this rank's own, ungathered input takes,
-    kept for the backward in place of `x8`."""
+    kept for the backward in place of `x8`. `delayed`: the layer's DelayedScales (fp8_recipe
+    'delayed'), whose histories give the scales and record the amaxes."""
 
     def __init__(self, p: Precision, rows: torch.Tensor, weight: torch.Tensor,
                  cache: Optional[Fp8WeightCache] = None, reuse: bool = False,
-                 input_t: bool = False, weight_t: bool = True):
-        self.p = p
+                 input_t: bool = False, weight_t: bool = True,
+                 delayed: Optional[DelayedScales] = None):
+        self.p, self.delayed = p, delayed
         self.rowwise = p.recipe == "rowwise"
         tokens, k = rows.shape
         f32 = dict(dtype=torch.float32, device=rows.device)
@@ -154,8 +230,14 @@ class Fp8Forward:
             self.w8t = (None if self.rowwise or not weight_t else
                         torch.empty(weight.shape[::-1], dtype=p.fwd, device=weight.device))
 
+        self.roles = ("input", "weight") if self.quantize_weight else ("input",)
+        if delayed is not None:  # made before the pass: its replay key holds their addresses
+            for role in self.roles:
+                delayed.get(role, rows.device)
+
     def tensors(self) -> tuple[Optional[torch.Tensor], ...]:
-        return self.x8, self.x8t, self.w8, self.x_scale, self.w_scale, self.w8t
+        held = () if self.delayed is None else self.delayed.tensors()
+        return (self.x8, self.x8t, self.w8, self.x_scale, self.w_scale, self.w8t, *held)
 
     def kept_input(self) -> torch.Tensor:
         """The FP8 input the backward's wgrad reads: column-major where the cast wrote it
@@ -173,6 +255,15 @@ class Fp8Forward:
             self.w_scale.copy_(row_scales(weight, fwd))
             quantize(weight, self.w_scale, fwd, out=self.w8)
             return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype)
+        if self.delayed is not None:  # the scales from past amaxes; these amaxes recorded after
+            d, local = self.delayed, torch.empty(len(self.roles), dtype=torch.float32,
+                                                 device=x2.device)
+            d.quantize("input", x2, fwd, self.x_scale, local[0], out=self.x8, out_t=self.x8t)
+            if self.quantize_weight:
+                d.quantize("weight", weight, fwd, self.w_scale, local[1], out=self.w8,
+                           out_t=self.w8t)
+            d.record(self.roles, local, tp, op, (fwd,) * len(self.roles))
+            return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
         a = shared_amax(x2, tp, f"{op}_amax") if gathered else amax(x2)
         scale_for(a, fwd, out=self.x_scale)
         quantize(x2, self.x_scale, fwd, out=self.x8, out_t=self.x8t)
@@ -185,25 +276,36 @@ class Fp8Forward:
 class Fp8Backward:
     """A backward pass's FP8 side: the forward's FP8 weight, transposed, and scales
     (tensorwise; the parameters for row-wise), and the gradient's FP8 type. The pass
-    quantizes the gradient with `grad()`."""
+    quantizes the gradient with `grad()`; `delayed`: the layer's DelayedScales."""
 
     def __init__(self, p: Precision, w8t: Optional[torch.Tensor], w_scale: torch.Tensor,
-                 x_scale: torch.Tensor, weight: Optional[torch.Tensor] = None):
+                 x_scale: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                 delayed: Optional[DelayedScales] = None):
         self.p, self.w8t, self.w_scale, self.x_scale = p, w8t, w_scale, x_scale
-        self.rowwise, self.weight = p.recipe == "rowwise", weight
+        self.rowwise, self.weight, self.delayed = p.recipe == "rowwise", weight, delayed
+        if delayed is not None:  # made before the pass: its replay key holds their addresses
+            delayed.get("grad", w_scale.device)
 
     def tensors(self) -> tuple[Optional[torch.Tensor], ...]:
-        return self.w8t, self.w_scale, self.x_scale
+        held = () if self.delayed is None else self.delayed.tensors()
+        return (self.w8t, self.w_scale, self.x_scale, *held)
 
-    def grad(self, g: torch.Tensor, tp: Optional[Transport] = None, op: str = "",
-             col: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor],
-                                         Optional[torch.Tensor]]:
+    def grad(self, g: torch.Tensor, tp: Transport, op: str, gathered: bool, col: bool = False
+             ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(g in the gradient's FP8 type, its scale, and with `col` g column-major from
-        the cast's kernel: the wgrad's layout of a gradient not gathered); the group's amax
-        with `tp`. Row-wise: (g row-scaled, None, None), its own rows' amaxes."""
+        the cast's kernel: the wgrad's layout of a gradient not gathered). Tensorwise: the
+        TP group's amax when `gathered`; delayed: the history's scale, the group's amax
+        recorded ('<op>_amax'). Row-wise: (g row-scaled, None, None), its rows' amaxes."""
         if self.rowwise:
             return rows_quantized(g, self.p.grad), None, None
-        return quantized(g, self.p.grad, tp, op, col)
+        if self.delayed is None:
+            return quantized(g, self.p.grad, tp if gathered else None, op, col)
+        t = g.new_empty(g.shape[::-1], dtype=self.p.grad) if col else None
+        g_scale = torch.empty((), dtype=torch.float32, device=g.device)
+        local = torch.empty(1, dtype=torch.float32, device=g.device)
+        g8 = self.delayed.quantize("grad", g, self.p.grad, g_scale, local[0], out_t=t)
+        self.delayed.record(("grad",), local, tp, op, (self.p.grad,))
+        return g8, g_scale, (None if t is None else t.t())
 
     def dgrad(self, g_scale: Optional[torch.Tensor], out_dtype: torch.dtype
               ) -> tuple[torch.Tensor, ScaledGemm | RowScaledGemm]:

@@ -24,7 +24,7 @@ from ..config.effects import CAPS
 from ..overlap import all_gather_matmul, hide, matmul, matmul_reduce_scatter
 from ..overlap.replay import PassGraphs
 from ..overlap.streams import ChunkStreams, plain
-from .fp8 import Fp8Backward, Fp8Forward, col_major
+from .fp8 import DelayedScales, Fp8Backward, Fp8Forward, col_major
 from .plan import LayerPlan
 from .precision import Precision
 from .wgrad import accumulates, grad_buffer, grad_for_autograd, main_grad_written, weight_grad
@@ -184,7 +184,7 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
     gd, wd, dgemm, gw, wgemm, fp8_w = g, weight, matmul, g, matmul, False
     if q is not None:
         fp8_w = q.p.wgrad and wgrad  # g column-major for it, from the cast's kernel
-        gd, g_scale, g_col = q.grad(g, col=fp8_w)
+        gd, g_scale, g_col = q.grad(g, tp, dname, gathered=False, col=fp8_w)
         w8t, dgemm = q.dgrad(g_scale, grad_in.dtype)
         wd = w8t.t()
         if fp8_w:
@@ -264,7 +264,7 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
             row_wgrad(g_full, x2, weight, grad_w, plan, fuse)
     else:
         sp = plan.sequence_parallel  # g gathered; else its own, column-major from its cast
-        g8, g_scale, g_col = q.grad(g, tp if sp else None, dname,
+        g8, g_scale, g_col = q.grad(g, tp, dname, gathered=sp,
                                     col=not sp and wgrad and q.p.wgrad)
         w8t, dgemm = q.dgrad(g_scale, grad_in.dtype)
         g_full = row_dgrad(g8, w8t.t(), grad_in, plan, tp, nodes, streams, dname, dgemm)
@@ -280,8 +280,10 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
 # -- autograd ------------------------------------------------------------------------------
 def _fp8_forward(precision: Optional[Precision], x: torch.Tensor, weight: torch.Tensor,
                  fp8_weight: Optional[tuple] = None, own_input: bool = False,
-                 grad_mode: bool = True) -> Optional[Fp8Forward]:
-    """The FP8 forward's operands; `fp8_weight`: (the layer's Fp8WeightCache, reuse) or None.
+                 grad_mode: bool = True, delayed: Optional[DelayedScales] = None
+                 ) -> Optional[Fp8Forward]:
+    """The FP8 forward's operands; `fp8_weight`: (the layer's Fp8WeightCache, reuse) or None;
+    `delayed`: the layer's DelayedScales (fp8_recipe 'delayed').
     `own_input`: the wgrad reads this rank's own input, not a gather of it (a row layer, a
     column layer without SP): its cast also writes the wgrad's layout when an FP8 wgrad
     will run. `grad_mode`: autograd was on at the call (inside the Function it never is),
@@ -291,7 +293,7 @@ def _fp8_forward(precision: Optional[Precision], x: torch.Tensor, weight: torch.
         return None
     input_t = own_input and precision.wgrad and weight.requires_grad and grad_mode
     return Fp8Forward(precision, _flat(x), weight, *(fp8_weight or (None, False)),
-                      input_t=input_t, weight_t=grad_mode)
+                      input_t=input_t, weight_t=grad_mode, delayed=delayed)
 
 
 def _fp8_static(q: Optional[Fp8Forward]) -> tuple:
@@ -307,6 +309,7 @@ def _save(ctx, x: torch.Tensor, weight: torch.Tensor, q: Optional[Fp8Forward] = 
     gathered, under SP; column-major where the wgrad reads it ungathered)."""
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
     ctx.precision = None if q is None else q.p
+    ctx.delayed = None if q is None else q.delayed
     keep = (q.kept_input() if q is not None and q.p.wgrad else x) if weight.requires_grad else None
     # (row-wise: the backward quantizes the weight again, per column, from the weight)
     extra = ((None,) * 3 if q is None or q.rowwise else (q.w8t, q.w_scale, q.x_scale))
@@ -317,7 +320,7 @@ def _saved(ctx):
     """(input or FP8 input, weight, the backward's Fp8Backward or None)."""
     x, weight, w8t, w_scale, x_scale = ctx.saved_tensors
     q = None if ctx.precision is None else Fp8Backward(ctx.precision, w8t, w_scale, x_scale,
-                                                        weight)
+                                                        weight, ctx.delayed)
     return x, weight, q
 
 
@@ -358,11 +361,12 @@ class ColumnParallelMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool, allreduce_dgrad: bool,
                 layouts: dict | None = None, graphs: Graphs = None, audit=None,
                 precision: Optional[Precision] = None, fp8_weight: Optional[tuple] = None,
-                grad_mode: bool = True):
+                grad_mode: bool = True, delayed: Optional[DelayedScales] = None):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.allreduce_dgrad = plan, tp, fuse_wgrad, allreduce_dgrad
         ctx.layouts = layouts = layouts or {}
         ctx.graphs, ctx.use_bias, ctx.audit = graphs, bias is not None, audit
-        q = _fp8_forward(precision, x, weight, fp8_weight, not plan.sequence_parallel, grad_mode)
+        q = _fp8_forward(precision, x, weight, fp8_weight, not plan.sequence_parallel, grad_mode,
+                         delayed)
         seq = x.shape[0] * (tp.world_size if plan.sequence_parallel else 1)  # SP gathers it
         return _forward(ctx, column_fprop, x, weight, bias, seq, plan, tp, layouts, graphs, audit, q)
 
@@ -373,7 +377,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
         need_in, wgrad, need_b = ctx.needs_input_grad[:3]
         if not (need_in or wgrad):  # frozen weight, input without grad: only a bias trains
             grad_b = _flat(grad_out).sum(0) if need_b else None
-            return None, None, grad_b, None, None, None, None, None, None, None, None, None, None
+            return None, None, grad_b, *(None,) * 11
         grad_in, grad_w = _grad_in(ctx, weight), grad_buffer(weight, grad_out, fuse, wgrad)
         grad_b = grad_out.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
         # whether the wgrad runs changes what the pass issues: part of its replay key
@@ -384,7 +388,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
              *(q.tensors() if q is not None else ()), static=(ctx.allreduce_dgrad, wgrad),
              audit=ctx.audit)
         grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
-        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None, None, None
+        return grad_in, grad_w, grad_b, *(None,) * 11
 
 
 class RowParallelMatmul(torch.autograd.Function):
@@ -394,11 +398,11 @@ class RowParallelMatmul(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: LayerPlan, tp: Transport, fuse_wgrad: bool,
                 layouts: dict | None = None, graphs: Graphs = None, audit=None,
                 precision: Optional[Precision] = None, fp8_weight: Optional[tuple] = None,
-                grad_mode: bool = True):
+                grad_mode: bool = True, delayed: Optional[DelayedScales] = None):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs, ctx.audit = plan, tp, fuse_wgrad, graphs, audit
         ctx.use_bias = bias is not None
         ctx.layouts = layouts = layouts or {}
-        q = _fp8_forward(precision, x, weight, fp8_weight, True, grad_mode)
+        q = _fp8_forward(precision, x, weight, fp8_weight, True, grad_mode, delayed)
         # SP reduce-scatters the sequence (the layer's door checked that TP divides it)
         seq = x.shape[0] // (tp.world_size if plan.sequence_parallel else 1)
         return _forward(ctx, row_fprop, x, weight, bias, seq, plan, tp, layouts, graphs, audit, q)
@@ -416,7 +420,7 @@ class RowParallelMatmul(torch.autograd.Function):
              grad_out, x, weight, grad_in, grad_w, grad_b, main_grad_written(weight, fuse, wgrad),
              *(q.tensors() if q is not None else ()), static=(wgrad,), audit=ctx.audit)
         grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
-        return grad_in, grad_w, grad_b, None, None, None, None, None, None, None, None, None
+        return grad_in, grad_w, grad_b, *(None,) * 10
 
 
 # -- the last-dim gather / split around a layer (gather_output, a row's unsplit input) ----

@@ -28,7 +28,7 @@ from ..overlap.fp8 import TAIL
 from ..overlap.hierarchical import RingOrder
 from ..overlap.replay import PassGraphs
 from . import agree, checks
-from .fp8 import Fp8WeightCache
+from .fp8 import DelayedScales, Fp8WeightCache
 from .precision import layer_precision, enclosing_layer_number
 from .graphs import megatron_graphs
 from .functions import (ColumnParallelMatmul, GatherLastDim, RowParallelMatmul, ScatterLastDim,
@@ -83,9 +83,31 @@ class _OverlapMixin:
         # for TE's FP8 parameter cache); the FP8 weight is then made once per step (tensorwise).
         # Not under Megatron's own CUDA graphs: a replay would not see the flag.
         self.is_first_microbatch = True
-        self._fp8_cache = (Fp8WeightCache() if self.precision.fp8 and self.precision.recipe == "tensorwise"
+        self._fp8_cache = (Fp8WeightCache() if self.precision.recipe in ("tensorwise", "delayed")
                            and not getattr(self.config, "disable_parameter_transpose_cache", False)
                            and not self.megatron_graphs else None)
+        # fp8_recipe 'delayed': the amax histories and scales, kept in the checkpoint
+        self._fp8_delayed = (DelayedScales(self.precision) if self.precision.recipe == "delayed"
+                             else None)
+        if self.precision.dp_amax:
+            say_once(logging.WARNING, "megatron_overlap: fp8_recipe='delayed' reduces each amax "
+                     "over the TP group only; tp_only_amax_red=False also asks the data-parallel "
+                     "ranks (Transformer Engine's default), which is not done here: each "
+                     "data-parallel replica keeps its own histories (set tp_only_amax_red=True, "
+                     "--tp-only-amax-red, to say so)")
+
+    def get_extra_state(self) -> Optional[dict]:
+        """The delayed-scaling histories (a checkpoint's `_extra_state`, as Transformer
+        Engine keeps its FP8 metadata there); None otherwise, as Megatron's linears."""
+        return None if self._fp8_delayed is None else self._fp8_delayed.state()
+
+    def set_extra_state(self, state: Any) -> None:
+        """Restore `get_extra_state()`. Another layer's state (None from Megatron's or a bf16
+        layer, TE's metadata, a delayed state into a layer that does not scale so) is
+        ignored, as Megatron's linears ignore theirs: checkpoints move between precisions."""
+        if (self._fp8_delayed is not None and isinstance(state, dict)
+                and state.get("fp8_recipe") == "delayed"):
+            self._fp8_delayed.load(state)
 
     @property
     def transport(self) -> comm.Transport:
@@ -228,7 +250,8 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
             out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
                                              self.gradient_accumulation_fusion, self._allreduce_dgrad,
                                              self._layouts, self.pass_graphs, audit, self.precision,
-                                             self._fp8_weight(w), torch.is_grad_enabled())
+                                             self._fp8_weight(w), torch.is_grad_enabled(),
+                                             self._fp8_delayed)
         if gather and self.transport.world_size > 1:  # bounded, unlike Megatron's gather
             out = GatherLastDim.apply(out, self.transport, self.overlap_plan.op_name("gather_output"))
         return out, (self.bias if self.skip_bias_add else None)
@@ -263,5 +286,5 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
             out = RowParallelMatmul.apply(x, w, bias, self.overlap_plan, self.transport,
                                           self.gradient_accumulation_fusion, self._layouts, self.pass_graphs,
                                           audit, self.precision, self._fp8_weight(w),
-                                          torch.is_grad_enabled())
+                                          torch.is_grad_enabled(), self._fp8_delayed)
         return out, (self.bias if self.skip_bias_add else None)

@@ -30,12 +30,10 @@ import torch
 
 from ..config import ConfigError
 
-RUNS = ("tensorwise",)  # the fp8_recipe values the overlapped linears run
+RUNS = ("tensorwise", "delayed")  # the fp8_recipe values the overlapped linears run
 SCALINGS = ("tensorwise", "rowwise")  # what fp8_recipe='tensorwise' runs: install(fp8_scaling=)
 _scaling = "tensorwise"
 _NOT_RUN = {  # fp8_recipe -> why it is refused
-    "delayed": "delayed scaling (Megatron's default) keeps an amax history per tensor, "
-               "reduced across ranks and kept in the checkpoint; that is not implemented here",
     "mxfp8": "MXFP8 needs block scales (32 values per scale, Blackwell GEMMs)",
     "blockwise": "blockwise scaling needs 128-value block scales",
     "custom": "a custom recipe is a Transformer Engine quantizer factory",
@@ -44,7 +42,8 @@ _NOT_RUN = {  # fp8_recipe -> why it is refused
                "row-wise scales are chosen with megatron_overlap.install(fp8_scaling='rowwise') "
                "(--megatron-overlap-fp8-scaling rowwise) on fp8_recipe='tensorwise'",
 }
-_FIX = ("set fp8_recipe='tensorwise' (--fp8-recipe tensorwise), or fp8=None to train in bf16 "
+_FIX = ("set fp8_recipe='tensorwise' (--fp8-recipe tensorwise) or 'delayed', or fp8=None to "
+        "train in bf16 "
         "(with tp_comm_overlap=False megatron-core's local linears also run bf16, "
         "without saying so)")
 _enclosing: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_overlap_layer",
@@ -71,6 +70,11 @@ class Precision:
     grad: Optional[torch.dtype] = None  # the output gradient's (e5m2 under 'hybrid')
     wgrad: bool = False  # the wgrad GEMM in FP8 too (fp8_wgrad)
     why: str = ""  # for a bf16 layer of an FP8 model: the setting that keeps it in bf16
+    # delayed scaling: amaxes kept per tensor, how the scale reads them, its margin
+    history: int = 0  # fp8_amax_history_len
+    algo: str = ""  # fp8_amax_compute_algo: 'max' or 'most_recent'
+    margin: int = 0  # fp8_margin: the scale divided by 2^margin
+    dp_amax: bool = False  # tp_only_amax_red=False asked data-parallel ranks too: not done
 
     @property
     def fp8(self) -> bool:
@@ -80,8 +84,12 @@ class Precision:
         if not self.fp8:
             return "bf16" + (f" ({self.why})" if self.why else "")
         name = lambda d: str(d).removeprefix("torch.float8_")  # noqa: E731
+        delayed = (f", amax history {self.history} ({self.algo}), margin {self.margin}, "
+                   f"amaxes reduced over the TP group"
+                   + (" only (not over data-parallel ranks, which tp_only_amax_red=False asks)"
+                      if self.dp_amax else "")) if self.recipe == "delayed" else ""
         return (f"fp8 {self.recipe} ({name(self.fwd)} fprop, {name(self.grad)} grads, "
-                f"wgrad {'fp8' if self.wgrad else 'high precision'})")
+                f"wgrad {'fp8' if self.wgrad else 'high precision'}{delayed})")
 
 
 BF16 = Precision()
@@ -154,10 +162,7 @@ def layer_precision(config: Any, layer: str, layer_number: Optional[int] = None)
                                                  "params dtype"),
             ("fp8_multi_head_attention", False, "the local spec's attention runs in the params "
                                                 "dtype"),
-            ("fp8_margin", 0, "only delayed scaling reads it (as in Transformer Engine); "
-                              "tensorwise takes each scale from the current amax"),
-            ("fp8_amax_history_len", 1, "only delayed scaling keeps an amax history"),
-            ("fp8_amax_compute_algo", "most_recent", "only delayed scaling reads it")):
+            *(() if recipe == "delayed" else _DELAYED_ONLY)):
         value = getattr(config, key, default)
         if value != default:
             raise _refuse(layer, key, value, why, f"set {key}={default!r}")
@@ -174,10 +179,58 @@ def layer_precision(config: Any, layer: str, layer_number: Optional[int] = None)
                              f"{config.num_layers_at_end_in_bf16} run bf16)")
     grad = torch.float8_e5m2 if fmt == "hybrid" else torch.float8_e4m3fn
     wgrad = bool(getattr(config, "fp8_wgrad", True))
+    if recipe == "delayed":
+        return _delayed(config, layer, grad, wgrad)
     if _scaling == "rowwise":
         _check_rowwise(config, layer, wgrad)
         recipe = "rowwise"
     return Precision(recipe, torch.float8_e4m3fn, grad, wgrad)
+
+
+_DELAYED_ONLY = (
+    ("fp8_margin", 0, "only delayed scaling reads it (as in Transformer Engine); "
+                      "tensorwise takes each scale from the current amax"),
+    ("fp8_amax_history_len", 1, "only delayed scaling keeps an amax history"),
+    ("fp8_amax_compute_algo", "most_recent", "only delayed scaling reads it"))
+_RECOMPUTED = ("mlp", "moe", "shared_experts", "mla_up_proj")  # recompute_modules with linears
+
+
+def _delayed(config: Any, layer: str, grad: torch.dtype, wgrad: bool) -> Precision:
+    """Delayed scaling with Megatron's fields, or the setting that cannot run refused."""
+    if _scaling == "rowwise":
+        raise _refuse(layer, "fp8_recipe", "delayed", "row-wise scales "
+                      "(install(fp8_scaling='rowwise'), --megatron-overlap-fp8-scaling rowwise) "
+                      "are current scaling's; delayed scaling keeps one scale per tensor",
+                      "set fp8_recipe='tensorwise' for row-wise scales, or fp8_scaling="
+                      "'tensorwise' for delayed scaling")
+    history = getattr(config, "fp8_amax_history_len", 1)
+    algo = getattr(config, "fp8_amax_compute_algo", "most_recent")
+    margin = getattr(config, "fp8_margin", 0)
+    for key, value, ok, what in (
+            ("fp8_amax_history_len", history, isinstance(history, int) and history >= 1,
+             "a positive number of amaxes"),
+            ("fp8_amax_compute_algo", algo, algo in ("max", "most_recent"),
+             "'max' or 'most_recent'"),
+            ("fp8_margin", margin, isinstance(margin, int) and margin >= 0,
+             "a non-negative integer")):
+        if not ok:
+            raise _refuse(layer, key, value, f"delayed scaling takes {what}",
+                          f"set {key} to {what}")
+    granularity = getattr(config, "recompute_granularity", None)
+    modules = getattr(config, "recompute_modules", None) or ["core_attn"]
+    if granularity == "full" or (granularity == "selective"
+                                 and any(m in _RECOMPUTED for m in modules)):
+        what = "full" if granularity == "full" else f"selective {list(modules)}"
+        raise _refuse(layer, "fp8_recipe", "delayed", f"with activation recompute ({what}) "
+                      "the linears' forward runs twice: delayed scaling would record each "
+                      "amax twice and quantize the recomputation with the scale updated in "
+                      "between (Transformer Engine saves and restores its scaling state around "
+                      "a recomputation; that is not implemented here)",
+                      "set fp8_recipe='tensorwise' (current scaling recomputes the same "
+                      "numbers), or recompute only core_attn")
+    return Precision("delayed", torch.float8_e4m3fn, grad, wgrad, history=history,
+                     algo=algo, margin=margin,
+                     dp_amax=not getattr(config, "tp_only_amax_red", False))
 
 
 def _check_rowwise(config: Any, layer: str, wgrad: bool) -> None:

@@ -61,12 +61,17 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 def shared_amax(x: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     """max |x| over every rank of `tp`: the amax of the tensor a gather of `x` makes.
     Collective over the TP group, inside the caller's transport pass."""
-    local = amax(x).reshape(1)
+    return group_max(amax(x).reshape(1), tp, op)[0]
+
+
+def group_max(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
+    """The elementwise max of `local` (fp32, [n]) over every rank of `tp`: one all-gather
+    of n floats a rank through the transport (bounded and named like every wait here)."""
     if tp.world_size == 1:
-        return local[0]
-    every = local.new_empty(tp.world_size)
+        return local
+    every = local.new_empty(tp.world_size * local.numel())
     tp.all_gather(every, local, op=op).wait()
-    return every.max()
+    return every.view(tp.world_size, -1).amax(0)
 
 
 def _scale_by(to_scale, dtype: torch.dtype, a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -197,6 +202,21 @@ def _fused_cast_t(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
     return _run_compiled(("cast_t", x.dtype, out.dtype), fn, x, scale, out, out_t)
 
 
+def _fp8_out(x: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor],
+             out_t: Optional[torch.Tensor]) -> torch.Tensor:
+    """`out`, or a new tensor like `x` in `dtype`; `out_t` checked to be x's transposed
+    shape in `dtype`."""
+    if out is None:
+        out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    elif out.dtype != dtype:
+        raise TypeError(f"quantize: out is {out.dtype}, not {dtype}")
+    if out_t is not None and (out_t.dtype != dtype or x.dim() != 2
+                              or out_t.shape != x.shape[::-1]):
+        raise ValueError(f"quantize: out_t {tuple(out_t.shape)} {out_t.dtype} is not "
+                         f"{tuple(x.shape[::-1])} {dtype}")
+    return out
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
              out: Optional[torch.Tensor] = None, out_t: Optional[torch.Tensor] = None
              ) -> torch.Tensor:
@@ -204,14 +224,8 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     `out_t` (2-D `x`, a contiguous tensor of the transposed shape): the same values
     transposed written there too, in the same kernel where the cast is compiled (the FP8
     GEMMs' other layout: `transposed`)."""
-    if out is None:
-        out = torch.empty(x.shape, dtype=dtype, device=x.device)
-    elif out.dtype != dtype:
-        raise TypeError(f"quantize: out is {out.dtype}, not {dtype}")
+    out = _fp8_out(x, dtype, out, out_t)
     if out_t is not None:
-        if out_t.dtype != dtype or x.dim() != 2 or out_t.shape != x.shape[::-1]:
-            raise ValueError(f"quantize: out_t {tuple(out_t.shape)} {out_t.dtype} is not "
-                             f"{tuple(x.shape[::-1])} {dtype}")
         if _fused_cast_t(x, scale, out, out_t):
             return out
     fused = _fused_cast(x, scale, out)
@@ -219,6 +233,77 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     if out_t is not None:
         transposed(out, out=out_t)
     return out
+
+
+class AmaxHistory:
+    """One tensor's delayed scaling (Transformer Engine's `DelayedScaling`, Megatron's
+    default fp8_recipe): the amaxes of its last `length` quantizations (oldest first) and
+    the scale the next one uses, on the device, at fixed addresses (a replayed pass
+    updates them in place). A new history quantizes with scale 1, as TE's does."""
+
+    def __init__(self, length: int, device: torch.device):
+        self.history = torch.zeros(length, dtype=torch.float32, device=device)
+        self.scale = torch.ones((), dtype=torch.float32, device=device)
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.history, self.scale
+
+
+def _delayed_cast_by(saturate, x: torch.Tensor, scale: torch.Tensor, used: torch.Tensor,
+                     amax_out: torch.Tensor, out: torch.Tensor,
+                     out_t: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`_cast_by` with the history's scale (copied into `used`, which this quantization's
+    GEMMs and backward read), x's amax written beside it: one read of x for both."""
+    used.copy_(scale)
+    amax_out.copy_(torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32))
+    if out_t is None:
+        return _cast_by(saturate, x, used, out)
+    return _cast_t_by(saturate, x, used, out, out_t)
+
+
+def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
+                     used: torch.Tensor, amax_out: torch.Tensor,
+                     out: Optional[torch.Tensor] = None, out_t: Optional[torch.Tensor] = None
+                     ) -> torch.Tensor:
+    """`x` quantized with the scale `state` holds now (from past amaxes: no pass over x
+    before the cast), copied into `used`; x's own amax into `amax_out` (a float32
+    scalar), for `update_scale` once it is the TP group's. On a GPU one compiled
+    function (the cast, its transposed copy with `out_t`, the amax; inductor decides how
+    many kernels); elsewhere the same numbers eagerly."""
+    out = _fp8_out(x, dtype, out, out_t)
+    flat = out_t is None and x.is_contiguous() and out.is_contiguous()
+    args = ((x.view(-1), state.scale, used, amax_out, out.view(-1)) if flat else
+            (x, state.scale, used, amax_out, out, out_t))
+    fn = functools.partial(_delayed_cast_by, _ao().to_fp8_saturated)
+    if ((flat or (out_t is not None and x.is_contiguous() and out.is_contiguous()
+                  and out_t.is_contiguous()))
+            and _run_compiled(("delayed_cast", x.dtype, dtype, out_t is not None), fn, *args)):
+        return out
+    used.copy_(state.scale)
+    amax_out.copy_(amax(x))
+    return quantize(x, used, dtype, out=out, out_t=out_t)
+
+
+def _update_by(use_max: bool, fp8_max: float, margin: int, history: torch.Tensor,
+               a: torch.Tensor, scale: torch.Tensor) -> None:
+    """TE's update: the newest amax in, the oldest out; the scale maps the window's max
+    ('max') or the newest ('most_recent') to fp8_max / 2^margin, in fp64 (compiled and
+    eager alike, as torchao's amax_to_scale), at most float32's largest; an amax of 0, inf
+    or NaN keeps the scale."""
+    history.copy_(torch.cat([history[1:], a.reshape(1)]))
+    ref = (history.max() if use_max else a).to(torch.float64)
+    new = (fp8_max / ref / 2.0 ** margin).clamp(max=torch.finfo(torch.float32).max)
+    scale.copy_(torch.where((ref > 0) & torch.isfinite(ref), new.to(torch.float32), scale))
+
+
+def update_scale(state: AmaxHistory, a: torch.Tensor, dtype: torch.dtype, margin: int,
+                 algo: str) -> None:
+    """Record amax `a` (float32 scalar: the TP group's) in `state` and set the scale its
+    next quantization uses (`algo`: 'max' over the history, or 'most_recent')."""
+    fn = functools.partial(_update_by, algo == "max", float(torch.finfo(dtype).max), margin)
+    if not _run_compiled(("delayed_update", algo, dtype, margin), fn, state.history, a,
+                         state.scale):
+        fn(state.history, a, state.scale)
 
 
 def row_scales(x: torch.Tensor, dtype: torch.dtype, dim: int = -1) -> torch.Tensor:

@@ -162,3 +162,51 @@ def test_compiled_scale_equals_torchaos(fp8):
         assert f.scale_for(v, fp8, out=out) is out
         assert torch.equal(out, amax_to_scale(v, fp8)), v
     assert f._compiled.get(("scale", fp8)) is not None, f._compiled
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("col", [False, True])
+def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
+    """Delayed scaling's quantization (`delayed_quantize`: the history's scale, the cast,
+    with `col` its transposed copy, and the amax in one compiled function) and its update
+    (`update_scale`, compiled) give eager's bits, three steps running (history 2, 'max',
+    margin 1); the kernels it takes are printed (inductor decides: the fewer, the fewer
+    reads of x)."""
+    pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_overlap.overlap import fp8 as f
+
+    g = torch.Generator().manual_seed(9)
+    xs = [(torch.randn(1024, 2048, generator=g) * m).to(dtype).cuda() for m in (3, 30, 0.3)]
+    runs = {}
+    for fused in (True, False):
+        before = f.set_fused(fused)
+        try:
+            st, outs = f.AmaxHistory(2, torch.device("cuda")), []
+            for x in xs:
+                used, a = torch.empty((), device="cuda"), torch.empty(1, device="cuda")
+                out_t = torch.empty(x.shape[::-1], dtype=fp8, device="cuda") if col else None
+                out = f.delayed_quantize(x, st, fp8, used, a[0], out_t=out_t)
+                f.update_scale(st, a[0], fp8, 1, "max")
+                outs.append((out.view(torch.uint8).clone(), used.clone(), a.clone(),
+                             None if out_t is None else out_t.view(torch.uint8).clone(),
+                             st.history.clone(), st.scale.clone()))
+            runs[fused] = outs
+        finally:
+            f.set_fused(before)
+    for step, (got, want) in enumerate(zip(runs[True], runs[False])):
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert (a is None and b is None) or torch.equal(a, b), (step, i)
+    assert f._compiled.get(("delayed_cast", dtype, fp8, col)) is not None, f._compiled
+    assert f._compiled.get(("delayed_update", "max", fp8, 1)) is not None, f._compiled
+    used, a = torch.empty((), device="cuda"), torch.empty(1, device="cuda")
+    out_t = torch.empty(xs[0].shape[::-1], dtype=fp8, device="cuda") if col else None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        f.delayed_quantize(xs[0], st, fp8, used, a[0], out_t=out_t)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    print(f"delayed cast {dtype} -> {fp8}, col={col}: {len(kernels)} kernels {kernels}")
+    assert 1 <= len(kernels) <= 3, kernels

@@ -180,22 +180,28 @@ def _shards(case: Fp8Case, rank: int, tp: int, w, b, x, dy):
     return w.chunk(tp, dim=1)[rank], b, x.chunk(tp, dim=-1)[rank], dy_r
 
 
-def reference(case: Fp8Case, rank: int, tp: int, w, b, x, dy) -> dict[str, torch.Tensor]:
-    """What this rank's output, input grad, weight grad and bias grad must be."""
+def reference(case: Fp8Case, rank: int, tp: int, w, b, x, dy, scales: dict | None = None
+              ) -> dict[str, torch.Tensor]:
+    """What this rank's output, input grad, weight grad and bias grad must be. `scales`
+    (delayed scaling): {'input', 'weight', 'grad': the scale every rank quantizes that
+    tensor with}; else each tensor's own (current scaling)."""
     if case.scaling == "rowwise":
         return rowwise_reference(case, rank, tp, w, b, x, dy)
+    def quantize(t: torch.Tensor, dt: torch.dtype, role: str):
+        return ref.quantize(t, dt, None if scales is None else scales[role])
+
     dtype = w.dtype
     wdt = torch.float32 if case.main_grad else dtype  # what the wgrad GEMM outputs
     grad8 = ref.E5M2 if case.fp8 == "hybrid" else ref.E4M3
     flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
     mine = lambda t: t.chunk(tp)[rank] if case.sp else t  # noqa: E731  (SP: this rank's rows)
     if case.kind == "column":
-        x8, sx = ref.quantize(flat(x), ref.E4M3)  # the whole (gathered) input: one scale
+        x8, sx = quantize(flat(x), ref.E4M3, "input")  # the whole (gathered) input: one scale
         out, dgrad_parts = None, []
         for q in range(tp):
-            w8, sw = ref.quantize(w.chunk(tp)[q], ref.E4M3)
+            w8, sw = quantize(w.chunk(tp)[q], ref.E4M3, "weight")
             g_q = flat(dy.chunk(tp, dim=-1)[q])
-            g8, sg = ref.quantize(g_q, grad8)  # a column rank's gradient: its own scale
+            g8, sg = quantize(g_q, grad8, "grad")  # a column rank's gradient: its own scale
             dgrad_parts.append(ref.mm(g8, sg, w8, sw, dtype).double())
             if q == rank:
                 out = ref.mm(x8, sx, w8.t(), sw, dtype)
@@ -207,11 +213,11 @@ def reference(case: Fp8Case, rank: int, tp: int, w, b, x, dy) -> dict[str, torch
                 bgrad = g_q.sum(0)
         return {"output": out, "input_grad": mine(sum(dgrad_parts)),
                 "weight_grad": wgrad, "bias_grad": bgrad}
-    g8, sg = ref.quantize(flat(dy), grad8)  # the whole (gathered) gradient: one scale
+    g8, sg = quantize(flat(dy), grad8, "grad")  # the whole (gathered) gradient: one scale
     parts = []
     for q in range(tp):
-        xq8, sxq = ref.quantize(flat(x.chunk(tp, dim=-1)[q]), ref.E4M3)  # a row rank's own
-        wq8, swq = ref.quantize(w.chunk(tp, dim=1)[q], ref.E4M3)
+        xq8, sxq = quantize(flat(x.chunk(tp, dim=-1)[q]), ref.E4M3, "input")  # a row rank's own
+        wq8, swq = quantize(w.chunk(tp, dim=1)[q], ref.E4M3, "weight")
         parts.append(ref.mm(xq8, sxq, wq8.t(), swq, dtype).double())
         if q == rank:
             dgrad = ref.mm(g8, sg, wq8, swq, dtype)

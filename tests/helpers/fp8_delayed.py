@@ -1,0 +1,130 @@
+"""Delayed scaling (fp8_recipe 'delayed') in our layers, step after step, against the FP8
+reference (helpers/fp8_layers.reference) quantizing each tensor with the scale
+Transformer Engine's rule gives, worked out here from the whole tensors' amaxes of the
+steps before: scale = fp8 max / amax / 2^margin (in float64, to float32), the amax the
+newest ('most_recent') or the largest of the last `history` ('max'); 1 before any.
+Every rank's tensors of one role share that scale (the amaxes are the TP group's)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from helpers import fp8_ref as ref
+from helpers.fp8_layers import Fp8Case, _shards, _whole, build, config, reference
+from helpers.layers import VARIANTS
+
+FACTORS = (1.0, 8.0, 0.125, 2.0)  # each step's tensors scaled so: the amaxes move, both ways
+
+
+@dataclass(frozen=True)
+class DelayedCase:
+    layer: Fp8Case
+    history: int = 1
+    algo: str = "most_recent"
+    margin: int = 0
+
+    @property
+    def id(self) -> str:
+        return f"{self.layer.id}-h{self.history}-{self.algo}-m{self.margin}"
+
+
+def next_scale(amaxes: list[float], prev: float, dtype: torch.dtype, case: DelayedCase) -> float:
+    """The scale after these amaxes (oldest first), TE's rule, on Python floats."""
+    a = max(amaxes[-case.history:]) if case.algo == "max" else amaxes[-1]
+    if not (a > 0 and math.isfinite(a)):
+        return prev
+    return float(torch.tensor(torch.finfo(dtype).max / a / 2.0 ** case.margin,
+                              dtype=torch.float64).to(torch.float32))
+
+
+def _step_tensors(case: DelayedCase, tp: int, dtype: torch.dtype, step: int):
+    f = FACTORS[step % len(FACTORS)]
+    w, b, x, dy = _whole(case.layer, tp, dtype, seed=step)
+    return w * (1 + step / 4), b, x * f, dy / f  # the weight changes too, as training does
+
+
+def _layer(case: DelayedCase, tp: int, dtype: torch.dtype):
+    import megatron_overlap as mo
+
+    c = case.layer
+    overrides, flags = VARIANTS[c.kind][c.variant]
+    mo.install(ub_cfgs=overrides)
+    try:
+        return build(c.kind, config(tp, c.sp, dtype, flags, fp8=c.fp8, fp8_recipe="delayed",
+                                    fp8_wgrad=c.fp8_wgrad, fp8_amax_history_len=case.history,
+                                    fp8_amax_compute_algo=case.algo, fp8_margin=case.margin,
+                                    tp_only_amax_red=True,
+                                    gradient_accumulation_fusion=c.main_grad))
+    finally:
+        mo.uninstall()
+
+
+def _run_step(layer, case: DelayedCase, rank: int, tp: int, whole) -> dict:
+    c = case.layer
+    w_r, b_r, x_r, dy_r = _shards(c, rank, tp, *whole)
+    with torch.no_grad():
+        layer.weight.copy_(w_r)
+        layer.bias.copy_(b_r)
+    layer.weight.grad = layer.bias.grad = None
+    if c.main_grad:
+        layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32)
+    xi = x_r.clone().requires_grad_(True)
+    y, _ = layer(xi)
+    y.backward(dy_r)
+    return {"output": y.detach().reshape(-1, y.shape[-1]), "input_grad": xi.grad,
+            "weight_grad": layer.weight.main_grad if c.main_grad else layer.weight.grad,
+            "bias_grad": layer.bias.grad}
+
+
+def _compared(got: dict, want: dict, case: DelayedCase) -> dict:
+    out = {}
+    for k, v in got.items():
+        v, r = v.reshape(want[k].shape), want[k]
+        out[k] = {"equal": torch.equal(v, r.to(v.dtype)), "rel": ref.rel(v, r)}
+    return out
+
+
+def run_case(case: DelayedCase, rank: int, tp: int, steps: int = len(FACTORS)) -> dict:
+    """`steps` forward + backward steps of the case's layer against the reference with the
+    delayed scales; then a layer built anew from the first one's state dict takes one
+    more step beside it: {'steps': [per step, per result: equal, rel], 'scales': what the
+    reference used, 'restored': whether the two layers' next results are bit-equal,
+    'extra': the checkpointed state's keys, 'precision': the layer's description}."""
+    c = case.layer
+    dtype = getattr(torch, c.dtype)
+    grad8 = ref.E5M2 if c.fp8 == "hybrid" else ref.E4M3
+    kinds = {"input": ref.E4M3, "weight": ref.E4M3, "grad": grad8}
+    layer = _layer(case, tp, dtype)
+    amaxes = {r: [] for r in kinds}
+    scales = {r: 1.0 for r in kinds}
+    per_step, used = [], []
+    for step in range(steps):
+        whole = _step_tensors(case, tp, dtype, step)
+        got = _run_step(layer, case, rank, tp, whole)
+        s = {r: torch.tensor(v, dtype=torch.float32) for r, v in scales.items()}
+        per_step.append(_compared(got, reference(c, rank, tp, *whole, scales=s), case))
+        used.append(dict(scales))
+        w, _, x, dy = whole
+        for role, t in (("input", x), ("weight", w), ("grad", dy)):
+            amaxes[role].append(float(t.abs().max().float()))
+            scales[role] = next_scale(amaxes[role], scales[role], kinds[role], case)
+    state = layer.state_dict()
+    again = _layer(case, tp, dtype)
+    again.load_state_dict(state)
+    whole = _step_tensors(case, tp, dtype, steps)
+    a, b = _run_step(layer, case, rank, tp, whole), _run_step(again, case, rank, tp, whole)
+    extra = state["_extra_state"]
+    return {"steps": per_step, "scales": used, "precision": layer.precision.describe(),
+            "restored": all(torch.equal(a[k], b[k]) for k in a),
+            "extra": sorted(extra["amax_history"]) if isinstance(extra, dict) else extra,
+            "history": [float(v) for v in extra["amax_history"]["input"]]}
+
+
+def run_cases(rank: int, world: int, cases: list[DelayedCase]) -> dict:
+    from helpers.megatron_cpu import init
+
+    init(world)
+    return {c.id: run_case(c, rank, world) for c in cases}

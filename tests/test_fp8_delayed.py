@@ -1,0 +1,101 @@
+"""Delayed scaling (fp8_recipe='delayed', Megatron's default recipe, with Transformer
+Engine's semantics): our layers step after step against the FP8 reference quantizing
+with the scales TE's rule gives from the whole tensors' past amaxes
+(helpers/fp8_delayed.py), the histories restored from a checkpoint, and the numbers of
+the update itself.
+
+Bounds: as tests/test_fp8_layers.py (bit-equal where nothing is summed over ranks; the
+reductions within a few roundings): the scales are the reference's to the bit, so each
+step's FP8 operands are too. Step 0 quantizes with scale 1 (no history yet, as TE); the
+tensors grow 8x at step 1, so its casts saturate, in the layer as in the reference."""
+
+import pytest
+import torch
+
+from helpers import dist
+from helpers.fp8_delayed import FACTORS, DelayedCase, next_scale, run_cases
+from helpers.fp8_layers import Fp8Case
+
+CASES = [
+    DelayedCase(Fp8Case("column", "ring", True, "bfloat16")),
+    DelayedCase(Fp8Case("column", "rs_dgrad_pipeline2", True, "bfloat16"), 3, "max", 1),
+    DelayedCase(Fp8Case("column", "ring_aggregate", False, "float32"), 2, "max"),
+    DelayedCase(Fp8Case("column", "ring", True, "bfloat16", fp8_wgrad=False, main_grad=True)),
+    DelayedCase(Fp8Case("row", "pipeline2", True, "bfloat16"), 3, "max", 1),
+    DelayedCase(Fp8Case("row", "ring_dgrad_aggregate", True, "float32", fp8="e4m3")),
+    DelayedCase(Fp8Case("row", "rs_off", False, "bfloat16", main_grad=True), 2, "most_recent", 2),
+]
+_results: dict[int, list] = {}
+
+
+def _results_for(tp: int) -> list[dict]:
+    if tp not in _results:
+        _results[tp] = dist.run(run_cases, tp, CASES, timeout=600)
+    return _results[tp]
+
+
+@pytest.mark.parametrize("tp,case", [(tp, c) for tp in (2, 4) for c in CASES],
+                         ids=lambda v: f"tp{v}" if isinstance(v, int) else v.id)
+def test_delayed_layer_matches_the_reference_step_after_step(tp, case):
+    reduced = "input_grad" if case.layer.kind == "column" else "output"
+    bound = 1e-6 if case.layer.dtype == "float32" else (tp + 1) * 2.0 ** -9
+    for rank, per_rank in enumerate(_results_for(tp)):
+        got = per_rank[case.id]
+        assert got["precision"].startswith("fp8 delayed") and f"history {case.history} " \
+            f"({case.algo}), margin {case.margin}" in got["precision"], got["precision"]
+        assert len(got["steps"]) == len(FACTORS)
+        for step, results in enumerate(got["steps"]):
+            for key, v in results.items():
+                if key == reduced:
+                    assert v["rel"] <= bound, (rank, step, key, v)
+                else:
+                    assert v["equal"], (rank, step, key, v)
+        scales = got["scales"]  # the reference's: 1 first, then moved by the amaxes
+        assert scales[0] == {"input": 1.0, "weight": 1.0, "grad": 1.0}
+        assert len({s["input"] for s in scales}) > 2
+
+
+@pytest.mark.parametrize("tp", (2, 4))
+def test_histories_come_back_from_the_checkpoint(tp):
+    """A layer built anew and given the first one's state dict takes the next step to the
+    bit (its scales come from the restored histories); the state is the layer's
+    `_extra_state`, one history per FP8 tensor, as long as configured."""
+    for per_rank in _results_for(tp):
+        for case in CASES:
+            got = per_rank[case.id]
+            assert got["restored"], case.id
+            assert got["extra"] == ["grad", "input", "weight"]
+            assert len(got["history"]) == case.history and got["history"][-1] > 0
+
+
+@pytest.mark.parametrize("algo,margin", [("max", 0), ("most_recent", 1), ("max", 3)])
+def test_the_update_follows_transformer_engines_rule(algo, margin):
+    """overlap.fp8.update_scale on its own: the window of the last 3 amaxes, 'max'
+    against 'most_recent', the margin; the scale to the bit of the rule's."""
+    from megatron_overlap.overlap.fp8 import AmaxHistory, update_scale
+
+    e5m2 = torch.float8_e5m2
+    case = DelayedCase(Fp8Case("column", "ring", True, "bfloat16"), 3, algo, margin)
+    st, seen, want = AmaxHistory(3, torch.device("cpu")), [], 1.0
+    assert float(st.scale) == 1.0 and st.history.tolist() == [0.0] * 3
+    for a in (2.0, 0.5, 0.3, 7.0, 0.25, 0.125, 0.0625, 3.0):
+        update_scale(st, torch.tensor(a), e5m2, margin, algo)
+        seen.append(float(torch.tensor(a)))  # the amax as the layer has it: float32
+        want = next_scale(seen, want, e5m2, case)
+        assert float(st.scale) == want, (seen, float(st.scale), want)
+        assert st.history.tolist() == pytest.approx(([0.0] * 3 + seen)[-3:])
+
+
+@pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan")])
+def test_an_amax_of_zero_inf_or_nan_keeps_the_scale(bad):
+    """As TE: the scale stays where the amax (most_recent) is 0, inf or NaN; a tiny one
+    gives float32's largest scale, never inf (0 x inf would be NaN in the cast)."""
+    from megatron_overlap.overlap.fp8 import AmaxHistory, update_scale
+
+    st = AmaxHistory(1, torch.device("cpu"))
+    update_scale(st, torch.tensor(4.0), torch.float8_e4m3fn, 0, "most_recent")
+    assert float(st.scale) == 448.0 / 4.0
+    update_scale(st, torch.tensor(bad), torch.float8_e4m3fn, 0, "most_recent")
+    assert float(st.scale) == 448.0 / 4.0
+    update_scale(st, torch.tensor(1e-45), torch.float8_e4m3fn, 0, "most_recent")
+    assert float(st.scale) == torch.finfo(torch.float32).max
