@@ -56,12 +56,15 @@ def _run(rank, world):
         overrides, flags = VARIANTS[kind][variant]
         values = [fl._shards(case, rank, world, *fl._whole(case, world, torch.bfloat16, seed=s))
                   for s in range(4)]
-        for fp8, on_device in ((True, False), (True, True), (False, True)):
+        for fp8, on_device in (("tensorwise", False), ("delayed", False), ("tensorwise", True),
+                               (None, True)):
             mo.install(ub_cfgs=overrides)
             try:
                 layer = fl.build(kind, fl.config(world, True, torch.bfloat16, flags,
-                                                 **(dict(fp8="hybrid", fp8_recipe="tensorwise")
-                                                    if fp8 else {})))
+                                                 **(dict(fp8="hybrid", fp8_recipe=fp8)
+                                                    if fp8 else {}),
+                                                 **(dict(fp8_amax_history_len=4)
+                                                    if fp8 == "delayed" else {})))
             finally:
                 mo.uninstall()
             x, dy = values[0][2].clone(), values[0][3].clone()
@@ -80,10 +83,13 @@ def results():
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
-def test_fp8_passes_recur_and_replay_in_steady_state(results, case):
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fp8_passes_recur_and_replay_in_steady_state(results, case, recipe):
+    """Delayed scaling's histories and scales are the layer's, at fixed addresses, in
+    every pass's signature: its passes replay as current scaling's do."""
     for rank, r in enumerate(results):
-        got = r[(*case, True, False)]
-        assert got["precision"].startswith("fp8 tensorwise"), got
+        got = r[(*case, recipe, False)]
+        assert got["precision"].startswith(f"fp8 {recipe}"), got
         for p, (calls, captures, replays) in got["passes"].items():
             # first sighting eager, captured at a recurrence, then replayed: the second
             # round of the same 4 steps replays only (replays count the capture's launch)
@@ -93,7 +99,7 @@ def test_fp8_passes_recur_and_replay_in_steady_state(results, case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(c))
 def test_the_emulation_sees_moved_fp8_tensors_and_bf16_replays_alike(results, case):
     for rank, r in enumerate(results):
-        moved, bf16 = r[(*case, True, True)], r[(*case, False, True)]
+        moved, bf16 = r[(*case, "tensorwise", True)], r[(*case, None, True)]
         assert bf16["precision"] == "bf16", bf16
         for p, (calls, captures, replays) in moved["passes"].items():
             assert calls == 8 and captures == replays == 0, (rank, p, moved)

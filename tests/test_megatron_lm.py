@@ -521,7 +521,11 @@ def models(tree, tmp_path_factory) -> dict:
                                   "--megatron-overlap-fp8-scaling", "rowwise"),
             "sft": _model(tree, "--tp-comm-overlap", *_sft_args(tree, tmp_path_factory.mktemp("sft")),
                           mock=False),
-            "fp8_delayed": _model(tree, "--tp-comm-overlap", "--fp8-format", "hybrid", ok=False),
+            "fp8_delayed": _model(tree, "--tp-comm-overlap", "--fp8-format", "hybrid"),
+            "fp8_delayed_recompute": _model(tree, "--tp-comm-overlap", "--fp8-format", "hybrid",
+                                            "--recompute-granularity", "full",
+                                            "--recompute-method", "uniform",
+                                            "--recompute-num-layers", "1", ok=False),
             "fp8_no_overlap": _model(tree, *FP8, ok=False)}
 
 
@@ -638,12 +642,21 @@ def test_rowwise_fp8_flags_run_rowwise_fp8_in_our_linears(models):
         assert rw["te_imported"] is False
 
 
-def test_fp8_with_megatron_lm_s_default_recipe_stops_at_start_up(models):
-    """--fp8-format alone leaves --fp8-recipe at delayed: refused when the model is
-    built, naming the layer, the setting and the recipe that runs."""
-    for out in models["fp8_delayed"]:
+def test_fp8_with_megatron_lm_s_default_recipe_runs_delayed_scaling(models):
+    """--fp8-format alone leaves --fp8-recipe at delayed (Megatron-LM's default: one amax,
+    the most recent): every overlapped linear runs delayed scaling, the loss within 5e-3
+    of the model without FP8; under full recompute it stops at start-up, naming the
+    reason and the recipe that runs. FP8 without --tp-comm-overlap stops at validation."""
+    for delayed, off in zip(models["fp8_delayed"], models["off"]):
+        assert len(delayed["precision"]) == 8 and all(
+            p.startswith("fp8 delayed (e4m3fn fprop, e5m2 grads, wgrad fp8, amax history 1 "
+                         "(most_recent), margin 0") for p in delayed["precision"].values()), \
+            delayed["precision"]
+        assert delayed["loss"] == pytest.approx(off["loss"], rel=5e-3)
+        assert delayed["loss"] != off["loss"] and delayed["te_imported"] is False
+    for out in models["fp8_delayed_recompute"]:
         assert "ConfigError" in out and "fp8_recipe='delayed'" in out, out[-4000:]
-        assert "The recipes that run: tensorwise" in out
+        assert "activation recompute (full)" in out and "fp8_recipe='tensorwise'" in out
     for out in models["fp8_no_overlap"]:  # Megatron's linears would run it in bf16
         assert "with --tp-comm-overlap-impl megatron_overlap needs --tp-comm-overlap" in out, \
             out[-4000:]

@@ -62,21 +62,23 @@ def _layer(case: DelayedCase, tp: int, dtype: torch.dtype):
         mo.uninstall()
 
 
-def _run_step(layer, case: DelayedCase, rank: int, tp: int, whole) -> dict:
+def _run_step(layer, case: DelayedCase, rank: int, tp: int, whole, device: str = "cpu") -> dict:
     c = case.layer
-    w_r, b_r, x_r, dy_r = _shards(c, rank, tp, *whole)
+    w_r, b_r, x_r, dy_r = (t.to(device) for t in _shards(c, rank, tp, *whole))
     with torch.no_grad():
         layer.weight.copy_(w_r)
         layer.bias.copy_(b_r)
     layer.weight.grad = layer.bias.grad = None
     if c.main_grad:
-        layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32)
+        layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32,
+                                             device=device)
     xi = x_r.clone().requires_grad_(True)
     y, _ = layer(xi)
     y.backward(dy_r)
-    return {"output": y.detach().reshape(-1, y.shape[-1]), "input_grad": xi.grad,
-            "weight_grad": layer.weight.main_grad if c.main_grad else layer.weight.grad,
-            "bias_grad": layer.bias.grad}
+    got = {"output": y.detach().reshape(-1, y.shape[-1]), "input_grad": xi.grad,
+           "weight_grad": layer.weight.main_grad if c.main_grad else layer.weight.grad,
+           "bias_grad": layer.bias.grad}
+    return {k: v.cpu() for k, v in got.items()}
 
 
 def _compared(got: dict, want: dict, case: DelayedCase) -> dict:
@@ -87,23 +89,25 @@ def _compared(got: dict, want: dict, case: DelayedCase) -> dict:
     return out
 
 
-def run_case(case: DelayedCase, rank: int, tp: int, steps: int = len(FACTORS)) -> dict:
+def run_case(case: DelayedCase, rank: int, tp: int, steps: int = len(FACTORS),
+             device: str = "cpu") -> dict:
     """`steps` forward + backward steps of the case's layer against the reference with the
     delayed scales; then a layer built anew from the first one's state dict takes one
     more step beside it: {'steps': [per step, per result: equal, rel], 'scales': what the
     reference used, 'restored': whether the two layers' next results are bit-equal,
-    'extra': the checkpointed state's keys, 'precision': the layer's description}."""
+    'extra': the checkpointed state's keys, 'precision': the layer's description}. `device`:
+    where the layers run (the reference runs on CPU)."""
     c = case.layer
     dtype = getattr(torch, c.dtype)
     grad8 = ref.E5M2 if c.fp8 == "hybrid" else ref.E4M3
     kinds = {"input": ref.E4M3, "weight": ref.E4M3, "grad": grad8}
-    layer = _layer(case, tp, dtype)
+    layer = _layer(case, tp, dtype).to(device)
     amaxes = {r: [] for r in kinds}
     scales = {r: 1.0 for r in kinds}
     per_step, used = [], []
     for step in range(steps):
         whole = _step_tensors(case, tp, dtype, step)
-        got = _run_step(layer, case, rank, tp, whole)
+        got = _run_step(layer, case, rank, tp, whole, device)
         s = {r: torch.tensor(v, dtype=torch.float32) for r, v in scales.items()}
         per_step.append(_compared(got, reference(c, rank, tp, *whole, scales=s), case))
         used.append(dict(scales))
@@ -112,10 +116,10 @@ def run_case(case: DelayedCase, rank: int, tp: int, steps: int = len(FACTORS)) -
             amaxes[role].append(float(t.abs().max().float()))
             scales[role] = next_scale(amaxes[role], scales[role], kinds[role], case)
     state = layer.state_dict()
-    again = _layer(case, tp, dtype)
+    again = _layer(case, tp, dtype).to(device)
     again.load_state_dict(state)
     whole = _step_tensors(case, tp, dtype, steps)
-    a, b = _run_step(layer, case, rank, tp, whole), _run_step(again, case, rank, tp, whole)
+    a, b = (_run_step(m, case, rank, tp, whole, device) for m in (layer, again))
     extra = state["_extra_state"]
     return {"steps": per_step, "scales": used, "precision": layer.precision.describe(),
             "restored": all(torch.equal(a[k], b[k]) for k in a),

@@ -165,26 +165,33 @@ def skip_dp_all_reduce_on_gloo_cuda(ddp) -> None:
         ddp.finish_grad_sync = lambda *args, **kwargs: None
 
 
-def checkpoint_both_ways(rank: int, ckpt_dir: str, ours, plain, fresh_ours, fresh_plain,
-                         tag: str = "") -> dict[str, float]:
-    """Megatron distributed checkpoints each way (ours -> a fresh plain model, plain -> a
-    fresh one of ours); per direction, the largest relative parameter difference after
-    loading. Nothing but `_extra_state` may be missing or unexpected."""
+def checkpoint_into(rank: int, path: str, src, dst) -> None:
+    """A Megatron distributed checkpoint of `src` saved at `path` and loaded into `dst`.
+    Nothing but `_extra_state` may be missing or unexpected."""
     import os
 
     from megatron.core import dist_checkpointing, parallel_state
 
     meta = {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save(src.sharded_state_dict(metadata=meta), path)
+    loaded = dist_checkpointing.load(dst.sharded_state_dict(metadata=meta), path)
+    missing, unexpected = dst.load_state_dict(loaded, strict=False)
+    assert not [k for k in missing + unexpected if not k.endswith("_extra_state")], (missing, unexpected)
+
+
+def checkpoint_both_ways(rank: int, ckpt_dir: str, ours, plain, fresh_ours, fresh_plain,
+                         tag: str = "") -> dict[str, float]:
+    """Megatron distributed checkpoints each way (ours -> a fresh plain model, plain -> a
+    fresh one of ours); per direction, the largest relative parameter difference after
+    loading."""
+    import os
+
     from megatron_overlap.ab.compare import rel_error as rel
     err = {}
     for label, src, dst in (("ours_to_plain", ours, fresh_plain), ("plain_to_ours", plain, fresh_ours)):
-        path = os.path.join(ckpt_dir, tag + label)
-        if rank == 0:
-            os.makedirs(path, exist_ok=True)
-        torch.distributed.barrier()
-        dist_checkpointing.save(src.sharded_state_dict(metadata=meta), path)
-        loaded = dist_checkpointing.load(dst.sharded_state_dict(metadata=meta), path)
-        missing, unexpected = dst.load_state_dict(loaded, strict=False)
-        assert not [k for k in missing + unexpected if not k.endswith("_extra_state")], (missing, unexpected)
+        checkpoint_into(rank, os.path.join(ckpt_dir, tag + label), src, dst)
         err[label] = max(rel(p, q) for p, q in zip(dst.parameters(), src.parameters()))
     return err
