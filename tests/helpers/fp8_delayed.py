@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from helpers import fp8_ref as ref
-from helpers.fp8_layers import Fp8Case, _shards, _whole, build, config, reference
+from helpers.fp8_layers import Fp8Case, _whole, build, config, one_step, reference
 from helpers.layers import VARIANTS
 
 FACTORS = (1.0, 8.0, 0.125, 2.0)  # each step's tensors scaled so: the amaxes move, both ways
@@ -62,25 +62,6 @@ def _layer(case: DelayedCase, tp: int, dtype: torch.dtype):
         mo.uninstall()
 
 
-def _run_step(layer, case: DelayedCase, rank: int, tp: int, whole, device: str = "cpu") -> dict:
-    c = case.layer
-    w_r, b_r, x_r, dy_r = (t.to(device) for t in _shards(c, rank, tp, *whole))
-    with torch.no_grad():
-        layer.weight.copy_(w_r)
-        layer.bias.copy_(b_r)
-    layer.weight.grad = layer.bias.grad = None
-    if c.main_grad:
-        layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32,
-                                             device=device)
-    xi = x_r.clone().requires_grad_(True)
-    y, _ = layer(xi)
-    y.backward(dy_r)
-    got = {"output": y.detach().reshape(-1, y.shape[-1]), "input_grad": xi.grad,
-           "weight_grad": layer.weight.main_grad if c.main_grad else layer.weight.grad,
-           "bias_grad": layer.bias.grad}
-    return {k: v.cpu() for k, v in got.items()}
-
-
 def _compared(got: dict, want: dict, case: DelayedCase) -> dict:
     out = {}
     for k, v in got.items():
@@ -107,7 +88,7 @@ def run_case(case: DelayedCase, rank: int, tp: int, steps: int = len(FACTORS),
     per_step, used = [], []
     for step in range(steps):
         whole = _step_tensors(case, tp, dtype, step)
-        got = _run_step(layer, case, rank, tp, whole, device)
+        got = one_step(layer, case.layer, rank, tp, whole, device)
         s = {r: torch.tensor(v, dtype=torch.float32) for r, v in scales.items()}
         per_step.append(_compared(got, reference(c, rank, tp, *whole, scales=s), case))
         used.append(dict(scales))
@@ -119,7 +100,7 @@ def run_case(case: DelayedCase, rank: int, tp: int, steps: int = len(FACTORS),
     again = _layer(case, tp, dtype).to(device)
     again.load_state_dict(state)
     whole = _step_tensors(case, tp, dtype, steps)
-    a, b = (_run_step(m, case, rank, tp, whole, device) for m in (layer, again))
+    a, b = (one_step(m, case.layer, rank, tp, whole, device) for m in (layer, again))
     extra = state["_extra_state"]
     return {"steps": per_step, "scales": used, "precision": layer.precision.describe(),
             "restored": all(torch.equal(a[k], b[k]) for k in a),

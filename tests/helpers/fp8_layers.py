@@ -283,6 +283,26 @@ def _cpu_rowwise() -> bool:
     return True
 
 
+def one_step(layer, case: Fp8Case, rank: int, tp: int, whole, device: str = "cpu") -> dict:
+    """One forward + backward of `layer` given this rank's shards of `whole` (weight, bias,
+    input, upstream gradient): its output, input grad, weight grad (main_grad's, from zero,
+    with `case.main_grad`) and bias grad, on the CPU."""
+    w_r, b_r, x_r, dy_r = (t.to(device) for t in _shards(case, rank, tp, *whole))
+    with torch.no_grad():
+        layer.weight.copy_(w_r)
+        layer.bias.copy_(b_r)
+    layer.weight.grad = layer.bias.grad = None
+    if case.main_grad:
+        layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32, device=device)
+    xi = x_r.clone().requires_grad_(True)
+    y, _ = layer(xi)
+    y.backward(dy_r)
+    got = {"output": y.detach().reshape(-1, y.shape[-1]), "input_grad": xi.grad,
+           "weight_grad": layer.weight.main_grad if case.main_grad else layer.weight.grad,
+           "bias_grad": layer.bias.grad}
+    return {k: v.cpu() for k, v in got.items()}
+
+
 def run_case(case: Fp8Case, rank: int, tp: int, device: str = "cpu") -> dict:
     """The case's layer on this rank against the reference (computed on CPU, a row-wise one
     on `device` where this torch's CPU has no row-wise `_scaled_mm`); `device`: where the
@@ -300,19 +320,7 @@ def run_case(case: Fp8Case, rank: int, tp: int, device: str = "cpu") -> dict:
         mo.uninstall()
     layer = layer.to(device)
     whole = _whole(case, tp, dtype)
-    w_r, b_r, x_r, dy_r = (t.to(device) for t in _shards(case, rank, tp, *whole))
-    with torch.no_grad():
-        layer.weight.copy_(w_r)
-        layer.bias.copy_(b_r)
-    if case.main_grad:
-        layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32, device=device)
-    xi = x_r.clone().requires_grad_(True)
-    y, _ = layer(xi)
-    y.backward(dy_r)
-    got = {"output": y.detach().reshape(-1, y.shape[-1]), "input_grad": xi.grad,
-           "weight_grad": layer.weight.main_grad if case.main_grad else layer.weight.grad,
-           "bias_grad": layer.bias.grad}
-    got = {k: v.cpu() for k, v in got.items()}
+    got = one_step(layer, case, rank, tp, whole, device)
     # torch before 2.13 runs only per-tensor scales in a CPU `_scaled_mm`: there a row-wise
     # reference runs where the layer ran (the GPU's own row-wise kernel, not the schedules)
     ref_device = device if case.scaling == "rowwise" and not _cpu_rowwise() else "cpu"
