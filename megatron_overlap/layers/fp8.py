@@ -14,6 +14,9 @@ along the contracted dimension; the wgrad in the parameters' dtype).
   weight, transposed; the wgrad reuses the FP8 input (the column layer gathers the
   forward's FP8 input, half the bytes of bf16) and the FP8 gradient, transposed, when
   fp8_wgrad is on; otherwise it runs in the parameters' dtype on the saved input.
+- Delayed (Megatron's default recipe, TE's semantics): each tensor quantized with the
+  scale its amax history gives (`DelayedScales`), no amax read before the cast; the
+  pass's amaxes, reduced over the TP group, recorded after, and the next scales set.
 - Row-wise: each rank quantizes its own rows, no amax exchange; the first operand of
   every FP8 GEMM (the input, the output gradient) is row-scaled (`rows_quantized`: its
   scales travel in its rows, through any gather). The weight is quantized per row of W
@@ -229,7 +232,6 @@ class Fp8Forward:
             self.w_scale = torch.empty((weight.shape[0], 1) if self.rowwise else (), **f32)
             self.w8t = (None if self.rowwise or not weight_t else
                         torch.empty(weight.shape[::-1], dtype=p.fwd, device=weight.device))
-
         self.roles = ("input", "weight") if self.quantize_weight else ("input",)
         if delayed is not None:  # made before the pass: its replay key holds their addresses
             for role in self.roles:
@@ -247,7 +249,8 @@ class Fp8Forward:
     def operands(self, x2: torch.Tensor, weight: torch.Tensor, tp: Transport, op: str,
                  gathered: bool, out_dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor, ScaledGemm]:
-        """Quantize the input (with the group's amax when `gathered`) and the weight into
+        """Quantize the input (tensorwise: with the group's amax when `gathered`; delayed:
+        with its history's scale, the group's amaxes recorded after) and the weight into
         this object's tensors; returns (x8, w8, the scaled GEMM of x8 @ w8^T)."""
         fwd = self.p.fwd
         if self.rowwise:  # each row its own scale: nothing to exchange before a gather
@@ -255,7 +258,7 @@ class Fp8Forward:
             self.w_scale.copy_(row_scales(weight, fwd))
             quantize(weight, self.w_scale, fwd, out=self.w8)
             return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype)
-        if self.delayed is not None:  # the scales from past amaxes; these amaxes recorded after
+        if self.delayed is not None:
             d, local = self.delayed, torch.empty(len(self.roles), dtype=torch.float32,
                                                  device=x2.device)
             d.quantize("input", x2, fwd, self.x_scale, local[0], out=self.x8, out_t=self.x8t)

@@ -1,6 +1,7 @@
 """FP8 at the GEMM seam: tensors quantized with per-tensor scales (current scaling,
-Transformer Engine's and Megatron's 'tensorwise' recipe) or per-row scales (torchao's
-'rowwise'), and the scaled GEMMs that multiply them, which a schedule takes as its
+Transformer Engine's and Megatron's 'tensorwise' recipe; or delayed scaling, their
+'delayed': `AmaxHistory`, `delayed_quantize`, `update_scale`) or per-row scales
+(torchao's 'rowwise'), and the scaled GEMMs that multiply them, which a schedule takes as its
 `gemm`: the schedules stay one.
 
 - Scaling and casting are torchao's float8 (`amax_to_scale`, `to_fp8_saturated`; the
@@ -21,6 +22,9 @@ Transformer Engine's and Megatron's 'tensorwise' recipe) or per-row scales (torc
     equals one whole-tensor quantization. The reduction is an all-gather of one float per
     rank through the transport (bounded, named, traced like every wait here); torchao's
     `reduce_amax` is an unbounded functional collective over a device mesh.
+  - Delayed scaling: torchao's float8 scales dynamically only (no amax history);
+    the history, TE's update rule and the cast with the history's scale are here, the cast
+    through the same `_cast_by` as current scaling's.
   - Row-scaled tensors (`rows_quantized`) carry each row's scale in the row itself: a
     row of K FP8 values is followed by a `TAIL` of 16 bytes, its fp32 scale and 12 bytes
     of unspecified padding (16 keeps every row's start 16-byte aligned, as cuBLAS and CUTLASS need). Whatever a
