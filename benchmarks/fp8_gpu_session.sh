@@ -7,7 +7,7 @@
 # git: megatron-core 0.19.2 as ../shared/device/wheels.sh fetches it, torchao 0.18.0).
 # In two device calls (each under the 600 s a call may run, every piece under its timeout):
 #
-#   OUT=$OUT PART=bench bash benchmarks/fp8_gpu_session.sh   # ~5-6 min, at most ~7.7
+#   OUT=$OUT PART=bench bash benchmarks/fp8_gpu_session.sh   # ~5-6 min, at most ~8.5
 #   OUT=$OUT PART=diag bash benchmarks/fp8_gpu_session.sh    # ~4-5 min, at most ~7
 #   OUT=$OUT PART=leak bash benchmarks/fp8_gpu_session.sh    # in two calls (LEAK_RUNS, below; not in all)
 #   OUT=$OUT PART=tune bash benchmarks/fp8_gpu_session.sh    # the tuner in FP8, then fp8_compute at its
@@ -18,7 +18,7 @@
 #   wheels into /tmp/site                                       ~10-20 s
 #   tests/gpu/test_fp8_gpu.py, only with TESTS=1 (make test-gpu runs it)  ~60-90 s (150)
 #   bench: benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)   ~40-60 s   (70)
-#          benchmarks/fp8_layer.py   (2 shapes x 4 arms, a profile)  ~80-130 s  (170)
+#          benchmarks/fp8_layer.py   (2 shapes x 5 arms, a profile)  ~100-160 s (220)
 #          benchmarks/fp8_train.py   (2 ranks, 2 arms x 200 steps)   ~150 s     (200)
 #          (2026-12-05: ~310 ms a bf16 step, ~345 ms an FP8 step, ranks sharing the GPU)
 #   diag:  fp8_train.py x 4, 80 steps: MEGATRON_OVERLAP_GRAPHS=0, --eager-kernels, --tp 1,
@@ -68,7 +68,7 @@ timeout 70 python3 benchmarks/fp8_compute.py --reps "${REPS:-20}" --repeat "${RE
 step "benchmarks/fp8_compute.py" $?
 
 t=$(date +%s)
-timeout 170 python3 benchmarks/fp8_layer.py --reps "${REPS:-10}" --repeat "${REPEAT:-5}" --out "$OUT" --tag gpu
+timeout 220 python3 benchmarks/fp8_layer.py --reps "${REPS:-10}" --repeat "${REPEAT:-5}" --out "$OUT" --tag gpu
 step "benchmarks/fp8_layer.py" $?
 
 t=$(date +%s)
