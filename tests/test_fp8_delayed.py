@@ -24,6 +24,9 @@ CASES = [
     DelayedCase(Fp8Case("row", "pipeline2", True, "bfloat16"), 3, "max", 1),
     DelayedCase(Fp8Case("row", "ring_dgrad_aggregate", True, "float32", fp8="e4m3")),
     DelayedCase(Fp8Case("row", "rs_off", False, "bfloat16", main_grad=True), 2, "most_recent", 2),
+    # 2 micro-batches a step: the FP8 weight made at the first, reused at the second
+    DelayedCase(Fp8Case("column", "ring", True, "bfloat16"), 3, "max", micros=2),
+    DelayedCase(Fp8Case("row", "pipeline2", True, "bfloat16"), micros=2),
 ]
 _results: dict[int, list] = {}
 
@@ -43,27 +46,30 @@ def test_delayed_layer_matches_the_reference_step_after_step(tp, case):
         got = per_rank[case.id]
         assert got["precision"].startswith("fp8 delayed") and f"history {case.history} " \
             f"({case.algo}), margin {case.margin}" in got["precision"], got["precision"]
-        assert len(got["steps"]) == len(FACTORS)
+        assert len(got["steps"]) == len(FACTORS) * case.micros
         for step, results in enumerate(got["steps"]):
             for key, v in results.items():
                 if key == reduced:
                     assert v["rel"] <= bound, (rank, step, key, v)
                 else:
                     assert v["equal"], (rank, step, key, v)
-        scales = got["scales"]  # the reference's: 1 first, then moved by the amaxes
-        assert scales[0] == {"input": 1.0, "weight": 1.0, "grad": 1.0}
-        assert len({s["input"] for s in scales}) > 2
+        # after every micro-batch the layer's scales are the rule's, to the bit (the weight's
+        # moving only where it was quantized), and they moved: 1 first, then the amaxes'
+        assert got["held"] == got["want_held"], (rank, got["held"], got["want_held"])
+        assert got["scales"][0] == {"input": 1.0, "weight": 1.0, "grad": 1.0}
+        assert len({s["input"] for s in got["scales"]}) > 2
 
 
 @pytest.mark.parametrize("tp", (2, 4))
 def test_histories_come_back_from_the_checkpoint(tp):
     """A layer built anew and given the first one's state dict takes the next step to the
     bit (its scales come from the restored histories); the state is the layer's
-    `_extra_state`, one history per FP8 tensor, as long as configured."""
+    `_extra_state`, one history per FP8 tensor, as long as configured; so does the same
+    layer given the state dict again once its histories exist (loaded in place)."""
     for per_rank in _results_for(tp):
         for case in CASES:
             got = per_rank[case.id]
-            assert got["restored"], case.id
+            assert got["restored"] == [True, True], case.id
             assert got["extra"] == ["grad", "input", "weight"]
             assert len(got["history"]) == case.history and got["history"][-1] > 0
 
@@ -99,3 +105,38 @@ def test_an_amax_of_zero_inf_or_nan_keeps_the_scale(bad):
     assert float(st.scale) == 448.0 / 4.0
     update_scale(st, torch.tensor(1e-45), torch.float8_e4m3fn, 0, "most_recent")
     assert float(st.scale) == torch.finfo(torch.float32).max
+
+
+def test_a_nan_amax_leaves_a_windows_max_to_the_others():
+    """TE's reductions skip NaN (fmaxf): with 'max' over 4 amaxes, a NaN among them neither
+    sticks nor freezes the scale: after 2, NaN, 1, 0.5, 0.25 the window is (NaN, 1, 0.5,
+    0.25) and the scale fp8 max / 1."""
+    from megatron_overlap.overlap.fp8 import AmaxHistory, update_scale
+
+    st = AmaxHistory(4, torch.device("cpu"))
+    for a in (2.0, float("nan"), 1.0, 0.5, 0.25):
+        update_scale(st, torch.tensor(a), torch.float8_e4m3fn, 0, "max")
+    assert float(st.scale) == 448.0
+    assert st.history.tolist() == [0.0, 1.0, 0.5, 0.25]
+
+
+def test_a_history_of_another_length_keeps_its_newest_amaxes():
+    """A checkpoint's history loaded into a layer configured with another length: the
+    newest amaxes kept (zeros before them where it is longer), the scale as saved; into
+    histories already made, in place (their addresses kept, for replayed passes)."""
+    from megatron_overlap.layers.fp8 import DelayedScales
+    from megatron_overlap.layers.precision import Precision
+
+    saved = {"fp8_recipe": "delayed", "amax_history": {"input": torch.arange(1.0, 6.0)},
+             "scale": {"input": torch.tensor(3.0)}}
+    for length, want in ((3, [3.0, 4.0, 5.0]), (7, [0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0])):
+        d = DelayedScales(Precision("delayed", torch.float8_e4m3fn, torch.float8_e5m2,
+                                    history=length, algo="max"))
+        d.load(saved)  # before first use
+        st = d.get("input", torch.device("cpu"))
+        assert st.history.tolist() == want and float(st.scale) == 3.0
+        ptr = st.history.data_ptr()
+        d.load({**saved, "scale": {"input": torch.tensor(5.0)}})  # in place
+        assert d.get("input", torch.device("cpu")).history.data_ptr() == ptr
+        assert float(st.scale) == 5.0 and st.history.tolist() == want
+        assert d.state()["amax_history"]["input"].tolist() == want

@@ -98,8 +98,10 @@ class DelayedScales:
 
     def record(self, roles: tuple[str, ...], local: torch.Tensor, tp: Transport, op: str,
                dtypes: tuple[torch.dtype, ...]) -> None:
-        """The amaxes `local` ([len(roles)], this rank's) reduced over the TP group (one
-        exchange, '<op>_amax'), recorded, and each role's next scale set."""
+        """The amaxes `local` (this rank's; the first len(roles) are `roles`') reduced over
+        the TP group (one exchange, '<op>_amax'), recorded, and each role's next scale set.
+        Called at the end of the pass: nothing in it reads the histories' scales after
+        its casts, so the exchange waits on nothing the pass's transfers need."""
         group = group_max(local, tp, f"{op}_amax")
         for i, (role, dtype) in enumerate(zip(roles, dtypes)):
             update_scale(self._states[role], group[i], dtype, self.p.margin, self.p.algo)
@@ -241,6 +243,12 @@ class Fp8Forward:
         held = () if self.delayed is None else self.delayed.tensors()
         return (self.x8, self.x8t, self.w8, self.x_scale, self.w_scale, self.w8t, *held)
 
+    def record(self, tp: Transport, op: str) -> None:
+        """Delayed scaling, at the end of the forward pass: its amaxes recorded (the TP
+        group's), the next scales set. Nothing to do otherwise."""
+        if self.delayed is not None:
+            self.delayed.record(self.roles, self._amaxes, tp, op, (self.p.fwd,) * len(self.roles))
+
     def kept_input(self) -> torch.Tensor:
         """The FP8 input the backward's wgrad reads: column-major where the cast wrote it
         so (`x8t`), else `x8` (a column layer's: gathered again, row-major)."""
@@ -258,14 +266,13 @@ class Fp8Forward:
             self.w_scale.copy_(row_scales(weight, fwd))
             quantize(weight, self.w_scale, fwd, out=self.w8)
             return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype)
-        if self.delayed is not None:
-            d, local = self.delayed, torch.empty(len(self.roles), dtype=torch.float32,
-                                                 device=x2.device)
+        if self.delayed is not None:  # two amaxes on every rank: one exchange of one size
+            d = self.delayed
+            self._amaxes = local = torch.empty(2, dtype=torch.float32, device=x2.device)
             d.quantize("input", x2, fwd, self.x_scale, local[0], out=self.x8, out_t=self.x8t)
             if self.quantize_weight:
                 d.quantize("weight", weight, fwd, self.w_scale, local[1], out=self.w8,
                            out_t=self.w8t)
-            d.record(self.roles, local, tp, op, (fwd,) * len(self.roles))
             return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
         a = shared_amax(x2, tp, f"{op}_amax") if gathered else amax(x2)
         scale_for(a, fwd, out=self.x_scale)
@@ -298,7 +305,7 @@ class Fp8Backward:
         """(g in the gradient's FP8 type, its scale, and with `col` g column-major from
         the cast's kernel: the wgrad's layout of a gradient not gathered). Tensorwise: the
         TP group's amax when `gathered`; delayed: the history's scale, the group's amax
-        recorded ('<op>_amax'). Row-wise: (g row-scaled, None, None), its rows' amaxes."""
+        recorded by `record` at the pass's end ('<op>_amax'). Row-wise: (g row-scaled, None, None), its rows' amaxes."""
         if self.rowwise:
             return rows_quantized(g, self.p.grad), None, None
         if self.delayed is None:
@@ -307,8 +314,14 @@ class Fp8Backward:
         g_scale = torch.empty((), dtype=torch.float32, device=g.device)
         local = torch.empty(1, dtype=torch.float32, device=g.device)
         g8 = self.delayed.quantize("grad", g, self.p.grad, g_scale, local[0], out_t=t)
-        self.delayed.record(("grad",), local, tp, op, (self.p.grad,))
+        self._amaxes = local
         return g8, g_scale, (None if t is None else t.t())
+
+    def record(self, tp: Transport, op: str) -> None:
+        """Delayed scaling, at the end of the backward pass: the gradient's amax recorded
+        (the TP group's), its next scale set. Nothing to do otherwise."""
+        if self.delayed is not None and getattr(self, "_amaxes", None) is not None:
+            self.delayed.record(("grad",), self._amaxes, tp, op, (self.p.grad,))
 
     def dgrad(self, g_scale: Optional[torch.Tensor], out_dtype: torch.dtype
               ) -> tuple[torch.Tensor, ScaledGemm | RowScaledGemm]:

@@ -99,6 +99,8 @@ def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
         gemm(x2, weight.t(), out, op=op)
     if bias is not None:
         out.add_(bias)
+    if q is not None:
+        q.record(tp, op)
 
 
 def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams,
@@ -195,6 +197,8 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
     column_wgrad(gw, inp, weight, grad_w, grad_in, pending, plan, tp, fuse, wgrad, wgemm, fp8_w)
     if grad_b is not None:
         torch.sum(g, 0, out=grad_b)
+    if q is not None:
+        q.record(tp, dname)
 
 
 def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
@@ -217,6 +221,8 @@ def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
         matmul_reduce_scatter(x2, weight, tp, "bulk", 1, op=op, scatter=sp, out=out, gemm=gemm)
     if bias is not None:
         out.add_(bias)
+    if q is not None:
+        q.record(tp, op)
 
 
 def row_dgrad(g, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams, op: str,
@@ -273,6 +279,7 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
                       q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse)), fp8=True)
         elif wgrad:
             row_wgrad(q.dequantized(g_full, g_scale, x2.dtype), x2, weight, grad_w, plan, fuse)
+        q.record(tp, dname)
     if grad_b is not None:
         torch.sum(g, 0, out=grad_b)
 

@@ -292,9 +292,12 @@ def _update_by(use_max: bool, fp8_max: float, margin: int, history: torch.Tensor
                a: torch.Tensor, scale: torch.Tensor) -> None:
     """TE's update: the newest amax in, the oldest out; the scale maps the window's max
     ('max') or the newest ('most_recent') to fp8_max / 2^margin, in fp64 (compiled and
-    eager alike, as torchao's amax_to_scale), at most float32's largest; an amax of 0, inf
-    or NaN keeps the scale."""
-    history.copy_(torch.cat([history[1:], a.reshape(1)]))
+    eager alike, as torchao's amax_to_scale), at most float32's largest; an amax of 0 or
+    inf keeps the scale. A NaN amax is recorded as 0 (TE's reductions, fmaxf, skip NaN):
+    it keeps the scale, and leaves a window's max to the other amaxes."""
+    history.copy_(torch.cat([history[1:], torch.nan_to_num(a.reshape(1), nan=0.0,
+                                                           posinf=float("inf"))]))
+    a = history[-1]
     ref = (history.max() if use_max else a).to(torch.float64)
     new = (fp8_max / ref / 2.0 ** margin).clamp(max=torch.finfo(torch.float32).max)
     scale.copy_(torch.where((ref > 0) & torch.isfinite(ref), new.to(torch.float32), scale))

@@ -310,7 +310,8 @@ def test_delayed_layers_on_the_gpu_match_the_reference_step_after_step(results, 
     reduced = "input_grad" if case.layer.kind == "column" else "output"
     for rank, r in enumerate(results):
         got = r["delayed"][case.id]
-        assert got["precision"].startswith("fp8 delayed") and got["restored"], got
+        assert got["precision"].startswith("fp8 delayed") and got["restored"] == [True, True], got
+        assert got["held"] == got["want_held"]  # the layer's scales: the rule's, to the bit
         for step, results_ in enumerate(got["steps"]):
             for key, v in results_.items():
                 bound = 2.0 ** -8 + ((TP + 1) * 2.0 ** -9 if key == reduced else 0)

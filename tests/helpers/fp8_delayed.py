@@ -25,10 +25,11 @@ class DelayedCase:
     history: int = 1
     algo: str = "most_recent"
     margin: int = 0
+    micros: int = 1  # micro-batches per step
 
     @property
     def id(self) -> str:
-        return f"{self.layer.id}-h{self.history}-{self.algo}-m{self.margin}"
+        return f"{self.layer.id}-h{self.history}-{self.algo}-m{self.margin}-x{self.micros}"
 
 
 def next_scale(amaxes: list[float], prev: float, dtype: torch.dtype, case: DelayedCase) -> float:
@@ -40,9 +41,13 @@ def next_scale(amaxes: list[float], prev: float, dtype: torch.dtype, case: Delay
                               dtype=torch.float64).to(torch.float32))
 
 
-def _step_tensors(case: DelayedCase, tp: int, dtype: torch.dtype, step: int):
-    f = FACTORS[step % len(FACTORS)]
-    w, b, x, dy = _whole(case.layer, tp, dtype, seed=step)
+def _step_tensors(case: DelayedCase, tp: int, dtype: torch.dtype, step: int, micro: int = 0,
+                  micros: int = 1):
+    """Micro-batch `micro` of `step`: the step's weight and bias, the micro-batch's input and
+    gradient, scaled by FACTORS in turn (the amaxes move, both ways)."""
+    f = FACTORS[(step * micros + micro) % len(FACTORS)]
+    w, b, _, _ = _whole(case.layer, tp, dtype, seed=step)
+    _, _, x, dy = _whole(case.layer, tp, dtype, seed=100 * step + micro)
     return w * (1 + step / 4), b, x * f, dy / f  # the weight changes too, as training does
 
 
@@ -70,14 +75,24 @@ def _compared(got: dict, want: dict, case: DelayedCase) -> dict:
     return out
 
 
+def _held(layer) -> dict[str, float]:
+    """The scales the layer's histories hold now (what its next quantizations use)."""
+    return {r: float(st.scale) for r, st in layer._fp8_delayed._states.items()}
+
+
 def run_case(case: DelayedCase, rank: int, tp: int, steps: int = len(FACTORS),
-             device: str = "cpu") -> dict:
-    """`steps` forward + backward steps of the case's layer against the reference with the
-    delayed scales; then a layer built anew from the first one's state dict takes one
-    more step beside it: {'steps': [per step, per result: equal, rel], 'scales': what the
-    reference used, 'restored': whether the two layers' next results are bit-equal,
-    'extra': the checkpointed state's keys, 'precision': the layer's description}. `device`:
-    where the layers run (the reference runs on CPU)."""
+             device: str = "cpu", micros: int = 1) -> dict:
+    """`steps` steps of `micros` forward + backward micro-batches of the case's layer, with
+    `is_first_microbatch` set as Megatron's schedules set it (the FP8 weight cache: the
+    weight quantized, and its amax recorded, at a step's first micro-batch, and at every
+    micro-batch of the first step, before a schedule is seen driving the flag), against the
+    reference with the delayed scales; then a layer built anew from the first one's state
+    dict takes one more step beside it, and, given the state dict again once it has
+    histories of its own (loaded in place), another. {'steps': [per micro-batch, per
+    result: equal, rel], 'scales': what the reference used, 'held': [per micro-batch the
+    layer's scales after it], 'want_held': [the rule's], 'restored': [fresh, in place]:
+    whether the next results are bit-equal, 'extra': the state's keys, 'history': the
+    input's history, 'precision'}. `device`: where the layers run (the reference on CPU)."""
     c = case.layer
     dtype = getattr(torch, c.dtype)
     grad8 = ref.E5M2 if c.fp8 == "hybrid" else ref.E4M3
@@ -85,25 +100,37 @@ def run_case(case: DelayedCase, rank: int, tp: int, steps: int = len(FACTORS),
     layer = _layer(case, tp, dtype).to(device)
     amaxes = {r: [] for r in kinds}
     scales = {r: 1.0 for r in kinds}
-    per_step, used = [], []
+    per_step, used, held, want_held = [], [], [], []
     for step in range(steps):
-        whole = _step_tensors(case, tp, dtype, step)
-        got = one_step(layer, case.layer, rank, tp, whole, device)
-        s = {r: torch.tensor(v, dtype=torch.float32) for r, v in scales.items()}
-        per_step.append(_compared(got, reference(c, rank, tp, *whole, scales=s), case))
-        used.append(dict(scales))
-        w, _, x, dy = whole
-        for role, t in (("input", x), ("weight", w), ("grad", dy)):
-            amaxes[role].append(float(t.abs().max().float()))
-            scales[role] = next_scale(amaxes[role], scales[role], kinds[role], case)
+        for m in range(micros):
+            whole = _step_tensors(case, tp, dtype, step, m, micros)
+            made = m == 0 or step == 0  # the weight quantized at this micro-batch
+            s = dict(scales) if made else {**scales, "weight": used[-1]["weight"]}
+            layer.is_first_microbatch = m == 0
+            got = one_step(layer, c, rank, tp, whole, device, set_weights=m == 0)
+            per_step.append(_compared(got, reference(c, rank, tp, *whole, scales={
+                r: torch.tensor(v, dtype=torch.float32) for r, v in s.items()}), case))
+            used.append(s)
+            w, _, x, dy = whole
+            for role, t in (("input", x), ("weight", w), ("grad", dy)):
+                if role != "weight" or made:
+                    amaxes[role].append(float(t.abs().max().float()))
+                    scales[role] = next_scale(amaxes[role], scales[role], kinds[role], case)
+            held.append(_held(layer))
+            want_held.append(dict(scales))
     state = layer.state_dict()
     again = _layer(case, tp, dtype).to(device)
-    again.load_state_dict(state)
-    whole = _step_tensors(case, tp, dtype, steps)
-    a, b = (one_step(m, case.layer, rank, tp, whole, device) for m in (layer, again))
+    again.load_state_dict(state)  # into histories not made yet: at their first use
+    restored = []
+    for extra in range(2):
+        whole = _step_tensors(case, tp, dtype, steps + extra)
+        layer.is_first_microbatch = again.is_first_microbatch = True
+        a, b = (one_step(m, c, rank, tp, whole, device) for m in (layer, again))
+        restored.append(all(torch.equal(a[k], b[k]) for k in a))
+        again.load_state_dict(layer.state_dict())  # into its own histories, in place
     extra = state["_extra_state"]
-    return {"steps": per_step, "scales": used, "precision": layer.precision.describe(),
-            "restored": all(torch.equal(a[k], b[k]) for k in a),
+    return {"steps": per_step, "scales": used, "held": held, "want_held": want_held,
+            "precision": layer.precision.describe(), "restored": restored,
             "extra": sorted(extra["amax_history"]) if isinstance(extra, dict) else extra,
             "history": [float(v) for v in extra["amax_history"]["input"]]}
 
@@ -112,4 +139,4 @@ def run_cases(rank: int, world: int, cases: list[DelayedCase]) -> dict:
     from helpers.megatron_cpu import init
 
     init(world)
-    return {c.id: run_case(c, rank, world) for c in cases}
+    return {c.id: run_case(c, rank, world, micros=c.micros) for c in cases}

@@ -283,14 +283,17 @@ def _cpu_rowwise() -> bool:
     return True
 
 
-def one_step(layer, case: Fp8Case, rank: int, tp: int, whole, device: str = "cpu") -> dict:
+def one_step(layer, case: Fp8Case, rank: int, tp: int, whole, device: str = "cpu",
+             set_weights: bool = True) -> dict:
     """One forward + backward of `layer` given this rank's shards of `whole` (weight, bias,
-    input, upstream gradient): its output, input grad, weight grad (main_grad's, from zero,
-    with `case.main_grad`) and bias grad, on the CPU."""
+    input, upstream gradient; the weight and bias left as they are without `set_weights`,
+    as at a step's later micro-batch): its output, input grad, weight grad (main_grad's,
+    from zero, with `case.main_grad`) and bias grad, on the CPU."""
     w_r, b_r, x_r, dy_r = (t.to(device) for t in _shards(case, rank, tp, *whole))
-    with torch.no_grad():
-        layer.weight.copy_(w_r)
-        layer.bias.copy_(b_r)
+    if set_weights:
+        with torch.no_grad():
+            layer.weight.copy_(w_r)
+            layer.bias.copy_(b_r)
     layer.weight.grad = layer.bias.grad = None
     if case.main_grad:
         layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32, device=device)
