@@ -61,7 +61,11 @@ def test_fp8_layer_cpu(tmp_path):
     # the eager-kernel arm and the later-micro-batch arm (its FP8 weights reused) compute the
     # fp8 arm's numbers (on CPU both run torch's kernels: equal)
     assert row["check"]["fp8_arms_max_rel"] == 0.0
-    assert set(row["kernels"]) == {"bf16", "fp8", "fp8_eager_kernels", "fp8_later_micro"}
+    assert set(row["kernels"]) == {"bf16", "fp8", "fp8_eager_kernels", "fp8_later_micro",
+                                   "fp8_delayed"}
+    # delayed scaling (Megatron's default recipe) moved by FP8's rounding too, no more
+    assert row["check"]["precision"]["fp8_delayed"][0].startswith("fp8 delayed")
+    assert 1e-3 < row["check"]["delayed_max_rel_err"] <= row["check"]["tol_rel_norm"]
     assert all(k["total_us"] > 0 and len(k["top"]) == 3 for k in row["kernels"].values())
     # FP8 moved the results, by FP8's rounding: not an arm that silently ran bf16
     assert 1e-3 < row["check"]["max_rel_err"] <= row["check"]["tol_rel_norm"], row["check"]
