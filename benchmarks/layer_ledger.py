@@ -201,17 +201,21 @@ class Ledger(TorchDispatchMode):
                             if isinstance(t, torch.Tensor) else t, got)
 
 
-COMPILED = {"cast": "fp8 cast", "cast_t": "fp8 cast", "transpose": "transpose",
-            "scale": "elementwise"}
-OUTPUTS = {"cast_t": 2}  # a kernel's trailing arguments it writes (else its last one)
+COMPILED = {"cast": "fp8 cast", "transpose": "transpose", "scale": "elementwise",
+            "delayed_cast": "fp8 cast", "delayed_update": "elementwise"}
+# a kernel's trailing arguments it writes (else its last one): the delayed cast writes the
+# scale it used, the amax and the FP8 tensor; the update, the history and the scale (its
+# arguments: history, amax, scale)
+OUTPUTS = {"delayed_cast": 3}
 
 
 @contextlib.contextmanager
 def compiled_kernels(ledger: Ledger):
     """A GPU's compiled FP8 kernels (`overlap.fp8._run_compiled`, CUDA only: the fused
-    cast, the transposed copy, the scale) as one recorded operation each: the same numbers
-    (the function run eagerly, unrecorded), one launch, its inputs read once and its outputs
-    (the last argument; the cast with its transposed copy, the last two) written once."""
+    cast, the transposed copy, the scale, delayed scaling's cast and update) as one
+    recorded operation each: the same numbers (the function run eagerly, unrecorded), one
+    launch, its inputs read once and its outputs (the last argument, or `OUTPUTS`) written
+    once."""
     from megatron_overlap.overlap import fp8
 
     def run(key: tuple, fn, *args: torch.Tensor) -> bool:

@@ -8,9 +8,11 @@ Transformer Engine's and Megatron's 'tensorwise' recipe; or delayed scaling, the
   [fp8] extra), imported when FP8 first runs, so the runtime imports without it. A scale
   is torchao's: fp8 = saturate(x * scale), x ~ fp8 / scale. On a GPU the cast runs as one
   fused kernel (`_fused_cast`), the amax as one reduction, the scale as one kernel
-  (`scale_for`), the transposed copies FP8 GEMMs need as one tiled kernel (`transposed`),
-  or in the cast's own kernel where the tensor is cast (`quantize(..., out_t=)`):
-  torch.compile, `set_fused` turns it off.
+  (`scale_for`), the transposed copies FP8 GEMMs need as one tiled kernel (`transposed`;
+  `quantize(..., out_t=)` makes one from the FP8 values it cast): torch.compile, each
+  kernel in a frame of its own (`_own_frame`), `set_fused` turns it off. A cast writing
+  both layouts in one function compiled to two kernels on an H200 (torch 2.11), each
+  reading the wider input: more bytes than the cast and a transpose of its FP8 output.
 - Own code, and why:
   - `ScaledGemm` calls `torch._scaled_mm` itself: the schedules write every chunk's
     product into its place of the pass's output (`out=`, the addresses a CUDA-graph
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
 from typing import Optional
 
 import torch
@@ -119,6 +122,19 @@ def set_fused(enabled: bool) -> bool:
     return before
 
 
+def _own_frame(fn, key: tuple):
+    """`fn` called from a function whose code object is its own, one per kernel key.
+    Dynamo keeps a code object's compiled variants, and its recompile limit (8), per code
+    object, and every `functools.partial` it compiles runs in one shared wrapper frame:
+    past 8 variants among all of them, the next ran eagerly without a word (seen on an
+    H200: the FP8 casts of a process that had compiled 8 others)."""
+    def kernel(*args: torch.Tensor):
+        return fn(*args)
+    name = "fp8_" + "_".join(str(k).removeprefix("torch.") for k in key)
+    code = kernel.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, kernel.__globals__, name, None, kernel.__closure__)
+
+
 def _run_compiled(key: tuple, fn, *args: torch.Tensor) -> bool:
     """Run `fn(*args)` compiled (torch.compile, inductor; dynamic shapes, so a model's
     shapes compile once per key); False where it does not run so: on CPU, with
@@ -132,7 +148,7 @@ def _run_compiled(key: tuple, fn, *args: torch.Tensor) -> bool:
     if key not in _compiled:
         if capturing:
             return False
-        _compiled[key] = torch.compile(fn, dynamic=True)
+        _compiled[key] = torch.compile(_own_frame(fn, key), dynamic=True)
     compiled = _compiled[key]
     if compiled is None:
         return False
@@ -150,13 +166,6 @@ def _run_compiled(key: tuple, fn, *args: torch.Tensor) -> bool:
                     key[0], type(exc).__name__, exc)
         return False
     return True
-
-
-def _cast_t_by(saturate, x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-               out_t: torch.Tensor) -> torch.Tensor:
-    """`_cast_by`, also written transposed into `out_t`: the same numbers twice."""
-    out_t.copy_(_cast_by(saturate, x, scale, out).t())
-    return out
 
 
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:
@@ -193,19 +202,6 @@ def transposed(t: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Ten
     return out.copy_(t.t())
 
 
-def _fused_cast_t(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
-                  out_t: torch.Tensor) -> bool:
-    """The cast and the transposed copy as one kernel on a GPU (Transformer Engine's
-    cast-transpose): x read once, both layouts written from the same values; False where
-    it does not run so. A transposed copy made after the cast reads the FP8 tensor back
-    and launches once more; inductor tiles the kernel so that both writes are coalesced."""
-    if scale.numel() != 1 or not (x.is_contiguous() and out.is_contiguous()
-                                  and out_t.is_contiguous()):
-        return False
-    fn = functools.partial(_cast_t_by, _ao().to_fp8_saturated)
-    return _run_compiled(("cast_t", x.dtype, out.dtype), fn, x, scale, out, out_t)
-
-
 def _fp8_out(x: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor],
              out_t: Optional[torch.Tensor]) -> torch.Tensor:
     """`out`, or a new tensor like `x` in `dtype`; `out_t` checked to be x's transposed
@@ -226,12 +222,9 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
              ) -> torch.Tensor:
     """saturate(x * scale) in `dtype` (x upcast to fp32 first), into `out` when given.
     `out_t` (2-D `x`, a contiguous tensor of the transposed shape): the same values
-    transposed written there too, in the same kernel where the cast is compiled (the FP8
-    GEMMs' other layout: `transposed`)."""
+    transposed written there too (the FP8 GEMMs' other layout: `transposed`, from the FP8
+    values, one byte read an element)."""
     out = _fp8_out(x, dtype, out, out_t)
-    if out_t is not None:
-        if _fused_cast_t(x, scale, out, out_t):
-            return out
     fused = _fused_cast(x, scale, out)
     out = fused if fused is not None else _cast(x, scale, out)
     if out_t is not None:
@@ -254,15 +247,13 @@ class AmaxHistory:
 
 
 def _delayed_cast_by(saturate, x: torch.Tensor, scale: torch.Tensor, used: torch.Tensor,
-                     amax_out: torch.Tensor, out: torch.Tensor,
-                     out_t: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     amax_out: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`_cast_by` with the history's scale (copied into `used`, which this quantization's
-    GEMMs and backward read), x's amax written beside it: one read of x for both."""
+    GEMMs and backward read), x's amax written beside it: one read of x for both where
+    the compiler fuses them."""
     used.copy_(scale)
     amax_out.copy_(torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32))
-    if out_t is None:
-        return _cast_by(saturate, x, used, out)
-    return _cast_t_by(saturate, x, used, out, out_t)
+    return _cast_by(saturate, x, used, out)
 
 
 def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
@@ -272,20 +263,17 @@ def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
     """`x` quantized with the scale `state` holds now (from past amaxes: no pass over x
     before the cast), copied into `used`; x's own amax into `amax_out` (a float32
     scalar), for `update_scale` once it is the TP group's. On a GPU one compiled
-    function (the cast, its transposed copy with `out_t`, the amax; inductor decides how
-    many kernels); elsewhere the same numbers eagerly."""
+    function (the cast and the amax; inductor decides how many kernels); elsewhere the
+    same numbers eagerly. `out_t`: the FP8 values transposed there too (`transposed`)."""
     out = _fp8_out(x, dtype, out, out_t)
-    flat = out_t is None and x.is_contiguous() and out.is_contiguous()
-    args = ((x.view(-1), state.scale, used, amax_out, out.view(-1)) if flat else
-            (x, state.scale, used, amax_out, out, out_t))
     fn = functools.partial(_delayed_cast_by, _ao().to_fp8_saturated)
-    if ((flat or (out_t is not None and x.is_contiguous() and out.is_contiguous()
-                  and out_t.is_contiguous()))
-            and _run_compiled(("delayed_cast", x.dtype, dtype, out_t is not None), fn, *args)):
-        return out
-    used.copy_(state.scale)
-    amax_out.copy_(amax(x))
-    return quantize(x, used, dtype, out=out, out_t=out_t)
+    if not (x.is_contiguous() and out.is_contiguous() and _run_compiled(
+            ("delayed_cast", x.dtype, dtype), fn, x.view(-1), state.scale, used, amax_out,
+            out.view(-1))):
+        fn(x, state.scale, used, amax_out, out)
+    if out_t is not None:
+        transposed(out, out=out_t)
+    return out
 
 
 def _update_by(use_max: bool, fp8_max: float, margin: int, history: torch.Tensor,

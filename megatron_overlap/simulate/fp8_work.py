@@ -20,8 +20,8 @@ nothing, which this table does not model):
   pass's scaled GEMM takes two reciprocal scales. A tensor that an FP8 GEMM reads
   transposed and that is not gathered (the weight, for the dgrad; with fp8_wgrad a row
   layer's input and a column layer's gradient, for the wgrad) gets its transposed copy
-  from the cast's kernel: one byte more written an element, no kernel; a gathered one is
-  transposed in the wgrad (`transpose`).
+  right after its cast (`quantize(..., out_t=)`: a `transpose` of the FP8 values); a
+  gathered one is transposed in the wgrad.
 - Row-wise: the amax along each row (torchao: |x| written, then reduced) and eight small
   kernels on the [rows, 1] scales (power-of-two rounding), the cast eagerly (upcast,
   multiply, clamp, cast, copy: `EAGER_CAST` bytes an element beyond p), the scales copied
@@ -84,7 +84,7 @@ class PassWork:
 def quantize(elems: int, p: int, rowwise: bool = False, rows: int = 0,
              scales_out: bool = True, col: bool = False) -> Work:
     """One tensor of `elems` elements (`rows` rows) in p-byte precision made FP8 with its
-    scale(s); `col` (tensorwise): its cast also writes it transposed. Row-wise: |x|
+    scale(s); `col` (tensorwise): then its FP8 values transposed. Row-wise: |x|
     written and read, the amax, the eager cast, and with `scales_out` the scales copied
     out (into the rows' tails, or the weight's scale tensor: 4 bytes read and written a
     row)."""
@@ -92,7 +92,8 @@ def quantize(elems: int, p: int, rowwise: bool = False, rows: int = 0,
         copy = Work(8 * rows, 1) if scales_out else Work()
         return Work((3 * p + p + EAGER_CAST[1]) * elems + ROW_SCALE_BYTES * rows,
                     ROW_SCALE_KERNELS + EAGER_CAST[0]) + copy
-    return Work(p * elems + (p + 1 + col) * elems, TENSORWISE_KERNELS)
+    return Work(p * elems + (p + 1) * elems, TENSORWISE_KERNELS) + (transpose(elems) if col
+                                                                      else Work())
 
 
 def transpose(elems: int) -> Work:

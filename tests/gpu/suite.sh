@@ -9,7 +9,8 @@
 # PYTHON: the interpreter (default python3); GPU_WORKERS: xdist workers (default 4);
 # GPU_DIST: how xdist spreads the tests (default loadgroup: like load, except that tests
 # marked with one xdist_group share a worker, so a module fixture they share runs once);
-# GPU_SUITE_TIMEOUT: seconds for the whole run (default 540); OUT: where the log goes.
+# GPU_SUITE_TIMEOUT: seconds for the whole run (default 540: the last 60 for the tests marked
+# `alone`, which read the whole device and run by themselves after); OUT: where the log goes.
 # Wheels in .whl/ (../shared/device/wheels.sh: megatron-core, nvshmem4py, ...) are
 # installed into /tmp/site first, for a machine that has no megatron-core of its own.
 set -uo pipefail
@@ -36,8 +37,15 @@ echo "sources $(find megatron_overlap tests -name '*.py' | LC_ALL=C sort | xargs
   | tee "$OUT/gpu_suite.log"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/gpu_suite.log"
 start=$(date +%s)
-timeout "${GPU_SUITE_TIMEOUT:-540}" "$PY" -m pytest -q -p no:cacheprovider -n "${GPU_WORKERS:-4}" \
-  --dist "${GPU_DIST:-loadgroup}" -rfEs --durations=12 tests/gpu "$@" 2>&1 | tee -a "$OUT/gpu_suite.log"
+limit=${GPU_SUITE_TIMEOUT:-540}
+timeout "$((limit - 60))" "$PY" -m pytest -q -p no:cacheprovider -n "${GPU_WORKERS:-4}" \
+  --dist "${GPU_DIST:-loadgroup}" -rfEs --durations=12 -m "not alone" tests/gpu "$@" 2>&1 \
+  | tee -a "$OUT/gpu_suite.log"
 rc=${PIPESTATUS[0]}
+# tests that read the whole device (its free memory) run after, by themselves
+timeout 60 "$PY" -m pytest -q -p no:cacheprovider -rfEs -m alone tests/gpu "$@" 2>&1 \
+  | tee -a "$OUT/gpu_suite.log"
+alone=${PIPESTATUS[0]}
+[ "$rc" = 0 ] && [ "$alone" != 5 ] && rc=$alone  # (5: none selected, by the caller's args)
 echo "tests/gpu/suite.sh: rc=$rc in $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu_suite.log"
 exit "$rc"

@@ -1,6 +1,7 @@
 """FP8 on one GPU, one process: the fused cast (`overlap.fp8._fused_cast`, torch.compile of
 the one definition) gives the bits eager torchao gives, the one-pass amax torchao's amax,
-the compiled transpose torch's copy, the cast with its transposed copy both in one kernel;
+the compiled transpose torch's copy, the cast with its transposed copy two compiled
+kernels, every kernel compiled however many there are;
 row-wise scaled GEMMs run on the GPU's kernel with the operands the layers give them."""
 
 import pytest
@@ -63,11 +64,13 @@ def test_compiled_transpose_equals_torchs_copy(shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("shape", [(1024, 8192), (8192, 1280), (1000, 272)])
-def test_cast_with_its_transposed_copy_is_one_kernel_with_eagers_bits(dtype, fp8, shape):
-    """`quantize(..., out_t=)` (the cast that also writes the FP8 GEMMs' other layout, as
+def test_cast_with_its_transposed_copy_is_two_compiled_kernels_with_eagers_bits(dtype, fp8, shape):
+    """`quantize(..., out_t=)` (the cast that also gives the FP8 GEMMs' other layout, as
     the layers cast the weight, a row layer's input and a column layer's gradient): both
-    outputs the bytes eager torchao's cast and torch's transposed copy give, written by one
-    kernel (counted by the profiler, after a warm-up call that compiles it)."""
+    outputs the bytes eager torchao's cast and torch's transposed copy give, by two
+    compiled kernels (counted by the profiler, after a warm-up call that compiles them):
+    the cast, then the transpose of its FP8 output. (One function writing both layouts
+    compiled to two kernels that each read the wider input: more bytes.)"""
     pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
     from torch.profiler import ProfilerActivity, profile
     from torchao.float8 import float8_utils as ao
@@ -83,16 +86,50 @@ def test_cast_with_its_transposed_copy_is_one_kernel_with_eagers_bits(dtype, fp8
     assert f.quantize(x, scale, fp8, out=out, out_t=out_t) is out  # compiles
     assert torch.equal(out.view(torch.uint8), want)
     assert torch.equal(out_t.view(torch.uint8), want.t().contiguous())
-    assert f._compiled.get(("cast_t", dtype, fp8)) is not None, f._compiled
     out.zero_(), out_t.zero_()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         f.quantize(x, scale, fp8, out=out, out_t=out_t)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    assert len(kernels) == 1, kernels
+    assert len(kernels) == 2 and all(k.startswith("triton_") for k in kernels), kernels
     assert torch.equal(out.view(torch.uint8), want)
     assert torch.equal(out_t.view(torch.uint8), want.t().contiguous())
+
+
+def test_every_compiled_kernel_stays_compiled_past_dynamos_recompile_limit():
+    """Each kernel key compiles in a frame of its own (`_own_frame`): dynamo's recompile
+    limit (8 variants per code object) once sent every functools.partial compiled after
+    the 8th to eager kernels, silently. Ten keys here (casts of two input types into two
+    FP8 types, the transposed copy, the scales, delayed scaling's cast and update), then
+    each again, profiled: Triton kernels only."""
+    pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_overlap.overlap import fp8 as f
+
+    fp8s = (torch.float8_e4m3fn, torch.float8_e5m2)
+    xs = [(torch.randn(512, 256, device="cuda") * 3).to(d) for d in (torch.bfloat16, torch.float32)]
+
+    def every_key():
+        for x in xs:
+            for dt in fp8s:
+                s = f.scale_for(f.amax(x), dt)
+                f.quantize(x, s, dt, out_t=torch.empty(x.shape[::-1], dtype=dt, device="cuda"))
+                st = f.AmaxHistory(4, x.device)
+                used, a = torch.empty((), device="cuda"), torch.empty(1, device="cuda")
+                f.delayed_quantize(x, st, dt, used, a[0])
+                f.update_scale(st, a[0], dt, 0, "max")
+    every_key()
+    torch.cuda.synchronize()
+    assert len([k for k, v in f._compiled.items() if v is not None]) >= 10, f._compiled
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        every_key()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    eager = [n for n in names if not n.startswith("triton_") and "reduce_kernel" not in n
+             and "Memset" not in n and "Memcpy" not in n]
+    assert not eager, eager  # (amax: torch's one-pass reduction; empties: no kernel)
 
 
 @pytest.mark.parametrize("first", [torch.float8_e4m3fn, torch.float8_e5m2])
@@ -168,8 +205,8 @@ def test_compiled_scale_equals_torchaos(fp8):
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("col", [False, True])
 def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
-    """Delayed scaling's quantization (`delayed_quantize`: the history's scale, the cast,
-    with `col` its transposed copy, and the amax in one compiled function) and its update
+    """Delayed scaling's quantization (`delayed_quantize`: the history's scale, the cast
+    and the amax in one compiled function; with `col` its transposed copy after) and its update
     (`update_scale`, compiled) give eager's bits, three steps running (history 2, 'max',
     margin 1); the kernels it takes are printed (inductor decides: the fewer, the fewer
     reads of x)."""
@@ -199,7 +236,7 @@ def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
     for step, (got, want) in enumerate(zip(runs[True], runs[False])):
         for i, (a, b) in enumerate(zip(got, want)):
             assert (a is None and b is None) or torch.equal(a, b), (step, i)
-    assert f._compiled.get(("delayed_cast", dtype, fp8, col)) is not None, f._compiled
+    assert f._compiled.get(("delayed_cast", dtype, fp8)) is not None, f._compiled
     assert f._compiled.get(("delayed_update", "max", fp8, 1)) is not None, f._compiled
     used, a = torch.empty((), device="cuda"), torch.empty(1, device="cuda")
     out_t = torch.empty(xs[0].shape[::-1], dtype=fp8, device="cuda") if col else None
@@ -209,4 +246,5 @@ def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     print(f"delayed cast {dtype} -> {fp8}, col={col}: {len(kernels)} kernels {kernels}")
-    assert 1 <= len(kernels) <= 3, kernels
+    assert all(k.startswith("triton_") for k in kernels), kernels  # compiled, not eager
+    assert 1 <= len(kernels) <= 3 + col, kernels
