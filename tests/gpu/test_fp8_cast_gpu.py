@@ -110,13 +110,14 @@ def test_every_compiled_kernel_stays_compiled_past_dynamos_recompile_limit():
 
     fp8s = (torch.float8_e4m3fn, torch.float8_e5m2)
     xs = [(torch.randn(512, 256, device="cuda") * 3).to(d) for d in (torch.bfloat16, torch.float32)]
+    states = iter([f.AmaxHistory(4, torch.device("cuda")) for _ in range(8)])  # (fills: eager)
 
     def every_key():
         for x in xs:
             for dt in fp8s:
                 s = f.scale_for(f.amax(x), dt)
                 f.quantize(x, s, dt, out_t=torch.empty(x.shape[::-1], dtype=dt, device="cuda"))
-                st = f.AmaxHistory(4, x.device)
+                st = next(states)
                 used, a = torch.empty((), device="cuda"), torch.empty(1, device="cuda")
                 f.delayed_quantize(x, st, dt, used, a[0])
                 f.update_scale(st, a[0], dt, 0, "max")
@@ -208,8 +209,9 @@ def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
     """Delayed scaling's quantization (`delayed_quantize`: the history's scale, the cast
     and the amax in one compiled function; with `col` its transposed copy after) and its update
     (`update_scale`, compiled) give eager's bits, three steps running (history 2, 'max',
-    margin 1); the kernels it takes are printed (inductor decides: the fewer, the fewer
-    reads of x)."""
+    margin 1), as Triton kernels only. Inductor does not fuse the amax into the cast: on
+    an H100 (torch 2.11) the quantization was 4 kernels (the amax's split reduction, 2;
+    the used scale's copy; the cast), 5 with the transposed copy: printed, bounded."""
     pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
     from torch.profiler import ProfilerActivity, profile
 
@@ -247,4 +249,4 @@ def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     print(f"delayed cast {dtype} -> {fp8}, col={col}: {len(kernels)} kernels {kernels}")
     assert all(k.startswith("triton_") for k in kernels), kernels  # compiled, not eager
-    assert 1 <= len(kernels) <= 3 + col, kernels
+    assert 1 <= len(kernels) <= 4 + col, kernels
