@@ -247,7 +247,9 @@ class Fp8Forward:
         """Delayed scaling, at the end of the forward pass: its amaxes recorded (the TP
         group's), the next scales set. Nothing to do otherwise."""
         if self.delayed is not None:
-            self.delayed.record(self.roles, self._amaxes, tp, op, (self.p.fwd,) * len(self.roles))
+            ax, aw = self._amaxes  # two on every rank: one exchange of one size
+            self.delayed.record(self.roles, torch.stack([ax, ax if aw is None else aw]), tp, op,
+                                (self.p.fwd,) * len(self.roles))
 
     def kept_input(self) -> torch.Tensor:
         """The FP8 input the backward's wgrad reads: column-major where the cast wrote it
@@ -268,10 +270,16 @@ class Fp8Forward:
             return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype)
         if self.delayed is not None:  # two amaxes on every rank: one exchange of one size
             d = self.delayed
-            self._amaxes = local = torch.empty(2, dtype=torch.float32, device=x2.device)
-            d.quantize("input", x2, fwd, self.x_scale, local[0], out=self.x8, out_t=self.x8t)
+            # each amax a tensor of its own, not a view: a compiled kernel guards on a view's
+            # base, whose sizes (2 or 1) shape-match others' (a micro-batch of 2) by chance, and
+            # every new match compiled another variant, until dynamo's limit sent it eager
+            f32 = dict(dtype=torch.float32, device=x2.device)
+            self._amaxes = (torch.empty((), **f32),
+                            torch.empty((), **f32) if self.quantize_weight else None)
+            d.quantize("input", x2, fwd, self.x_scale, self._amaxes[0], out=self.x8,
+                       out_t=self.x8t)
             if self.quantize_weight:
-                d.quantize("weight", weight, fwd, self.w_scale, local[1], out=self.w8,
+                d.quantize("weight", weight, fwd, self.w_scale, self._amaxes[1], out=self.w8,
                            out_t=self.w8t)
             return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
         a = shared_amax(x2, tp, f"{op}_amax") if gathered else amax(x2)
@@ -302,8 +310,8 @@ class Fp8Backward:
 
     def grad(self, g: torch.Tensor, tp: Transport, op: str, gathered: bool, col: bool = False
              ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(g in the gradient's FP8 type, its scale, and with `col` g column-major from
-        the cast's kernel: the wgrad's layout of a gradient not gathered). Tensorwise: the
+        """(g in the gradient's FP8 type, its scale, and with `col` g column-major (from
+        its cast): the wgrad's layout of a gradient not gathered). Tensorwise: the
         TP group's amax when `gathered`; delayed: the history's scale, the group's amax
         recorded by `record` at the pass's end ('<op>_amax'). Row-wise: (g row-scaled, None, None), its rows' amaxes."""
         if self.rowwise:
@@ -312,16 +320,15 @@ class Fp8Backward:
             return quantized(g, self.p.grad, tp if gathered else None, op, col)
         t = g.new_empty(g.shape[::-1], dtype=self.p.grad) if col else None
         g_scale = torch.empty((), dtype=torch.float32, device=g.device)
-        local = torch.empty(1, dtype=torch.float32, device=g.device)
-        g8 = self.delayed.quantize("grad", g, self.p.grad, g_scale, local[0], out_t=t)
-        self._amaxes = local
+        self._amax = torch.empty((), dtype=torch.float32, device=g.device)  # (not a view)
+        g8 = self.delayed.quantize("grad", g, self.p.grad, g_scale, self._amax, out_t=t)
         return g8, g_scale, (None if t is None else t.t())
 
     def record(self, tp: Transport, op: str) -> None:
         """Delayed scaling, at the end of the backward pass: the gradient's amax recorded
         (the TP group's), its next scale set. Nothing to do otherwise."""
-        if self.delayed is not None and getattr(self, "_amaxes", None) is not None:
-            self.delayed.record(("grad",), self._amaxes, tp, op, (self.p.grad,))
+        if self.delayed is not None and getattr(self, "_amax", None) is not None:
+            self.delayed.record(("grad",), self._amax.reshape(1), tp, op, (self.p.grad,))
 
     def dgrad(self, g_scale: Optional[torch.Tensor], out_dtype: torch.dtype
               ) -> tuple[torch.Tensor, ScaledGemm | RowScaledGemm]:
