@@ -96,14 +96,16 @@ class DelayedScales:
         """`x` quantized with `role`'s current scale (into `used`), its amax into `amax_out`."""
         return delayed_quantize(x, self.get(role, x.device), dtype, used, amax_out, out, out_t)
 
-    def record(self, roles: tuple[str, ...], local: torch.Tensor, tp: Transport, op: str,
-               dtypes: tuple[torch.dtype, ...]) -> None:
+    def record(self, roles: tuple[str, ...], local: torch.Tensor, tp: Transport, op: str
+               ) -> None:
         """The amaxes `local` (this rank's; the first len(roles) are `roles`') reduced over
-        the TP group (one exchange, '<op>_amax'), recorded, and each role's next scale set.
+        the TP group (one exchange, '<op>_amax'), recorded, and each role's next scale set
+        (for its FP8 type: the gradient's, or the input's and weight's).
         Called at the end of the pass: nothing in it reads the histories' scales after
         its casts, so the exchange waits on nothing the pass's transfers need."""
         group = group_max(local, tp, f"{op}_amax")
-        for i, (role, dtype) in enumerate(zip(roles, dtypes)):
+        for i, role in enumerate(roles):
+            dtype = self.p.grad if role == "grad" else self.p.fwd
             update_scale(self._states[role], group[i], dtype, self.p.margin, self.p.algo)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -248,8 +250,7 @@ class Fp8Forward:
         group's), the next scales set. Nothing to do otherwise."""
         if self.delayed is not None:
             ax, aw = self._amaxes  # two on every rank: one exchange of one size
-            self.delayed.record(self.roles, torch.stack([ax, ax if aw is None else aw]), tp, op,
-                                (self.p.fwd,) * len(self.roles))
+            self.delayed.record(self.roles, torch.stack([ax, ax if aw is None else aw]), tp, op)
 
     def kept_input(self) -> torch.Tensor:
         """The FP8 input the backward's wgrad reads: column-major where the cast wrote it
@@ -301,6 +302,7 @@ class Fp8Backward:
                  delayed: Optional[DelayedScales] = None):
         self.p, self.w8t, self.w_scale, self.x_scale = p, w8t, w_scale, x_scale
         self.rowwise, self.weight, self.delayed = p.recipe == "rowwise", weight, delayed
+        self._amax: Optional[torch.Tensor] = None  # delayed: the gradient's, for `record`
         if delayed is not None:  # made before the pass: its replay key holds their addresses
             delayed.get("grad", w_scale.device)
 
@@ -313,7 +315,8 @@ class Fp8Backward:
         """(g in the gradient's FP8 type, its scale, and with `col` g column-major (from
         its cast): the wgrad's layout of a gradient not gathered). Tensorwise: the
         TP group's amax when `gathered`; delayed: the history's scale, the group's amax
-        recorded by `record` at the pass's end ('<op>_amax'). Row-wise: (g row-scaled, None, None), its rows' amaxes."""
+        recorded by `record` at the pass's end ('<op>_amax'). Row-wise: (g row-scaled,
+        None, None), its rows' amaxes."""
         if self.rowwise:
             return rows_quantized(g, self.p.grad), None, None
         if self.delayed is None:
@@ -327,8 +330,8 @@ class Fp8Backward:
     def record(self, tp: Transport, op: str) -> None:
         """Delayed scaling, at the end of the backward pass: the gradient's amax recorded
         (the TP group's), its next scale set. Nothing to do otherwise."""
-        if self.delayed is not None and getattr(self, "_amax", None) is not None:
-            self.delayed.record(("grad",), self._amax.reshape(1), tp, op, (self.p.grad,))
+        if self._amax is not None:
+            self.delayed.record(("grad",), self._amax.reshape(1), tp, op)
 
     def dgrad(self, g_scale: Optional[torch.Tensor], out_dtype: torch.dtype
               ) -> tuple[torch.Tensor, ScaledGemm | RowScaledGemm]:

@@ -92,8 +92,8 @@ def quantize(elems: int, p: int, rowwise: bool = False, rows: int = 0,
         copy = Work(8 * rows, 1) if scales_out else Work()
         return Work((3 * p + p + EAGER_CAST[1]) * elems + ROW_SCALE_BYTES * rows,
                     ROW_SCALE_KERNELS + EAGER_CAST[0]) + copy
-    return Work(p * elems + (p + 1) * elems, TENSORWISE_KERNELS) + (transpose(elems) if col
-                                                                      else Work())
+    cast = Work(p * elems + (p + 1) * elems, TENSORWISE_KERNELS)
+    return cast + transpose(elems) if col else cast
 
 
 def transpose(elems: int) -> Work:
