@@ -206,12 +206,12 @@ def test_compiled_scale_equals_torchaos(fp8):
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("col", [False, True])
 def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
-    """Delayed scaling's quantization (`delayed_quantize`: the history's scale, the cast
-    and the amax in one compiled function; with `col` its transposed copy after) and its update
-    (`update_scale`, compiled) give eager's bits, three steps running (history 2, 'max',
-    margin 1), as Triton kernels only. Inductor does not fuse the amax into the cast: on
-    an H100 (torch 2.11) the quantization was 4 kernels (the amax's split reduction, 2;
-    the used scale's copy; the cast), 5 with the transposed copy: printed, bounded."""
+    """Delayed scaling's quantization (`delayed_quantize`: torch's amax reduction, then the
+    history's scale and the cast compiled; with `col` its transposed copy after) and its
+    update (`update_scale`, compiled) give eager's bits, three steps running (history 2,
+    'max', margin 1). The amax is torch's one-pass reduction, as current scaling's (inductor
+    compiled it to a split reduction ~15x slower in a layer, H100); the rest Triton
+    kernels, at most the used scale's copy and the cast (and the transposed copy): printed."""
     pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
     from torch.profiler import ProfilerActivity, profile
 
@@ -248,5 +248,7 @@ def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     print(f"delayed cast {dtype} -> {fp8}, col={col}: {len(kernels)} kernels {kernels}")
-    assert all(k.startswith("triton_") for k in kernels), kernels  # compiled, not eager
-    assert 1 <= len(kernels) <= 4 + col, kernels
+    reductions = [k for k in kernels if "reduce_kernel" in k]
+    compiled = [k for k in kernels if k.startswith("triton_")]
+    assert len(reductions) == 1 and len(compiled) + 1 == len(kernels), kernels  # none eager
+    assert 1 <= len(compiled) <= 2 + col, kernels
