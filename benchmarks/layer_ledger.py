@@ -218,7 +218,7 @@ def compiled_kernels(ledger: Ledger):
     once."""
     from megatron_overlap.overlap import fp8
 
-    def run(key: tuple, fn, *args: torch.Tensor) -> bool:
+    def run(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True) -> bool:
         if not fp8._fusing:
             return False
         with _disable_current_modes():

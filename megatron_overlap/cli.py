@@ -39,8 +39,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="bf16",
                    help="the parameters' dtype (default bf16); fp32 GEMMs run TF32")
     p.add_argument("--fp8", choices=("hybrid", "e4m3"),
-                   help="the linears run FP8 (Megatron's --fp8-format; --fp8-recipe tensorwise): "
-                        "FP8 GEMMs, FP8 gathers, reductions in --dtype")
+                   help="the linears run FP8 (Megatron's --fp8-format): FP8 GEMMs, FP8 "
+                        "gathers, reductions in --dtype")
+    p.add_argument("--fp8-recipe", choices=("tensorwise", "delayed"), default=None,
+                   help="with --fp8: Megatron's --fp8-recipe, current scaling (default) or "
+                        "delayed scaling (amax histories: no amax exchange before a gather, "
+                        "one after each pass)")
     p.add_argument("--fp8-scaling", choices=("tensorwise", "rowwise"), default=None,
                    help="with --fp8: per-tensor scales (default) or per-row "
                         "(--megatron-overlap-fp8-scaling rowwise; wgrad in --dtype)")
@@ -49,16 +53,23 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def numerics_of(args: argparse.Namespace):
-    """The linears' precision from --dtype, --fp8, --fp8-scaling, --no-fp8-wgrad
-    (FlagError naming the flags for a combination the layers do not run)."""
+    """The linears' precision from --dtype, --fp8, --fp8-recipe, --fp8-scaling,
+    --no-fp8-wgrad (FlagError naming the flags for a combination the layers do not run)."""
     from .simulate.numerics import Numerics
 
-    if args.fp8 is None and (args.fp8_scaling or args.no_fp8_wgrad):
-        given = "--fp8-scaling" if args.fp8_scaling else "--no-fp8-wgrad"
+    recipe = getattr(args, "fp8_recipe", None)
+    if args.fp8 is None and (args.fp8_scaling or args.no_fp8_wgrad or recipe):
+        given = ("--fp8-scaling" if args.fp8_scaling else "--fp8-recipe" if recipe
+                 else "--no-fp8-wgrad")
         raise FlagError(f"{given} needs --fp8 hybrid or --fp8 e4m3")
     rowwise = args.fp8_scaling == "rowwise"
+    if recipe == "delayed" and rowwise:
+        raise FlagError("--fp8-recipe delayed --fp8-scaling rowwise: delayed scaling keeps one "
+                        "amax history per tensor, not per row (as the layers refuse it); use "
+                        "--fp8-recipe tensorwise for row-wise scales")
     try:
-        return Numerics(args.dtype, args.fp8, args.fp8_scaling or "tensorwise",
+        return Numerics(args.dtype, args.fp8,
+                        "delayed" if recipe == "delayed" else args.fp8_scaling or "tensorwise",
                         fp8_wgrad=not (args.no_fp8_wgrad or rowwise))
     except ValueError as e:
         raise FlagError(f"--dtype {args.dtype} --fp8 {args.fp8} --fp8-scaling "

@@ -29,6 +29,7 @@ BF16 = Numerics()
 HYBRID = Numerics(fp8="hybrid")
 NO_FP8_WGRAD = Numerics(fp8="e4m3", fp8_wgrad=False)
 ROWWISE = Numerics(fp8="hybrid", scaling="rowwise", fp8_wgrad=False)
+DELAYED = Numerics(fp8="hybrid", scaling="delayed")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -227,6 +228,32 @@ def test_eager_fp8_launches_its_kernels_and_exchanges_its_amaxes():
     for num in (BF16, ROWWISE):
         assert all(amax_exchange_us(PassSpec(shape, p), HW, LAYOUT) == 0
                    for shape in _shapes(num).values() for p in kinds)
+    # delayed: an exchange after every pass that quantizes (fprop, dgrad), none before a
+    # gather's cast; one rank (no group) exchanges nothing
+    delayed = {(b, p) for b, shape in _shapes(DELAYED).items() for p in kinds
+               if amax_exchange_us(PassSpec(shape, p), HW, LAYOUT) > 0}
+    assert delayed == {(b, p) for b in ("qkv", "proj", "fc1", "fc2") for p in ("fprop", "dgrad")}
+    one = dataclasses.replace(LAYOUT, tp=1)
+    assert all(amax_exchange_us(PassSpec(shape, p), HW, one) == 0
+               for shape in _shapes(DELAYED).values() for p in kinds)
+
+
+def test_delayed_scaling_s_work_differs_from_tensorwise_where_the_layers_do():
+    """Delayed scaling casts with a kept scale (no scale kernel) and updates each tensor's
+    history after the pass (a forward's two amaxes stacked first; the group's max taken at
+    TP > 1): per pass, against tensorwise, the same bytes (a tensor read, its FP8 written)
+    and these kernels more or fewer (tests/test_fp8_work.py holds both to the layers)."""
+    for b, shape in _shapes(DELAYED).items():
+        tw = _shapes(HYBRID)[b]
+        for p in ("fprop", "dgrad", "wgrad"):
+            d, t = fp8_work(PassSpec(shape, p), None, LAYOUT), fp8_work(PassSpec(tw, p), None, LAYOUT)
+            assert d.total.bytes == t.total.bytes, (b, p)
+            gathered = (p, shape.column) in (("fprop", True), ("dgrad", False))
+            # per tensor quantized: -1 (the scale); the group max: after the pass, not before
+            # the gather; fprop: +1 stack, +1 update each (input, weight); dgrad: +1 update
+            want = {"fprop": -2 + 1 + 2 + 1 - int(gathered),
+                    "dgrad": -1 + 1 + 1 - int(gathered), "wgrad": 0}[p]
+            assert d.total.kernels - t.total.kernels == want, (b, p, d, t)
 
 
 def test_a_shape_read_back_from_json_keeps_its_precision():
@@ -352,6 +379,9 @@ def test_tune_and_simulate_say_the_precision_they_picked_for(tmp_path, capsys):
     (["simulate", "--fp8", "hybrid", "--hw", "fp8_peak_tflops=0"], "fp8_peak_tflops must be"),
     (["tune", "--fp8", "hybrid", "--fp8-scaling", "rowwise", "--measure", "real"],
      "tensorwise scales only"),
+    (["simulate", "--fp8-recipe", "delayed"], "--fp8-recipe needs --fp8"),
+    (["simulate", "--fp8", "hybrid", "--fp8-recipe", "delayed", "--fp8-scaling", "rowwise"],
+     "not per row"),
 ])
 def test_cli_refuses_fp8_combinations_it_cannot_run(argv, says, capsys, tmp_path):
     target = ["--shapes", "8b"] if argv[0] == "simulate" else [
@@ -363,6 +393,26 @@ def test_cli_refuses_fp8_combinations_it_cannot_run(argv, says, capsys, tmp_path
 def test_cli_refuses_an_unknown_fp8_format():
     with pytest.raises(SystemExit):
         main(["simulate", "--shapes", "8b", "--tp", "2", "--fp8", "e5m2"])
+
+
+def test_delayed_scaling_is_simulated_and_timed_as_its_own_precision(capsys, tmp_path):
+    """`--fp8-recipe delayed`: the cost model's delayed work (its label in the output and
+    the YAML), and the tuner's trial pass runs it (the same FP8 operands and pass as
+    tensorwise: what differs is the scales' work, which the model adds)."""
+    from megatron_overlap.comm import NullTransport
+    from megatron_overlap.tune.passes import precision_of, trial_pass
+
+    sy = tmp_path / "d.yaml"
+    assert main(["simulate", "--shapes", "8b", "--tp", "2", "--fp8", "hybrid", "--fp8-recipe",
+                 "delayed", "--yaml", str(sy)]) == 0
+    assert "fp8 hybrid delayed" in capsys.readouterr().out
+    assert sy.read_text().startswith("# picked for precision: fp8 hybrid delayed")
+    for num in (HYBRID, DELAYED):
+        shape = Shape("T", "qkv", 32, 32, 48, 2, numerics=num)
+        t = next(t for t in trials(shape, Layout(tp=2)) if t.spec.pass_name == "fprop")
+        timed = trial_pass(t, NullTransport(2), "cpu", torch.bfloat16, precision=precision_of(num))
+        timed.run()
+        assert timed.tensors["x"].dtype == E4M3 and timed.tensors["out"].dtype == torch.bfloat16
 
 
 def test_trial_pass_refuses_rowwise_naming_the_model():

@@ -22,6 +22,13 @@ nothing, which this table does not model):
   layer's input and a column layer's gradient, for the wgrad) gets its transposed copy
   right after its cast (`quantize(..., out_t=)`: a `transpose` of the FP8 values); a
   gathered one is transposed in the wgrad.
+- Delayed (`delayed_quantize`): the amax read and the cast with the history's scale (one
+  compiled call, which also copies that scale for the GEMMs): no scale kernel, no exchange
+  before a gather. At the end of the pass the amaxes it took (the input's and, when it is
+  quantized, the weight's; the gradient's) are exchanged over the TP group (a forward's two
+  stacked first: one kernel), the max over the group's taken (one kernel, TP > 1), and
+  each tensor's history updated (one compiled kernel each). The histories' bytes (8 a
+  kept amax) are left out with the scalars.
 - Row-wise: the amax along each row (torchao: |x| written, then reduced) and eight small
   kernels on the [rows, 1] scales (power-of-two rounding), the cast eagerly (upcast,
   multiply, clamp, cast, copy: `EAGER_CAST` bytes an element beyond p), the scales copied
@@ -48,6 +55,7 @@ from dataclasses import dataclass
 from .hardware import Hardware
 
 TENSORWISE_KERNELS = 3  # amax, scale (one compiled kernel: overlap.fp8.scale_for), cast
+DELAYED_KERNELS = 2  # amax, the cast with the history's scale (one compiled call)
 RECIPROCALS = 2  # a tensorwise scaled GEMM's inverse scales (overlap.fp8.ScaledGemm)
 ROW_SCALE_KERNELS = 10  # |x|, its amax along the row, eight on the [rows, 1] scales
 ROW_SCALE_BYTES = 100  # bytes per row of those eight and of the amax's output
@@ -81,19 +89,26 @@ class PassWork:
         return self.activations + self.weight
 
 
-def quantize(elems: int, p: int, rowwise: bool = False, rows: int = 0,
+def quantize(elems: int, p: int, scaling: str = "tensorwise", rows: int = 0,
              scales_out: bool = True, col: bool = False) -> Work:
     """One tensor of `elems` elements (`rows` rows) in p-byte precision made FP8 with its
-    scale(s); `col` (tensorwise): then its FP8 values transposed. Row-wise: |x|
-    written and read, the amax, the eager cast, and with `scales_out` the scales copied
-    out (into the rows' tails, or the weight's scale tensor: 4 bytes read and written a
-    row)."""
-    if rowwise:
+    scale(s) (`scaling`: 'tensorwise', 'delayed' or 'rowwise'); `col` (per tensor): then its
+    FP8 values transposed. Row-wise: |x| written and read, the amax, the eager cast, and
+    with `scales_out` the scales copied out (into the rows' tails, or the weight's scale
+    tensor: 4 bytes read and written a row)."""
+    if scaling == "rowwise":
         copy = Work(8 * rows, 1) if scales_out else Work()
         return Work((3 * p + p + EAGER_CAST[1]) * elems + ROW_SCALE_BYTES * rows,
                     ROW_SCALE_KERNELS + EAGER_CAST[0]) + copy
-    cast = Work(p * elems + (p + 1) * elems, TENSORWISE_KERNELS)
+    kernels = DELAYED_KERNELS if scaling == "delayed" else TENSORWISE_KERNELS
+    cast = Work(p * elems + (p + 1) * elems, kernels)
     return cast + transpose(elems) if col else cast
+
+
+def delayed_record(tensors: int, tp: int, stacked: bool) -> Work:
+    """Delayed scaling at a pass's end: `tensors` amaxes (`stacked`: a forward's, stacked
+    into one exchange) reduced over the group and recorded, each its history's update."""
+    return Work(0, int(stacked) + int(tp > 1) + tensors)
 
 
 def transpose(elems: int) -> Work:
@@ -108,30 +123,37 @@ def batched(rows: int, row_bytes: int, chunks: int) -> Work:
 
 
 def pass_work(pass_name: str, column: bool, tokens: int, tp: int, k: int, n: int,
-              p: int, rowwise: bool = False, fp8_wgrad: bool = True,
+              p: int, scaling: str = "tensorwise", fp8_wgrad: bool = True,
               gemm_calls: int = 1, accumulates: bool = True,
               weight_cached: bool = True) -> PassWork:
     """The FP8 work of one pass of a linear whose forward GEMM is [tokens(/tp), k] x [k, n]
     per rank (sequence parallel: a column layer's input and a row layer's output split
     over `tp`), its FP8 GEMM issued as `gemm_calls` calls; beyond what its schedule adds
-    (`batched`). `accumulates`: the wgrad adds into an fp32 main_grad; `weight_cached`:
-    the tensorwise FP8 weight is made once per step (else at every forward)."""
+    (`batched`). `scaling`: 'tensorwise', 'delayed' or 'rowwise'; `accumulates`: the wgrad
+    adds into an fp32 main_grad; `weight_cached`: the per-tensor FP8 weight is made once
+    per step (else at every forward)."""
+    rowwise, delayed = scaling == "rowwise", scaling == "delayed"
     gemm = Work(0, 1 + gemm_calls) if rowwise else Work(0, RECIPROCALS)
-    shared = Work(0, 0 if rowwise or tp == 1 else 1)  # the max over the group's amaxes
+    # tensorwise: the max over the group's amaxes of a tensor gathered, before its cast
+    shared = Work(0, 0 if scaling != "tensorwise" or tp == 1 else 1)
     cached = weight_cached and not rowwise
     own_t = fp8_wgrad and not rowwise  # the wgrad's layout of an operand not gathered
     if pass_name == "fprop":
         rows = tokens // tp if column else tokens
-        act = (quantize(rows * k, p, rowwise, rows, col=own_t and not column) + gemm
+        act = (quantize(rows * k, p, scaling, rows, col=own_t and not column) + gemm
                + (shared if column else Work()))
-        weight = quantize(n * k, p, rowwise, n, col=not rowwise)  # with the dgrad's layout
+        weight = quantize(n * k, p, scaling, n, col=not rowwise)  # with the dgrad's layout
+        if delayed:  # the input's update; the weight's where it is quantized
+            act += delayed_record(1, tp, stacked=True)
+            weight += delayed_record(1, 1, stacked=False)
         return PassWork(act, weight) if cached else PassWork(act + weight)
     if pass_name == "dgrad":
         rows = tokens if column else tokens // tp
-        act = (quantize(rows * n, p, rowwise, rows, col=own_t and column) + gemm
-               + (Work() if column else shared))
+        act = (quantize(rows * n, p, scaling, rows, col=own_t and column) + gemm
+               + (Work() if column else shared)
+               + (delayed_record(1, tp, stacked=False) if delayed else Work()))
         if rowwise:  # the weight again, per column (its copy out transposes it); no tails
-            act += quantize(n * k, p, True, k, scales_out=False)
+            act += quantize(n * k, p, "rowwise", k, scales_out=False)
         return PassWork(act)
     if pass_name == "wgrad":
         if rowwise or not fp8_wgrad:  # in p: only a row layer's gathered gradient, dequantized

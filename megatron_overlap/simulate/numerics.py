@@ -1,6 +1,7 @@
 """What a linear's passes compute and move in, as the layers run them (docs/fp8.md):
 the parameters' dtype, or FP8 (Megatron's `fp8`: 'hybrid' or 'e4m3'; `fp8_recipe`
-'tensorwise', with `install(fp8_scaling=...)` 'tensorwise' or 'rowwise'; `fp8_wgrad`).
+'tensorwise', with `install(fp8_scaling=...)` 'tensorwise' or 'rowwise', or 'delayed';
+`fp8_wgrad`).
 
 Per pass of an FP8 linear:
 
@@ -30,7 +31,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 PARAM_DTYPES = ("bf16", "fp16", "fp32")
 FP8_FORMATS = ("hybrid", "e4m3")  # Megatron's fp8
-FP8_SCALINGS = ("tensorwise", "rowwise")  # fp8_recipe 'tensorwise', install(fp8_scaling=)
+# fp8_recipe 'tensorwise' (install(fp8_scaling=): 'tensorwise' or 'rowwise') or 'delayed'
+FP8_SCALINGS = ("tensorwise", "rowwise", "delayed")
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -298,19 +298,24 @@ def fp8_work(spec: PassSpec, s: LayerSettings | None, layout: Layout,
     if not num.fp8:
         return PassWork()
     work = pass_work(spec.pass_name, shape.column, shape.m, shape.tp, shape.k, shape.n,
-                     num.params.itemsize, num.scaling == "rowwise", num.fp8_wgrad,
+                     num.params.itemsize, num.scaling, num.fp8_wgrad,
                      gemm_calls(spec, s, layout), accumulates)
     return PassWork(work.activations + _batched_work(spec, s, layout), work.weight)
 
 
 def amax_exchange_us(spec: PassSpec, hw: Hardware, layout: Layout) -> float:
-    """A tensorwise FP8 pass's exchange of the TP group's amaxes (one float a rank), before
-    the tensor it scales is gathered: a column forward's input, a row dgrad's gradient."""
+    """An FP8 pass's exchange of the TP group's amaxes (a float or two a rank). Tensorwise:
+    before the tensor it scales is gathered (a column forward's input, a row dgrad's
+    gradient). Delayed: at the end of every pass that quantizes (forward: the input's and
+    the weight's; dgrad: the gradient's), after its GEMMs, for the next scales."""
     num, shape = spec.shape.numerics, spec.shape
-    gathered = (spec.pass_name, shape.column) in (("fprop", True), ("dgrad", False))
-    if not num.fp8 or num.scaling != "tensorwise" or layout.tp == 1 or not gathered:
+    if not num.fp8 or layout.tp == 1 or num.scaling == "rowwise":
         return 0.0
-    return Sim(hw, layout, Engine("sm", hw.nccl_sms)).collective_us(4)
+    if num.scaling == "delayed":
+        floats = {"fprop": 2, "dgrad": 1}.get(spec.pass_name, 0)
+    else:
+        floats = int((spec.pass_name, shape.column) in (("fprop", True), ("dgrad", False)))
+    return Sim(hw, layout, Engine("sm", hw.nccl_sms)).collective_us(4 * floats) if floats else 0.0
 
 
 def megatron_modelled_host_us(hw: Hardware, comm: float | bool = True) -> float:

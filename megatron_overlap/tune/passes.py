@@ -146,12 +146,14 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
     Random operands, one scale per FP8 type (`tensors`: 'scale_fwd', 'scale_grad'), the
     same on every rank, so a gathered FP8 tensor has one scale, as in the layer. The column
     dgrad gathers the FP8 input where the wgrad is FP8, else the input in `dtype`.
-    Tensorwise scaling only (row-wise: ValueError)."""
+    Per-tensor scales (row-wise: ValueError): current and delayed scaling's passes gather
+    and multiply the same FP8 operands; how their scales are made (the amax exchange
+    before a gather, or the histories' updates after the pass) the cost model adds."""
     from ..overlap import fp8
     from ..overlap.fp8 import transposed
 
-    if precision.recipe != "tensorwise":
-        raise ValueError(f"{trial.name}: the tuner times FP8 passes with tensorwise scales; "
+    if precision.recipe not in ("tensorwise", "delayed"):
+        raise ValueError(f"{trial.name}: the tuner times FP8 passes with per-tensor scales; "
                          f"{precision.recipe!r} scaling is predicted by the cost model only "
                          "(megatron-overlap tune --measure model)")
 
