@@ -110,6 +110,9 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tens
 
 
 _compiled: dict = {}  # kernel key -> its torch.compile'd function; None: eager from now on
+_frames: dict = {}  # kernel key -> the code object dynamo keeps its compiled variants on
+_full: set = set()  # kernel keys whose variants reached dynamo's recompile limit (warned)
+_BACKEND = "inductor"
 _fusing = True
 log = logging.getLogger("megatron_overlap")
 
@@ -146,11 +149,17 @@ def _run_compiled(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True) -> 
     ask for a recompile (a new layout, a dimension of 1), runs eagerly there, captured so."""
     if not _fusing or args[0].device.type != "cuda":
         return False
-    capturing = torch.cuda.is_current_stream_capturing()
+    return _call_compiled(key, fn, args, dynamic, torch.cuda.is_current_stream_capturing())
+
+
+def _call_compiled(key: tuple, fn, args: tuple, dynamic: bool, capturing: bool) -> bool:
+    """`_run_compiled` past its device check."""
     if key not in _compiled:
         if capturing:
             return False
-        _compiled[key] = torch.compile(_own_frame(fn, key), dynamic=dynamic)
+        frame = _own_frame(fn, key)
+        _frames[key] = frame.__code__
+        _compiled[key] = torch.compile(frame, dynamic=dynamic, backend=_BACKEND)
     compiled = _compiled[key]
     if compiled is None:
         return False
@@ -160,6 +169,7 @@ def _run_compiled(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True) -> 
                 compiled(*args)
         else:
             compiled(*args)
+            _note_variants(key)
     except Exception as exc:  # noqa: BLE001  (no inductor / triton here: eager, slower, same bits)
         if capturing:  # a recompile refused: eager in this capture, compiled again outside
             return False
@@ -168,6 +178,27 @@ def _run_compiled(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True) -> 
                     key[0], type(exc).__name__, exc)
         return False
     return True
+
+
+def _note_variants(key: tuple) -> None:
+    """Warn once where a key's compiled variants reach dynamo's recompile limit: dynamo then
+    runs each call that fits none of them eagerly, and says nothing (a cast that way costs
+    a layer more than its FP8 GEMMs save). About a microsecond a call."""
+    if key in _full:
+        return
+    try:
+        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+        variants = len(_debug_get_cache_entry_list(_frames[key]))
+    except (ImportError, AttributeError, TypeError):  # (a torch without it: not checked)
+        _full.add(key)
+        return
+    limit = torch._dynamo.config.recompile_limit
+    if variants >= limit:
+        _full.add(key)
+        log.warning("megatron_overlap: %s has compiled %d variants, dynamo's recompile "
+                    "limit (torch._dynamo.config.recompile_limit): a call that fits none runs "
+                    "eagerly, slower; TORCH_LOGS=recompiles says what each recompiled for",
+                    _frames[key].co_name, variants)
 
 
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:
