@@ -249,8 +249,7 @@ class Fp8Forward:
         """Delayed scaling, at the end of the forward pass: its amaxes recorded (the TP
         group's), the next scales set. Nothing to do otherwise."""
         if self.delayed is not None:
-            ax, aw = self._amaxes  # two on every rank: one exchange of one size
-            self.delayed.record(self.roles, torch.stack([ax, ax if aw is None else aw]), tp, op)
+            self.delayed.record(self.roles, self._amaxes, tp, op)
 
     def kept_input(self) -> torch.Tensor:
         """The FP8 input the backward's wgrad reads: column-major where the cast wrote it
@@ -269,14 +268,12 @@ class Fp8Forward:
             self.w_scale.copy_(row_scales(weight, fwd))
             quantize(weight, self.w_scale, fwd, out=self.w8)
             return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype)
-        if self.delayed is not None:  # two amaxes on every rank: one exchange of one size
+        if self.delayed is not None:
             d = self.delayed
-            # each amax a tensor of its own, not a view: a compiled kernel guards on a view's
-            # base, whose sizes (2 or 1) shape-match others' (a micro-batch of 2) by chance, and
-            # every new match compiled another variant, until dynamo's limit sent it eager
-            f32 = dict(dtype=torch.float32, device=x2.device)
-            self._amaxes = (torch.empty((), **f32),
-                            torch.empty((), **f32) if self.quantize_weight else None)
+            # the input's amax and the weight's, side by side: the exchange `record` makes,
+            # of one size on every rank (where the weight is not quantized, its place is
+            # exchanged unread)
+            self._amaxes = torch.empty(2, dtype=torch.float32, device=x2.device)
             d.quantize("input", x2, fwd, self.x_scale, self._amaxes[0], out=self.x8,
                        out_t=self.x8t)
             if self.quantize_weight:
@@ -323,7 +320,7 @@ class Fp8Backward:
             return quantized(g, self.p.grad, tp if gathered else None, op, col)
         t = g.new_empty(g.shape[::-1], dtype=self.p.grad) if col else None
         g_scale = torch.empty((), dtype=torch.float32, device=g.device)
-        self._amax = torch.empty((), dtype=torch.float32, device=g.device)  # (not a view)
+        self._amax = torch.empty((), dtype=torch.float32, device=g.device)
         g8 = self.delayed.quantize("grad", g, self.p.grad, g_scale, self._amax, out_t=t)
         return g8, g_scale, (None if t is None else t.t())
 

@@ -110,9 +110,7 @@ def _cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tens
 
 
 _compiled: dict = {}  # kernel key -> its torch.compile'd function; None: eager from now on
-_frames: dict = {}  # kernel key -> the code object dynamo keeps its compiled variants on
-_full: set = set()  # kernel keys whose variants reached dynamo's recompile limit (warned)
-_BACKEND = "inductor"
+_BACKEND = "inductor"  # (tests on CPU: dynamo's "eager", the same frames, guards and variants)
 _fusing = True
 log = logging.getLogger("megatron_overlap")
 
@@ -128,10 +126,12 @@ def set_fused(enabled: bool) -> bool:
 
 def _own_frame(fn, key: tuple):
     """`fn` called from a function whose code object is its own, one per kernel key.
-    Dynamo keeps a code object's compiled variants, and its recompile limit (8), per code
-    object, and every `functools.partial` it compiles runs in one shared wrapper frame:
-    past 8 variants among all of them, the next ran eagerly without a word (seen on an
-    H200: the FP8 casts of a process that had compiled 8 others)."""
+    Dynamo keeps a code object's compiled variants, and its recompile limit
+    (torch._dynamo.config.recompile_limit, 8 by default), per code object, and every
+    `functools.partial` it compiles runs in one shared wrapper frame: past the limit among
+    all of them, the next ran eagerly, one warning from dynamo in the log (seen on an
+    H200: the FP8 casts of a process that had compiled 8 others). The frame's name says
+    the key (`fp8_cast_bfloat16_float8_e4m3fn`), in that warning too."""
     def kernel(*args: torch.Tensor):
         return fn(*args)
     name = "fp8_" + "_".join(str(k).removeprefix("torch.") for k in key)
@@ -157,9 +157,7 @@ def _call_compiled(key: tuple, fn, args: tuple, dynamic: bool, capturing: bool) 
     if key not in _compiled:
         if capturing:
             return False
-        frame = _own_frame(fn, key)
-        _frames[key] = frame.__code__
-        _compiled[key] = torch.compile(frame, dynamic=dynamic, backend=_BACKEND)
+        _compiled[key] = torch.compile(_own_frame(fn, key), dynamic=dynamic, backend=_BACKEND)
     compiled = _compiled[key]
     if compiled is None:
         return False
@@ -169,7 +167,6 @@ def _call_compiled(key: tuple, fn, args: tuple, dynamic: bool, capturing: bool) 
                 compiled(*args)
         else:
             compiled(*args)
-            _note_variants(key)
     except Exception as exc:  # noqa: BLE001  (no inductor / triton here: eager, slower, same bits)
         if capturing:  # a recompile refused: eager in this capture, compiled again outside
             return False
@@ -178,27 +175,6 @@ def _call_compiled(key: tuple, fn, args: tuple, dynamic: bool, capturing: bool) 
                     key[0], type(exc).__name__, exc)
         return False
     return True
-
-
-def _note_variants(key: tuple) -> None:
-    """Warn once where a key's compiled variants reach dynamo's recompile limit: dynamo then
-    runs each call that fits none of them eagerly, and says nothing (a cast that way costs
-    a layer more than its FP8 GEMMs save). About a microsecond a call."""
-    if key in _full:
-        return
-    try:
-        from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-        variants = len(_debug_get_cache_entry_list(_frames[key]))
-    except (ImportError, AttributeError, TypeError):  # (a torch without it: not checked)
-        _full.add(key)
-        return
-    limit = torch._dynamo.config.recompile_limit
-    if variants >= limit:
-        _full.add(key)
-        log.warning("megatron_overlap: %s has compiled %d variants, dynamo's recompile "
-                    "limit (torch._dynamo.config.recompile_limit): a call that fits none runs "
-                    "eagerly, slower; TORCH_LOGS=recompiles says what each recompiled for",
-                    _frames[key].co_name, variants)
 
 
 def _fused_cast(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> Optional[torch.Tensor]:
@@ -292,14 +268,14 @@ def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
                      out: Optional[torch.Tensor] = None, out_t: Optional[torch.Tensor] = None
                      ) -> torch.Tensor:
     """`x` quantized with the scale `state` holds now (from past amaxes: no pass over x
-    before the cast), copied into `used`; x's own amax into `amax_out` (a float32
-    scalar), for `update_scale` once it is the TP group's. The amax is torch's own
+    before the cast), copied into `used`; x's own amax into `amax_out` (a 0-d float32
+    tensor; a view into a larger one will do), for `update_scale` once it is the TP group's. The amax is torch's own
     reduction, as current scaling's (`amax`); the cast one compiled kernel on a GPU. Compiled
     together (inductor, dynamic shapes), the amax was a reduction of its own, ~15x slower
     than torch's (H100, 70B TP=8 layer: 3.9 of its 11.7 ms). `out_t`: the FP8 values
     transposed there too (`transposed`)."""
     out = _fp8_out(x, dtype, out, out_t)
-    amax(x, out=amax_out)
+    amax(x.detach(), out=amax_out)  # (out=: no autograd; the amax needs none)
     fn = functools.partial(_delayed_cast_by, _ao().to_fp8_saturated)
     if not (x.is_contiguous() and out.is_contiguous() and _run_compiled(
             ("delayed_cast", x.dtype, dtype), fn, x.view(-1), state.scale, used,

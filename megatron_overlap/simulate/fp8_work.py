@@ -22,13 +22,15 @@ nothing, which this table does not model):
   layer's input and a column layer's gradient, for the wgrad) gets its transposed copy
   right after its cast (`quantize(..., out_t=)`: a `transpose` of the FP8 values); a
   gathered one is transposed in the wgrad.
-- Delayed (`delayed_quantize`): the amax read and the cast with the history's scale (one
-  compiled call, which also copies that scale for the GEMMs): no scale kernel, no exchange
-  before a gather. At the end of the pass the amaxes it took (the input's and, when it is
-  quantized, the weight's; the gradient's) are exchanged over the TP group (a forward's two
-  stacked first: one kernel), the max over the group's taken (one kernel, TP > 1), and
-  each tensor's history updated (one compiled kernel each). The histories' bytes (8 a
-  kept amax) are left out with the scalars.
+- Delayed (`delayed_quantize`): the amax read (torch's reduction) and the cast with the
+  history's scale (one compiled call, which also copies that scale for the GEMMs): no
+  scale kernel, no exchange before a gather. At the end of the pass the amaxes it took
+  (`DELAYED_AMAXES`: the input's and the weight's place; the gradient's) are exchanged
+  over the TP group, the max over the group's taken (one kernel, TP > 1), and each
+  quantized tensor's history updated (one compiled kernel each). The histories' bytes (8
+  a kept amax) are left out with the scalars.
+- torch's amax reduction counts as one kernel; on a GPU it also launches a memset (both
+  recipes).
 - Row-wise: the amax along each row (torchao: |x| written, then reduced) and eight small
   kernels on the [rows, 1] scales (power-of-two rounding), the cast eagerly (upcast,
   multiply, clamp, cast, copy: `EAGER_CAST` bytes an element beyond p), the scales copied
@@ -56,6 +58,7 @@ from .hardware import Hardware
 
 TENSORWISE_KERNELS = 3  # amax, scale (one compiled kernel: overlap.fp8.scale_for), cast
 DELAYED_KERNELS = 2  # amax, the cast with the history's scale (one compiled call)
+DELAYED_AMAXES = {"fprop": 2, "dgrad": 1}  # a pass's amaxes exchanged at its end (delayed)
 RECIPROCALS = 2  # a tensorwise scaled GEMM's inverse scales (overlap.fp8.ScaledGemm)
 ROW_SCALE_KERNELS = 10  # |x|, its amax along the row, eight on the [rows, 1] scales
 ROW_SCALE_BYTES = 100  # bytes per row of those eight and of the amax's output
@@ -105,10 +108,16 @@ def quantize(elems: int, p: int, scaling: str = "tensorwise", rows: int = 0,
     return cast + transpose(elems) if col else cast
 
 
-def delayed_record(tensors: int, tp: int, stacked: bool) -> Work:
-    """Delayed scaling at a pass's end: `tensors` amaxes (`stacked`: a forward's, stacked
-    into one exchange) reduced over the group and recorded, each its history's update."""
-    return Work(0, int(stacked) + int(tp > 1) + tensors)
+def delayed_record(tensors: int, tp: int) -> Work:
+    """Delayed scaling at a pass's end: its amaxes reduced over the group (the max of the
+    group's, at TP > 1), and `tensors` histories updated."""
+    return Work(0, int(tp > 1) + tensors)
+
+
+def gathered(pass_name: str, column: bool) -> bool:
+    """Whether the tensor the pass quantizes is gathered: a column forward's input, a row
+    dgrad's gradient (one scale over the TP group: tensorwise exchanges its amax first)."""
+    return (pass_name, column) in (("fprop", True), ("dgrad", False))
 
 
 def transpose(elems: int) -> Work:
@@ -135,23 +144,21 @@ def pass_work(pass_name: str, column: bool, tokens: int, tp: int, k: int, n: int
     rowwise, delayed = scaling == "rowwise", scaling == "delayed"
     gemm = Work(0, 1 + gemm_calls) if rowwise else Work(0, RECIPROCALS)
     # tensorwise: the max over the group's amaxes of a tensor gathered, before its cast
-    shared = Work(0, 0 if scaling != "tensorwise" or tp == 1 else 1)
+    shared = Work(0, int(scaling == "tensorwise" and tp > 1 and gathered(pass_name, column)))
     cached = weight_cached and not rowwise
     own_t = fp8_wgrad and not rowwise  # the wgrad's layout of an operand not gathered
     if pass_name == "fprop":
         rows = tokens // tp if column else tokens
-        act = (quantize(rows * k, p, scaling, rows, col=own_t and not column) + gemm
-               + (shared if column else Work()))
+        act = quantize(rows * k, p, scaling, rows, col=own_t and not column) + gemm + shared
         weight = quantize(n * k, p, scaling, n, col=not rowwise)  # with the dgrad's layout
         if delayed:  # the input's update; the weight's where it is quantized
-            act += delayed_record(1, tp, stacked=True)
-            weight += delayed_record(1, 1, stacked=False)
+            act += delayed_record(1, tp)
+            weight += delayed_record(1, 1)
         return PassWork(act, weight) if cached else PassWork(act + weight)
     if pass_name == "dgrad":
         rows = tokens if column else tokens // tp
-        act = (quantize(rows * n, p, scaling, rows, col=own_t and column) + gemm
-               + (Work() if column else shared)
-               + (delayed_record(1, tp, stacked=False) if delayed else Work()))
+        act = (quantize(rows * n, p, scaling, rows, col=own_t and column) + gemm + shared
+               + (delayed_record(1, tp) if delayed else Work()))
         if rowwise:  # the weight again, per column (its copy out transposes it); no tails
             act += quantize(n * k, p, "rowwise", k, scales_out=False)
         return PassWork(act)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..config import LayerSettings
-from .fp8_work import PassWork, Work, batched, pass_work
+from .fp8_work import DELAYED_AMAXES, PassWork, Work, batched, gathered, pass_work
 from .gemm import GemmModel
 from .numerics import dtype_name
 from .hardware import Hardware, Layout
@@ -311,10 +311,8 @@ def amax_exchange_us(spec: PassSpec, hw: Hardware, layout: Layout) -> float:
     num, shape = spec.shape.numerics, spec.shape
     if not num.fp8 or layout.tp == 1 or num.scaling == "rowwise":
         return 0.0
-    if num.scaling == "delayed":
-        floats = {"fprop": 2, "dgrad": 1}.get(spec.pass_name, 0)
-    else:
-        floats = int((spec.pass_name, shape.column) in (("fprop", True), ("dgrad", False)))
+    floats = (DELAYED_AMAXES.get(spec.pass_name, 0) if num.scaling == "delayed"
+              else int(gathered(spec.pass_name, shape.column)))
     return Sim(hw, layout, Engine("sm", hw.nccl_sms)).collective_us(4 * floats) if floats else 0.0
 
 

@@ -100,7 +100,7 @@ def test_cast_with_its_transposed_copy_is_two_compiled_kernels_with_eagers_bits(
 def test_every_compiled_kernel_stays_compiled_past_dynamos_recompile_limit():
     """Each kernel key compiles in a frame of its own (`_own_frame`): dynamo's recompile
     limit (8 variants per code object) once sent every functools.partial compiled after
-    the 8th to eager kernels, silently. Ten keys here (casts of two input types into two
+    the 8th to eager kernels, one dynamo warning in the log. Ten keys here (casts of two input types into two
     FP8 types, the transposed copy, the scales, delayed scaling's cast and update), then
     each again, profiled: Triton kernels only."""
     pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
@@ -250,7 +250,7 @@ def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
     print(f"delayed cast {dtype} -> {fp8}, col={col}: {len(kernels)} kernels {kernels}")
     reductions = [k for k in kernels if "reduce_kernel" in k]
     compiled = [k for k in kernels if k.startswith("triton_")]
-    memsets = [k for k in kernels if k.startswith("Memset")]  # (the reduction's output)
+    memsets = [k for k in kernels if k.startswith("Memset")]  # (torch's reduction's, as tensorwise's)
     assert len(reductions) == 1, kernels
     assert len(compiled) + len(reductions) + len(memsets) == len(kernels), kernels  # none eager
     assert 1 <= len(compiled) <= 2 + col, kernels
