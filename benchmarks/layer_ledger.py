@@ -205,7 +205,8 @@ COMPILED = {"cast": "fp8 cast", "transpose": "transpose", "scale": "elementwise"
             "delayed_cast": "fp8 cast", "delayed_update": "elementwise"}
 # a kernel's trailing arguments it writes (else its last one): the delayed cast writes the
 # scale it used and the FP8 tensor (its amax is torch's reduction, recorded as such); the
-# update, the history and the scale (its arguments: history, amax, scale)
+# update (arguments: history, amax, scale) is recorded writing its scale, its history's
+# rewrite left out, as the cost model leaves out the histories' bytes
 OUTPUTS = {"delayed_cast": 2}
 
 

@@ -269,11 +269,11 @@ def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
                      ) -> torch.Tensor:
     """`x` quantized with the scale `state` holds now (from past amaxes: no pass over x
     before the cast), copied into `used`; x's own amax into `amax_out` (a 0-d float32
-    tensor; a view into a larger one will do), for `update_scale` once it is the TP group's. The amax is torch's own
-    reduction, as current scaling's (`amax`); the cast one compiled kernel on a GPU. Compiled
-    together (inductor, dynamic shapes), the amax was a reduction of its own, ~15x slower
-    than torch's (H100, 70B TP=8 layer: 3.9 of its 11.7 ms). `out_t`: the FP8 values
-    transposed there too (`transposed`)."""
+    tensor; a view into a larger one will do), for `update_scale` once it is the TP
+    group's. The amax is torch's own reduction, as current scaling's (`amax`); the cast one
+    compiled kernel on a GPU. Compiled together (inductor, dynamic shapes), the amax was a
+    reduction of its own, ~15x slower than torch's (H100, 70B TP=8 layer: 3.9 of its 11.7
+    ms). `out_t`: the FP8 values transposed there too (`transposed`)."""
     out = _fp8_out(x, dtype, out, out_t)
     amax(x.detach(), out=amax_out)  # (out=: no autograd; the amax needs none)
     fn = functools.partial(_delayed_cast_by, _ao().to_fp8_saturated)

@@ -114,9 +114,8 @@ def cmd_tune(args: argparse.Namespace, command: str) -> int:
     kind = pick_measure(args.measure)
     if kind != "model" and numerics.scaling == "rowwise":
         raise ValueError(f"--fp8-scaling rowwise with --measure {kind}: the tuner times FP8 "
-                         "passes with per-tensor scales only (tensorwise or delayed); row-wise is "
-                         "predicted by the cost "
-                         "model (--measure model)")
+                         "passes with per-tensor scales only (tensorwise or delayed); row-wise "
+                         "is predicted by the cost model (--measure model)")
     if kind in ("compute", "real"):
         import torch
 
