@@ -22,7 +22,11 @@ position's loss on a batch, then with every token after the middle replaced; a c
 model's loss before the middle cannot change, but FP8's per-tensor scales see every
 position, so there it may move by their rounding (~1e-2 on CPU). It cannot see a leak of
 the next two tokens (the changed ones start three positions after the last it compares);
-`lookahead` can: the logits at j-1, j-2, j-3 when token j alone changes. `--arms fp8`
+`lookahead` can: the logits at j-1, j-2, j-3 when token j alone changes. Then each
+arm's weights scored on the training pool by both arms' models (`crossover`: where a low
+loss lives, in the weights or in a forward) and the parameters TP does not split compared
+across the ranks (`replica_spread`); `--agree-every N` repeats the agreement check on the
+FP8 arm's current weights every N steps. `--arms fp8`
 trains one arm alone (no state shared with another). `--tp 1`, `--no-sp`, `--attention`,
 `--fp8-scaling`, `--no-fp8-wgrad`, `--eager-kernels` change one thing each (diagnostics).
 """
@@ -57,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--last", type=int, default=20, help="steps whose mean loss is the gap's")
+    ap.add_argument("--agree-every", type=int, default=10,
+                    help="with both arms: the agreement check on the FP8 arm's current weights "
+                         "every N steps (0: before the first step only)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
@@ -148,6 +155,69 @@ def lookahead(model, spec, seed: int, device: torch.device, probes: int = 4) -> 
     return {k: max(v) for k, v in rows.items()}
 
 
+def weights_of(ddp_model) -> dict:
+    """A copy of the model's state (the DDP wrapper's module's), to load back later."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v
+            for k, v in ddp_model.module.state_dict().items()}
+
+
+def agreement_on_fp8_weights(arms: dict, batch) -> dict:
+    """`agreement` on the FP8 arm's weights as they are now (the bf16 arm's model given
+    them for the while): where FP8 training goes apart from bf16's, whether FP8's
+    gradients stay what its rounding makes them (about as apart as before the first step)
+    or a pass starts computing something else (they move apart by more as training goes)."""
+    saved = weights_of(arms["bf16"].model)
+    arms["bf16"].model.module.load_state_dict(weights_of(arms["fp8"].model))
+    try:
+        return agreement(arms, batch)
+    finally:
+        arms["bf16"].model.module.load_state_dict(saved)
+
+
+def crossover(arms: dict, spec, seed: int, device: torch.device, batches_n: int = 4) -> dict:
+    """Each arm's trained weights evaluated by each arm's model on the training pool (forward
+    only, mean loss of `batches_n` batches): {"<weights> weights, <model> model": loss}.
+    An arm that learned its weights has about its own loss under the other arm's math too;
+    one whose low loss lives in its own forward (a path that computes something else) loses
+    it there. The models are left with their own weights."""
+    from megatron_overlap.ab.model import batches, gpt_loss
+
+    saved = {k: weights_of(a.model) for k, a in arms.items()}
+    pool = list(batches(spec, batches_n, seed, device))
+    out = {}
+    try:
+        for w, weights in saved.items():
+            for m, a in arms.items():
+                a.model.module.load_state_dict(weights)
+                with torch.no_grad():
+                    out[f"{w} weights, {m} model"] = statistics.fmean(
+                        gpt_loss(a.model, b).item() for b in pool)
+    finally:
+        for k, a in arms.items():
+            a.model.module.load_state_dict(saved[k])
+    return out
+
+
+def replica_spread(model) -> dict:
+    """The parameters TP does not split (norms, the row layers' biases) are one tensor held
+    by every TP rank and must stay equal: the largest |difference| from TP rank 0's copy,
+    and the parameter it is in. A rank that trains its copy apart has more parameters than
+    the model it claims to be. Collective over the TP group."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    seen = []
+    for n, p in model.named_parameters():
+        if getattr(p, "tensor_model_parallel", False):
+            continue
+        mine = p.detach().float().cpu()
+        theirs = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(theirs, mine, group=group)
+        seen.append((max(float((t - theirs[0]).abs().max()) for t in theirs), n))
+    worst, name = max(seen, default=(0.0, None))
+    return {"max_abs": worst, "param": name}
+
+
 def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     """||got - ref|| / ||ref||, in fp32 (`ab.compare.rel_error`: a model's gradients on a GPU)."""
     from megatron_overlap.ab.compare import rel_error as rel
@@ -233,10 +303,21 @@ def text_table(doc: dict, every: int = 10) -> str:
                      f"||bf16||): logits {ag['logits_rel']:.3f}, grads median "
                      f"{ag['grad_rel_median']:.3f}, worst " + ", ".join(
                          f"{n} {r:.3f}" for n, r in ag["grad_rel_worst"][:4]))
+    if doc.get("agreement_along"):
+        lines.append("the same on the FP8 arm's weights as it trains (step: logits, grads median, "
+                     "worst): " + "; ".join(
+                         f"{a['step']}: {a['logits_rel']:.3f}, {a['grad_rel_median']:.3f}, "
+                         f"{a['grad_rel_worst'][0][0]} {a['grad_rel_worst'][0][1]:.3f}"
+                         for a in doc["agreement_along"]))
     lines.append("max |logit change| when one token j changes, at j-1 / j-2 / j-3 / before / "
                  "at and after (mean) / other batch rows: " + "; ".join(
                      f"{k} " + " / ".join(f"{v:.2e}" for v in a["lookahead"].values())
                      for k, a in arms.items()))
+    lines.append("the training pool's loss, each arm's weights in each arm's model: " + ", ".join(
+        f"{k} {v:.3f}" for k, v in doc["crossover"].items()))
+    lines.append("TP-replicated parameters, largest difference between ranks: " + "; ".join(
+        f"{k} {a['replica_spread']['max_abs']:.2e} ({a['replica_spread']['param']})"
+        for k, a in arms.items()))
     return "\n".join(lines)
 
 
@@ -292,7 +373,10 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     passes = {k: dict.fromkeys(("calls", "replays", "captures"), 0) for k in arms}
     agreed = (agreement(arms, next(batches(spec, 1, args.seed, device)))
               if len(arms) == 2 else None)
+    along = []  # (step, agreement on the FP8 arm's weights then)
     for i, b in enumerate(batches(spec, args.steps, args.seed, device)):
+        if agreed and args.agree_every and i and i % args.agree_every == 0:
+            along.append((i, agreement_on_fp8_weights(arms, b)))
         for name in rotated(list(arms), i):
             barrier(device)
             before = replay.totals()
@@ -306,6 +390,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                 for k, a in arms.items()), flush=True)
     leaks = {k: future_leak(a.model, spec, args.seed, device) for k, a in arms.items()}
     looks = {k: lookahead(a.model, spec, args.seed, device) for k, a in arms.items()}
+    crossed = crossover(arms, spec, args.seed, device)
+    spread = {k: replica_spread(a.model) for k, a in arms.items()}
     if rank == 0:
         losses = {k: [r.loss for r in a.results] for k, a in arms.items()}
         meta = machine_info(layout, device)
@@ -322,9 +408,12 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                             "step_time_s": summary([r.step_time_s for r in a.results][3:] or
                                                    [r.step_time_s for r in a.results]),
                             "passes": passes[k], "future_leak": leaks[k],
-                            "lookahead": looks[k]}
+                            "lookahead": looks[k], "replica_spread": spread[k]}
                         for k, a in arms.items()},
-               "agreement": agreed,
+               "agreement": agreed, "crossover": crossed,
+               "agreement_along": [{"step": i, **{k: a[k] for k in ("logits_rel", "grad_rel_median",
+                                                                   "grad_rel_worst")}}
+                                   for i, a in along],
                "gap": gap(losses["bf16"], losses["fp8"], args.last) if len(arms) == 2 else None}
         tag = args.tag or ("cpu" if device.type == "cpu" else f"{layout.mode}_tp{world}")
         path = os.path.join(args.out, f"fp8_train_{tag}")

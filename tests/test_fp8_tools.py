@@ -74,7 +74,7 @@ def test_fp8_layer_cpu(tmp_path):
 def test_fp8_train_cpu(tmp_path):
     r = _run("benchmarks/fp8_train.py", "--device", "cpu", "--layers", "2", "--hidden", "64",
              "--heads", "4", "--seq", "32", "--micro-batch", "2", "--vocab", "128", "--steps", "4",
-             "--last", "2", "--out", str(tmp_path))
+             "--last", "2", "--agree-every", "2", "--out", str(tmp_path))
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     doc = json.load(open(tmp_path / "fp8_train_cpu.json"))
     bf16, fp8 = doc["arms"]["bf16"], doc["arms"]["fp8"]
@@ -102,6 +102,31 @@ def test_fp8_train_cpu(tmp_path):
     assert 1e-3 < ag["logits_rel"] < 0.15, ag["logits_rel"]
     assert len(ag["grad_rel"]) > 10  # every parameter of both layers, the embedding, norms
     assert 0 < ag["grad_rel_median"] and ag["grad_rel_worst"][0][1] < 0.3, ag["grad_rel_worst"]
+    # each arm's trained weights score about the same in either arm's model (FP8's rounding
+    # apart), and the parameters TP does not split stayed one tensor on both ranks
+    # the agreement on the FP8 arm's weights at step 2: as close as before the first step
+    (along,) = doc["agreement_along"]
+    assert along["step"] == 2 and 1e-3 < along["grad_rel_median"] < 0.3, along
+    cross = doc["crossover"]
+    assert len(cross) == 4 and max(cross.values()) - min(cross.values()) < 0.05, cross
+    assert cross["fp8 weights, fp8 model"] != cross["fp8 weights, bf16 model"]  # FP8 ran
+    assert all(a["replica_spread"] == {"max_abs": 0.0, "param": a["replica_spread"]["param"]}
+               and a["replica_spread"]["param"] is not None for a in (bf16, fp8)), (bf16, fp8)
+
+
+def test_fp8_train_checks_leave_training_as_it_is(tmp_path):
+    """The agreement check on the FP8 arm's weights, run between steps, changes neither
+    arm's losses: the bf16 arm gets its own weights back, the layers their flags."""
+    losses = []
+    for every in ("0", "1"):
+        r = _run("benchmarks/fp8_train.py", "--device", "cpu", "--layers", "1", "--hidden", "64",
+                 "--heads", "4", "--seq", "16", "--micro-batch", "2", "--vocab", "64", "--steps",
+                 "3", "--last", "1", "--agree-every", every, "--out", str(tmp_path / every))
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+        doc = json.load(open(tmp_path / every / "fp8_train_cpu.json"))
+        assert len(doc["agreement_along"]) == (0 if every == "0" else 2)
+        losses.append({k: a["losses"] for k, a in doc["arms"].items()})
+    assert losses[0] == losses[1]
 
 
 def test_probe_fp8_tp_checks_every_fp8_pass(tmp_path):
