@@ -109,7 +109,13 @@ if [ "${PART:-all}" = leak ]; then
 #   megatron_attention  Megatron's attention (its mask explicit)
 #   bf16_wgrad          the wgrads in bf16
 #   blocking            TP=2 under CUDA_LAUNCH_BLOCKING=1 (a race between streams, or not)
-# Two calls: the default, then LEAK_RUNS="tp1 megatron_attention bf16_wgrad". More than
+#   seed2, seed3        TP=2 with other seeds (another model, other batches)
+#   cpu_init, tp1_cpu_init  TP=2 and TP=1 from the same whole model (Megatron's
+#                       use_cpu_initialization; by default each TP size draws another one)
+# Run so far (docs/fp8.md): the default, then LEAK_RUNS="tp1 megatron_attention bf16_wgrad";
+# next: LEAK_RUNS="cpu_init tp1_cpu_init seed2 seed3" (each run also repeats the agreement
+# check on the FP8 arm's weights every 10 steps and scores each arm's weights under both
+# arms' models). More than
 # 8 files: OUT=/tmp/d PART=leak bash ...; tar czf $OUT/leak.tgz -C /tmp/d . (as for diag).
 DIAG=${DIAG_STEPS:-60}
 for run in ${LEAK_RUNS:-probe no_sp blocking rowwise}; do
@@ -119,6 +125,8 @@ for run in ${LEAK_RUNS:-probe no_sp blocking rowwise}; do
     tp1) set -- --tp 1;; no_sp) set -- --no-sp;; rowwise) set -- --fp8-scaling rowwise;;
     megatron_attention) set -- --attention megatron;; bf16_wgrad) set -- --no-fp8-wgrad;;
     blocking) env=CUDA_LAUNCH_BLOCKING=1; limit=200; set --;;
+    seed2) set -- --seed 2;; seed3) set -- --seed 3;;
+    cpu_init) set -- --cpu-init;; tp1_cpu_init) set -- --tp 1 --cpu-init;;
     *) echo "LEAK_RUNS: unknown run '$run'" >&2; failed=$((failed + 1)); continue;;
   esac
   t=$(date +%s)

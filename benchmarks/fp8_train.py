@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="install()'s fp8_scaling (rowwise: no amax exchange; sets fp8_wgrad=False)")
     ap.add_argument("--no-sp", action="store_true",
                     help="TP without sequence parallelism (no gathers: all-reduces of bf16 partials)")
+    ap.add_argument("--cpu-init", action="store_true",
+                    help="Megatron's use_cpu_initialization: whole weights drawn, then split, so "
+                         "every TP size starts from the same model (the default draws each "
+                         "rank's shard on the GPU: another model at each TP size)")
     ap.add_argument("--no-fp8-wgrad", action="store_true",
                     help="the FP8 arm's wgrad GEMMs in bf16 (Megatron's fp8_wgrad=False)")
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
@@ -358,10 +362,12 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         raise SystemExit(f"fp8_train: --arms {args.arms!r}: bf16, fp8 or both")
     fp8_extra = ({"fp8_wgrad": False} if args.no_fp8_wgrad or args.fp8_scaling == "rowwise"
                  else {})
-    no_sp = {"sequence_parallel": False} if args.no_sp else {}
+    common = {"sequence_parallel": False} if args.no_sp else {}  # both arms' config
+    if args.cpu_init:
+        common["use_cpu_initialization"] = True
     try:  # both built, so that either arm alone starts from the same weights
-        models = {"bf16": build_gpt(spec, world, True, dtype, device, **no_sp),
-                  "fp8": build_gpt(spec, world, True, dtype, device, **FP8, **fp8_extra, **no_sp)}
+        models = {"bf16": build_gpt(spec, world, True, dtype, device, **common),
+                  "fp8": build_gpt(spec, world, True, dtype, device, **FP8, **fp8_extra, **common)}
     finally:
         mo.uninstall()
     models["fp8"][0].load_state_dict(models["bf16"][0].state_dict())
@@ -402,6 +408,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                          f"{args.steps} steps, AdamW lr {args.lr}, seed {args.seed}, "
                          f"{transports(arms)}{', eager FP8 kernels' if args.eager_kernels else ''}, "
                          f"{args.attention} attention, fp8 scaling {args.fp8_scaling}"
+                         f"{', CPU initialization' if args.cpu_init else ''}"
                          f"{', fp8_wgrad off' if 'fp8_wgrad' in fp8_extra else ''}, "
                          f"pass replay {'on' if replay.enabled() and device.type == 'cuda' else 'off'}"),
                "arms": {k: {"losses": losses[k], "precision": ", ".join(precision[k]),

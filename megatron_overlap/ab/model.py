@@ -53,7 +53,8 @@ def build_gpt(spec: GPTSpec, tp: int, overlap: bool, dtype: torch.dtype, device:
     """(model on `device`, wrap: model -> Megatron DDP). Sequence parallel when tp > 1
     (unless `config` says sequence_parallel=False); `overlap` is Megatron's tp_comm_overlap
     (our layers when install() is active); `config`: more TransformerConfig fields (e.g.
-    fp8='hybrid', fp8_recipe='tensorwise')."""
+    fp8='hybrid', fp8_recipe='tensorwise'; use_cpu_initialization=True on a GPU: the whole
+    weights drawn first, then split, so every TP size starts from the same model)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -65,7 +66,8 @@ def build_gpt(spec: GPTSpec, tp: int, overlap: bool, dtype: torch.dtype, device:
         ffn_hidden_size=spec.ffn or 4 * spec.hidden, tensor_model_parallel_size=tp,
         sequence_parallel=config.pop("sequence_parallel", True) and tp > 1,
         tp_comm_overlap=overlap, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, use_cpu_initialization=cpu, hidden_dropout=0.0,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=config.pop("use_cpu_initialization", False) or cpu, hidden_dropout=0.0,
         attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, **config)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=spec.vocab,
