@@ -72,7 +72,7 @@ timeout 220 python3 benchmarks/fp8_layer.py --reps "${REPS:-10}" --repeat "${REP
 step "benchmarks/fp8_layer.py" $?
 
 t=$(date +%s)
-timeout 200 python3 benchmarks/fp8_train.py --steps "${STEPS:-200}" --out "$OUT"
+timeout 240 python3 benchmarks/fp8_train.py --steps "${STEPS:-200}" --agree-every 50 --out "$OUT"
 step "benchmarks/fp8_train.py" $?
 fi
 
@@ -112,7 +112,7 @@ if [ "${PART:-all}" = leak ]; then
 #   seed2, seed3        TP=2 with other seeds (another model, other batches)
 #   cpu_init, tp1_cpu_init  TP=2 and TP=1 from the same whole model (Megatron's
 #                       use_cpu_initialization; by default each TP size draws another one)
-# Run so far (docs/fp8.md): the default, then LEAK_RUNS="tp1 megatron_attention bf16_wgrad";
+# Run so far (docs/results.md#fp8): the default, then LEAK_RUNS="tp1 megatron_attention bf16_wgrad";
 # next: LEAK_RUNS="cpu_init tp1_cpu_init seed2 seed3" (each run also repeats the agreement
 # check on the FP8 arm's weights every 10 steps and scores each arm's weights under both
 # arms' models). More than

@@ -96,6 +96,8 @@ def parse_args(argv=None, ap: argparse.ArgumentParser | None = None) -> argparse
     args = ap.parse_args(argv)
     if args.seq < 8:  # the look-ahead check compares three positions before its first probe
         ap.error(f"--seq {args.seq}: at least 8")
+    if args.agree_every < 0:
+        ap.error(f"--agree-every {args.agree_every}: 0 (off) or a number of steps")
     return args
 
 
@@ -199,27 +201,36 @@ def crossover(arms: dict, spec, seed: int, device: torch.device, batches_n: int 
     finally:
         for k, a in arms.items():
             a.model.module.load_state_dict(saved[k])
+    out["restored"] = all(torch.equal(v, saved[k][n]) for k, a in arms.items()
+                          for n, v in a.model.module.state_dict().items()
+                          if isinstance(v, torch.Tensor))
     return out
 
 
 def replica_spread(model) -> dict:
     """The parameters TP does not split (norms, the row layers' biases) are one tensor held
-    by every TP rank and must stay equal: the largest |difference| from TP rank 0's copy,
-    and the parameter it is in. A rank that trains its copy apart has more parameters than
-    the model it claims to be. Collective over the TP group."""
+    by every TP rank and must stay equal: how many were compared, the largest |difference|
+    from TP rank 0's copy (a NaN counts as inf) and the parameter it is in (None where
+    every copy is equal). A rank that trains its copy apart has more parameters than the
+    model it claims to be. Collective over the TP group (gloo: CPU copies; NCCL: on the
+    device)."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
+    n = dist.get_world_size(group)
     seen = []
-    for n, p in model.named_parameters():
+    for name, p in model.named_parameters():
         if getattr(p, "tensor_model_parallel", False):
             continue
-        mine = p.detach().float().cpu()
-        theirs = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        mine = p.detach().float()
+        mine = mine.cpu() if dist.get_backend(group) == "gloo" else mine.contiguous()
+        theirs = [torch.empty_like(mine) for _ in range(n)]
         dist.all_gather(theirs, mine, group=group)
-        seen.append((max(float((t - theirs[0]).abs().max()) for t in theirs), n))
+        d = max(float(torch.nan_to_num((t - theirs[0]).abs(), nan=float("inf")).max())
+                for t in theirs)
+        seen.append((d, name))
     worst, name = max(seen, default=(0.0, None))
-    return {"max_abs": worst, "param": name}
+    return {"compared": len(seen), "max_abs": worst, "param": name if worst > 0 else None}
 
 
 def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -230,7 +241,8 @@ def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def agreement(arms: dict, batch) -> dict:
-    """Both arms on the same weights and batch before any step: the FP8 arm's logits (this
+    """Both arms on the same weights and batch (before the first step; during training
+    through `agreement_on_fp8_weights`): the FP8 arm's logits (this
     rank's vocabulary shard) and each parameter's gradient (this rank's shard, main_grad
     after Megatron's finalisation) against the bf16 arm's, as ||fp8 - bf16|| / ||bf16||.
     FP8's rounding moves every tensor a little (a few %); a pass that computes the wrong thing moves its own tensors far more, and
@@ -318,9 +330,10 @@ def text_table(doc: dict, every: int = 10) -> str:
                      f"{k} " + " / ".join(f"{v:.2e}" for v in a["lookahead"].values())
                      for k, a in arms.items()))
     lines.append("the training pool's loss, each arm's weights in each arm's model: " + ", ".join(
-        f"{k} {v:.3f}" for k, v in doc["crossover"].items()))
+        f"{k} {v:.3f}" for k, v in doc["crossover"].items() if k != "restored"))
     lines.append("TP-replicated parameters, largest difference between ranks: " + "; ".join(
-        f"{k} {a['replica_spread']['max_abs']:.2e} ({a['replica_spread']['param']})"
+        f"{k} {a['replica_spread']['max_abs']:.2e} over {a['replica_spread']['compared']}"
+        + (f" (in {a['replica_spread']['param']})" if a["replica_spread"]["param"] else "")
         for k, a in arms.items()))
     return "\n".join(lines)
 
