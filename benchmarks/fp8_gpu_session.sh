@@ -72,7 +72,8 @@ timeout 220 python3 benchmarks/fp8_layer.py --reps "${REPS:-10}" --repeat "${REP
 step "benchmarks/fp8_layer.py" $?
 
 t=$(date +%s)
-timeout 240 python3 benchmarks/fp8_train.py --steps "${STEPS:-200}" --agree-every 50 --out "$OUT"
+timeout 240 python3 benchmarks/fp8_train.py --steps "${STEPS:-200}" --agree-every 50 --data markov \
+  --out "$OUT"
 step "benchmarks/fp8_train.py" $?
 fi
 

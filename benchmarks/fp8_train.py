@@ -26,7 +26,8 @@ the next two tokens (the changed ones start three positions after the last it co
 arm's weights scored on the training pool by both arms' models (`crossover`: where a low
 loss lives, in the weights or in a forward) and the parameters TP does not split compared
 across the ranks (`replica_spread`); `--agree-every N` repeats the agreement check on the
-FP8 arm's current weights every N steps. `--arms fp8`
+FP8 arm's current weights every N steps. `--data markov` trains on a random Markov chain
+(a distribution to learn, its loss floor log 4) instead of the pool to memorize. `--arms fp8`
 trains one arm alone (no state shared with another). `--tp 1`, `--no-sp`, `--attention`,
 `--fp8-scaling`, `--no-fp8-wgrad`, `--eager-kernels` change one thing each (diagnostics).
 """
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="install()'s fp8_scaling (rowwise: no amax exchange; sets fp8_wgrad=False)")
     ap.add_argument("--no-sp", action="store_true",
                     help="TP without sequence parallelism (no gathers: all-reduces of bf16 partials)")
+    ap.add_argument("--data", choices=("pool", "markov"), default="pool",
+                    help="pool: 16 random sequences to memorize (a plateau, then a fall: when "
+                         "each arm falls decides the gap); markov: a random Markov chain of 4 "
+                         "successors a token to learn (the loss falls towards log 4)")
     ap.add_argument("--cpu-init", action="store_true",
                     help="Megatron's use_cpu_initialization: whole weights drawn, then split, so "
                          "every TP size starts from the same model (the default draws each "
@@ -180,16 +185,18 @@ def agreement_on_fp8_weights(arms: dict, batch) -> dict:
         arms["bf16"].model.module.load_state_dict(saved)
 
 
-def crossover(arms: dict, spec, seed: int, device: torch.device, batches_n: int = 4) -> dict:
+def crossover(arms: dict, spec, seed: int, device: torch.device, data, batches_n: int = 4
+              ) -> dict:
     """Each arm's trained weights evaluated by each arm's model on the training pool (forward
-    only, mean loss of `batches_n` batches): {"<weights> weights, <model> model": loss}.
+    only, mean loss of `batches_n` batches of `data`, the training batches' source):
+    {"<weights> weights, <model> model": loss}.
     An arm that learned its weights has about its own loss under the other arm's math too;
     one whose low loss lives in its own forward (a path that computes something else) loses
     it there. The models are left with their own weights."""
-    from megatron_overlap.ab.model import batches, gpt_loss
+    from megatron_overlap.ab.model import gpt_loss
 
     saved = {k: weights_of(a.model) for k, a in arms.items()}
-    pool = list(batches(spec, batches_n, seed, device))
+    pool = list(data(spec, batches_n, seed, device))
     out = {}
     try:
         for w, weights in saved.items():
@@ -350,7 +357,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     from megatron_overlap.ab import TrainArm
     from megatron_overlap.ab.launch import barrier, plan_layout
     from megatron_overlap.ab.machine import machine_info
-    from megatron_overlap.ab.model import GPTSpec, batches, build_gpt, gpt_loss, init_megatron
+    from megatron_overlap.ab.model import (GPTSpec, batches, build_gpt, gpt_loss, init_megatron,
+                                           markov_batches)
     from megatron_overlap.ab.results import write_json
     from megatron_overlap.ab.timing import rotated, summary
     from megatron_overlap.overlap import replay
@@ -390,10 +398,11 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
     arms = {k: TrainArm(k, wrap(m), gpt_loss, lambda ps: torch.optim.AdamW(ps, lr=args.lr))
             for k, (m, wrap) in models.items()}
     passes = {k: dict.fromkeys(("calls", "replays", "captures"), 0) for k in arms}
-    agreed = (agreement(arms, next(batches(spec, 1, args.seed, device)))
+    data = batches if args.data == "pool" else markov_batches
+    agreed = (agreement(arms, next(data(spec, 1, args.seed, device)))
               if len(arms) == 2 else None)
     along = []  # (step, agreement on the FP8 arm's weights then)
-    for i, b in enumerate(batches(spec, args.steps, args.seed, device)):
+    for i, b in enumerate(data(spec, args.steps, args.seed, device)):
         if agreed and args.agree_every and i and i % args.agree_every == 0:
             along.append((i, agreement_on_fp8_weights(arms, b)))
         for name in rotated(list(arms), i):
@@ -409,7 +418,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                 for k, a in arms.items()), flush=True)
     leaks = {k: future_leak(a.model, spec, args.seed, device) for k, a in arms.items()}
     looks = {k: lookahead(a.model, spec, args.seed, device) for k, a in arms.items()}
-    crossed = crossover(arms, spec, args.seed, device)
+    crossed = crossover(arms, spec, args.seed, device, data)
     spread = {k: replica_spread(a.model) for k, a in arms.items()}
     if rank == 0:
         losses = {k: [r.loss for r in a.results] for k, a in arms.items()}
@@ -417,7 +426,8 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
         doc = {"benchmark": "fp8_train", "command": " ".join([sys.executable, *sys.argv]),
                "config": vars(args), "model": spec.__dict__, "dtype": str(dtype)[6:], "meta": meta,
                "title": (f"GPT {args.layers}L h{args.hidden} seq{args.seq} mb{args.micro_batch} "
-                         f"vocab {args.vocab}, TP={world}{' + SP' if world > 1 and not args.no_sp else ''}, {meta.get('gpu_name') or 'CPU'}, "
+                         f"vocab {args.vocab}, {args.data} data"
+                         f"{' (loss floor log 4 = 1.386)' if args.data == 'markov' else ''}, TP={world}{' + SP' if world > 1 and not args.no_sp else ''}, {meta.get('gpu_name') or 'CPU'}, "
                          f"{args.steps} steps, AdamW lr {args.lr}, seed {args.seed}, "
                          f"{transports(arms)}{', eager FP8 kernels' if args.eager_kernels else ''}, "
                          f"{args.attention} attention, fp8 scaling {args.fp8_scaling}"

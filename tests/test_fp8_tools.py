@@ -10,6 +10,7 @@ pass reduces."""
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 
@@ -117,6 +118,42 @@ def test_fp8_train_cpu(tmp_path):
     for a in (bf16, fp8):
         assert a["replica_spread"]["compared"] > 0 and a["replica_spread"]["max_abs"] == 0.0
         assert a["replica_spread"]["param"] is None
+
+
+def test_markov_batches_follow_their_chain():
+    """Every label is one of its token's `branching` distinct successors, each of them
+    seen, so the loss floor is log(branching); the same seed gives the same batches, and
+    labels are the tokens shifted by one."""
+    import torch
+
+    from megatron_overlap.ab.model import GPTSpec, markov_batches
+
+    spec, cpu = GPTSpec(1, 64, 4, 32, 4, 40, None), torch.device("cpu")
+    seen: dict = {}
+    for tokens, pos, mask, labels in markov_batches(spec, 100, 7, cpu, branching=3):
+        assert torch.equal(tokens[:, 1:], labels[:, :-1]) and tokens.shape == (4, 32)
+        for a, b in zip(tokens.flatten().tolist(), labels.flatten().tolist()):
+            seen.setdefault(a, set()).add(b)
+    assert len(seen) == spec.vocab and {len(v) for v in seen.values()} == {3}
+    a, b = (next(markov_batches(spec, 1, s, cpu))[0] for s in (7, 7))
+    assert torch.equal(a, b) and not torch.equal(a, next(markov_batches(spec, 1, 8, cpu))[0])
+    with pytest.raises(ValueError, match="branching"):
+        next(markov_batches(spec, 1, 7, cpu, branching=0))
+
+
+def test_fp8_train_on_markov_data_learns_the_chain(tmp_path):
+    """--data markov: both arms train on the chain, identically fed (the same first loss
+    up to FP8's rounding), and learn it (the loss falls well below log(vocab))."""
+    r = _run("benchmarks/fp8_train.py", "--device", "cpu", "--layers", "1", "--hidden", "64",
+             "--heads", "4", "--seq", "32", "--micro-batch", "4", "--vocab", "32", "--steps",
+             "40", "--last", "5", "--lr", "3e-3", "--data", "markov", "--agree-every", "0",
+             "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    doc = json.load(open(tmp_path / "fp8_train_cpu.json"))
+    assert "markov data" in doc["title"] and doc["config"]["data"] == "markov"
+    for a in doc["arms"].values():
+        assert abs(a["losses"][0] - math.log(32)) < 0.5, a["losses"][:3]
+        assert statistics.fmean(a["losses"][-5:]) < math.log(32) - 1.0, a["losses"][-5:]
 
 
 def test_fp8_train_checks_leave_training_as_it_is(tmp_path):

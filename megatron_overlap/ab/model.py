@@ -95,6 +95,35 @@ def batches(spec: GPTSpec, steps: int, seed: int, device: torch.device) -> Itera
         yield t[:, :-1].contiguous(), pos, mask, t[:, 1:].contiguous()
 
 
+def markov_batches(spec: GPTSpec, steps: int, seed: int, device: torch.device,
+                   branching: int = 4) -> Iterator[tuple]:
+    """Micro-batches of a random first-order Markov chain over the vocabulary: each token is
+    followed by one of `branching` distinct tokens drawn for it once, each equally likely,
+    so every label has entropy log(branching) nats: the lowest mean loss a model can reach.
+    A distribution to learn, not a pool to memorize: the loss falls towards that floor
+    without the plateau a memorized pool falls from, so two arms' curves differ by their
+    numerics rather than by when each leaves a plateau. Identical for every arm and rank."""
+    if not 1 <= branching <= spec.vocab:
+        raise ValueError(f"markov_batches: branching {branching} must be 1..vocab ({spec.vocab})")
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.empty(spec.vocab, branching, dtype=torch.long)
+    for k in range(branching):  # the r-th token not drawn yet for the row: distinct successors
+        r = torch.randint(0, spec.vocab - k, (spec.vocab,), generator=g)
+        for drawn in successors[:, :k].sort(dim=1).values.t():
+            r += (r >= drawn).long()
+        successors[:, k] = r
+    mask = torch.triu(torch.ones(spec.seq, spec.seq), diagonal=1).bool()[None, None].to(device)
+    pos = torch.arange(spec.seq).unsqueeze(0).expand(spec.micro_batch, -1).to(device)
+    for _ in range(steps):
+        t = torch.empty(spec.micro_batch, spec.seq + 1, dtype=torch.long)
+        t[:, 0] = torch.randint(0, spec.vocab, (spec.micro_batch,), generator=g)
+        picks = torch.randint(0, branching, (spec.micro_batch, spec.seq), generator=g)
+        for j in range(spec.seq):
+            t[:, j + 1] = successors[t[:, j], picks[:, j]]
+        t = t.to(device)
+        yield t[:, :-1].contiguous(), pos, mask, t[:, 1:].contiguous()
+
+
 def gpt_loss(model: torch.nn.Module, batch: tuple) -> torch.Tensor:
     tokens, pos, mask, labels = batch
     return model(tokens, pos, mask, labels=labels).float().mean()
