@@ -44,6 +44,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from megatron_overlap.ab.model import MARKOV_BRANCHING
+
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", category=UserWarning)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -83,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="TP without sequence parallelism (no gathers: all-reduces of bf16 partials)")
     ap.add_argument("--data", choices=("pool", "markov"), default="pool",
                     help="pool: 16 random sequences to memorize (a plateau, then a fall: when "
-                         "each arm falls decides the gap); markov: a random Markov chain of 4 "
-                         "successors a token to learn (the loss falls towards log 4)")
+                         "each arm falls decides the gap); markov: a random Markov chain of "
+                         f"{MARKOV_BRANCHING} successors a token to learn (the loss falls towards "
+                         f"log {MARKOV_BRANCHING})")
     ap.add_argument("--cpu-init", action="store_true",
                     help="Megatron's use_cpu_initialization: whole weights drawn, then split, so "
                          "every TP size starts from the same model (the default draws each "
@@ -399,6 +402,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
             for k, (m, wrap) in models.items()}
     passes = {k: dict.fromkeys(("calls", "replays", "captures"), 0) for k in arms}
     data = batches if args.data == "pool" else markov_batches
+    floor = f" (loss floor log {MARKOV_BRANCHING} = {math.log(MARKOV_BRANCHING):.3f})"
     agreed = (agreement(arms, next(data(spec, 1, args.seed, device)))
               if len(arms) == 2 else None)
     along = []  # (step, agreement on the FP8 arm's weights then)
@@ -427,7 +431,7 @@ def worker(rank: int, world: int, args: argparse.Namespace) -> None:
                "config": vars(args), "model": spec.__dict__, "dtype": str(dtype)[6:], "meta": meta,
                "title": (f"GPT {args.layers}L h{args.hidden} seq{args.seq} mb{args.micro_batch} "
                          f"vocab {args.vocab}, {args.data} data"
-                         f"{' (loss floor log 4 = 1.386)' if args.data == 'markov' else ''}, TP={world}{' + SP' if world > 1 and not args.no_sp else ''}, {meta.get('gpu_name') or 'CPU'}, "
+                         f"{floor if args.data == 'markov' else ''}, TP={world}{' + SP' if world > 1 and not args.no_sp else ''}, {meta.get('gpu_name') or 'CPU'}, "
                          f"{args.steps} steps, AdamW lr {args.lr}, seed {args.seed}, "
                          f"{transports(arms)}{', eager FP8 kernels' if args.eager_kernels else ''}, "
                          f"{args.attention} attention, fp8 scaling {args.fp8_scaling}"

@@ -67,8 +67,8 @@ def build_gpt(spec: GPTSpec, tp: int, overlap: bool, dtype: torch.dtype, device:
         sequence_parallel=config.pop("sequence_parallel", True) and tp > 1,
         tp_comm_overlap=overlap, params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
-        use_cpu_initialization=config.pop("use_cpu_initialization", False) or cpu, hidden_dropout=0.0,
-        attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        use_cpu_initialization=config.pop("use_cpu_initialization", False) or cpu,
+        hidden_dropout=0.0, attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, **config)
     model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=spec.vocab,
                      max_sequence_length=spec.seq, position_embedding_type="rope")
@@ -88,15 +88,24 @@ def batches(spec: GPTSpec, steps: int, seed: int, device: torch.device) -> Itera
     curves show training, and identical for every arm."""
     g = torch.Generator().manual_seed(seed)
     pool = torch.randint(0, spec.vocab, (4 * spec.micro_batch, spec.seq + 1), generator=g)
-    mask = torch.triu(torch.ones(spec.seq, spec.seq), diagonal=1).bool()[None, None].to(device)
-    pos = torch.arange(spec.seq).unsqueeze(0).expand(spec.micro_batch, -1).to(device)
+    pos, mask = _positions_and_mask(spec, device)
     for _ in range(steps):
         t = pool[torch.randint(0, len(pool), (spec.micro_batch,), generator=g)].to(device)
         yield t[:, :-1].contiguous(), pos, mask, t[:, 1:].contiguous()
 
 
+def _positions_and_mask(spec: GPTSpec, device: torch.device) -> tuple:
+    """A micro-batch's position ids and causal mask (True where masked), the same every step."""
+    mask = torch.triu(torch.ones(spec.seq, spec.seq), diagonal=1).bool()[None, None].to(device)
+    pos = torch.arange(spec.seq).unsqueeze(0).expand(spec.micro_batch, -1).to(device)
+    return pos, mask
+
+
+MARKOV_BRANCHING = 4  # markov_batches' successors a token: its loss floor is log of it
+
+
 def markov_batches(spec: GPTSpec, steps: int, seed: int, device: torch.device,
-                   branching: int = 4) -> Iterator[tuple]:
+                   branching: int = MARKOV_BRANCHING) -> Iterator[tuple]:
     """Micro-batches of a random first-order Markov chain over the vocabulary: each token is
     followed by one of `branching` distinct tokens drawn for it once, each equally likely,
     so every label has entropy log(branching) nats: the lowest mean loss a model can reach.
@@ -112,8 +121,7 @@ def markov_batches(spec: GPTSpec, steps: int, seed: int, device: torch.device,
         for drawn in successors[:, :k].sort(dim=1).values.t():
             r += (r >= drawn).long()
         successors[:, k] = r
-    mask = torch.triu(torch.ones(spec.seq, spec.seq), diagonal=1).bool()[None, None].to(device)
-    pos = torch.arange(spec.seq).unsqueeze(0).expand(spec.micro_batch, -1).to(device)
+    pos, mask = _positions_and_mask(spec, device)
     for _ in range(steps):
         t = torch.empty(spec.micro_batch, spec.seq + 1, dtype=torch.long)
         t[:, 0] = torch.randint(0, spec.vocab, (spec.micro_batch,), generator=g)
