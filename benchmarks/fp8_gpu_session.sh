@@ -10,14 +10,14 @@
 #   OUT=$OUT PART=bench bash benchmarks/fp8_gpu_session.sh   # ~5-6 min, at most ~8.5
 #   OUT=$OUT PART=diag bash benchmarks/fp8_gpu_session.sh    # ~4-5 min, at most ~7
 #   OUT=$OUT PART=leak bash benchmarks/fp8_gpu_session.sh    # in two calls (LEAK_RUNS, below; not in all)
-#   OUT=$OUT PART=tune bash benchmarks/fp8_gpu_session.sh    # the tuner in FP8, then fp8_compute at its
-#                                                            # picks (~3-5 min, at most ~8.5; not in all)
+#   OUT=$OUT PART=tune bash benchmarks/fp8_gpu_session.sh    # the transpose probe, the tuner in FP8, then
+#                                                            # fp8_compute at its picks (~4-6 min; not in all)
 #   OUT=$OUT bash benchmarks/fp8_gpu_session.sh              # both (PART=all: over 600 s at worst)
 #
 # Estimated wall time per piece on one H200 (timeouts in brackets):
 #   wheels into /tmp/site                                       ~10-20 s
 #   tests/gpu/test_fp8_gpu.py, only with TESTS=1 (make test-gpu runs it)  ~60-90 s (150)
-#   bench: benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)   ~40-60 s   (70)
+#   bench: benchmarks/fp8_compute.py (24 passes x 4 arms, graphed)   ~40-60 s on the H200, over 70 on the H100 (120)
 #          benchmarks/fp8_layer.py   (2 shapes x 5 arms, a profile)  ~100-160 s (220)
 #          benchmarks/fp8_train.py   (2 ranks, 2 arms x 200 steps)   ~150 s     (200)
 #          (2026-12-05: ~310 ms a bf16 step, ~345 ms an FP8 step, ranks sharing the GPU)
@@ -63,7 +63,7 @@ fi
 
 if [ "${PART:-all}" = all ] || [ "${PART}" = bench ]; then
 t=$(date +%s)
-timeout 70 python3 benchmarks/fp8_compute.py --reps "${REPS:-20}" --repeat "${REPEAT:-3}" \
+timeout 120 python3 benchmarks/fp8_compute.py --reps "${REPS:-20}" --repeat "${REPEAT:-3}" \
   --out "$OUT" --tag gpu
 step "benchmarks/fp8_compute.py" $?
 
@@ -136,6 +136,11 @@ for run in ${LEAK_RUNS:-probe no_sp blocking rowwise}; do
 done
 fi
 if [ "${PART:-all}" = tune ]; then
+# first, FP8's transposed copies: the library's Triton kernels against the compiled ones
+# they replaced, at every tensor a 70B / 8B layer transposes (benchmarks/probe_fp8_transpose.py)
+t=$(date +%s)
+timeout 110 python3 benchmarks/probe_fp8_transpose.py --out "$OUT" > "$OUT/probe_fp8_transpose.log" 2>&1
+step "benchmarks/probe_fp8_transpose.py" $?; tail -30 "$OUT/probe_fp8_transpose.log"
 # fp8_compute's default picks are the bf16 tuner's; these are the tuner's own in FP8 (its
 # one-GPU mode: every candidate's GEMM side measured through the FP8 pass, the transfers
 # modelled), so chunked / whole is read at the picks an FP8 model gets
@@ -148,9 +153,11 @@ for m in "70b 8" "8b 2"; do
   step "megatron-overlap tune --model $1 --tp $2 --fp8 hybrid" $?; tail -4 "$OUT/tune_fp8_${1}_tp$2.log"
 done
 t=$(date +%s)
-timeout 70 python3 benchmarks/fp8_compute.py --tune "$OUT/tune_fp8_70b_tp8.json" "$OUT/tune_fp8_8b_tp2.json" \
+timeout 120 python3 benchmarks/fp8_compute.py --tune "$OUT/tune_fp8_70b_tp8.json" "$OUT/tune_fp8_8b_tp2.json" \
   --reps "${REPS:-20}" --repeat "${REPEAT:-3}" --out "$OUT" --tag gpu_fp8_picks
 step "benchmarks/fp8_compute.py at the FP8 picks" $?
+# a device call brings back 8 files: the tunes' json, yaml and log in one
+tar czf "$OUT/tune_fp8.tgz" -C "$OUT" $(cd "$OUT" && ls tune_fp8_*) && rm -f "$OUT"/tune_fp8_*_tp*.*
 fi
 ls -la "$OUT"
 echo "== $failed step(s) failed"

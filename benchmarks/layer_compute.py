@@ -321,7 +321,17 @@ def time_shape(emu, arms: list[Arm], e: Extras, args, transport=None, ref: str =
     for fn in fns.values():  # warm-up: buffers sized, pass graphs captured, kernels chosen
         for _ in range(3):
             fn()
+    samples = {n: {"eager_ms": [], "host_us": [], "graph_ms": []} for n in fns}
+    # eager first, then graphed: the graphs' pools (each keeps its step's activations) and
+    # an eager step's activations are never held together (70B at 16384 tokens: Megatron's
+    # arm needs ~33 GiB for each, which an 80 GiB card cannot hold beside the other arms')
+    for rep in range(args.repeat):
+        for n in rotated(list(fns), rep):
+            ms, host = time_b2b(fns[n], args.reps, warmup=2)
+            samples[n]["eager_ms"].append(ms)
+            samples[n]["host_us"].append(host)
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     graphs, graph_errors = {}, {}
     for n, fn in fns.items():
         if n == "ours_eager_passes":  # graphed, it is "ours"
@@ -331,15 +341,9 @@ def time_shape(emu, arms: list[Arm], e: Extras, args, transport=None, ref: str =
         except Exception as exc:  # keep the eager figures; say why the column is empty
             graph_errors[n] = f"{type(exc).__name__}: {exc}"
             torch.cuda.synchronize()
-    samples = {n: {"eager_ms": [], "host_us": [], "graph_ms": []} for n in fns}
-    for rep in range(args.repeat):
-        for n in rotated(list(fns), rep):
-            ms, host = time_b2b(fns[n], args.reps, warmup=2)
-            samples[n]["eager_ms"].append(ms)
-            samples[n]["host_us"].append(host)
-        if graphs:  # replays alternate call by call (time_interleaved)
-            for n, ms in time_interleaved(graphs, args.reps).items():
-                samples[n]["graph_ms"].append(ms)
+    for rep in range(args.repeat if graphs else 0):  # replays alternate call by call
+        for n, ms in time_interleaved(graphs, args.reps).items():
+            samples[n]["graph_ms"].append(ms)
     torch.cuda.synchronize()
     del graphs
     out = {}
@@ -351,7 +355,7 @@ def time_shape(emu, arms: list[Arm], e: Extras, args, transport=None, ref: str =
         for mode in ("eager", "graph"):
             a, b = ref[f"{mode}_ms"], r[f"{mode}_ms"]
             r[f"{mode}_ratio"] = a / b if a and b else None
-            # per repeat (the arms of one repeat ran next to each other)
+            # per repeat (the arms of one repeat, in one mode, ran next to each other)
             pairs = zip(ref["samples"][f"{mode}_ms"], r["samples"][f"{mode}_ms"])
             ratios = [x / y for x, y in pairs]
             r[f"{mode}_ratio_range"] = (min(ratios), max(ratios)) if ratios else None

@@ -14,8 +14,13 @@ library must not do:
   of the megatron-core wheel), which is imported instead.
 - Where there is no CUDA toolkit (pip's torch has none), core_v0.14-0.16's
   `fused_kernels.load`, which builds nothing but asks nvcc for its version, is skipped.
-- `--sft`: Hugging Face's `datasets` / `transformers` stood in for where they do not
-  import (benchmarks/sft_standins.py: JSON lines, a byte tokenizer).
+- `--sft`: Hugging Face's `datasets` stood in for where it does not import, and
+  `transformers.AutoTokenizer` always (benchmarks/sft_standins.py: JSON lines, a byte
+  tokenizer; the GPU machine has transformers but no network).
+- `MLM_DETERMINISTIC=1`: torch's deterministic algorithms on (its flash attention's
+  backward, varlen's too, otherwise accumulates dq in whatever order its blocks finish;
+  Megatron-LM's own --deterministic-mode refuses --tp-comm-overlap, so the overlap's arm
+  could not take it). CUBLAS_WORKSPACE_CONFIG must be set too (megatron_lm_parity.sh does).
 - At exit, each rank prints `MLM-PARITY-LAYERS {json}`: how many of our attention modules and overlapped
   layers were built (benchmarks/megatron_lm_parity.py checks each arm's count) and how
   many calls of our attention got packed sequences (`packed_attention_calls`), and
@@ -122,11 +127,14 @@ def install_shims() -> None:
     from megatron.core.datasets import utils as dataset_utils
     from megatron.core.distributed import param_and_grad_buffer
 
-    if "--sft" in sys.argv:  # Hugging Face's loaders, where not installed (the GPU machine)
+    if "--sft" in sys.argv:  # Hugging Face's loaders (sft_standins.install says which)
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import sft_standins
         sft_standins.install()
 
+    if os.environ.get("MLM_DETERMINISTIC") == "1":
+        import torch
+        torch.use_deterministic_algorithms(True)
     param_and_grad_buffer._coalescing_manager = _one_by_one
     dataset_utils.compile_helpers = _prebuilt_helpers
     try:  # core_v0.14-0.16: load() builds no kernel, it only runs `$CUDA_HOME/bin/nvcc -V`

@@ -1,6 +1,6 @@
 """Stand-ins for the two Hugging Face libraries Megatron-LM's `--sft` path loads its data
-with, for runs where they are not installed (the GPU machine: `datasets` needs pyarrow,
-more than a device call carries). Everything else of `--sft` is Megatron-LM's own: its
+with, for runs where they are not installed (`datasets` needs pyarrow, more than a device
+call carries) or cannot reach the hub (the GPU machine has `transformers`, no network). Everything else of `--sft` is Megatron-LM's own: its
 SFTTokenizer (prompt format, target masking), SFTDataset (packing conversations into
 sequences with cu_seqlens), get_batch and the training loop.
 
@@ -14,8 +14,8 @@ sequences with cu_seqlens), get_batch and the training loop.
     python benchmarks/sft_standins.py OUT.jsonl [--conversations 64] [--seed 0]
 
 writes conversations (system, user, assistant turns of random words) for `--data-path`.
-`install()` puts the stand-ins where the real libraries do not import
-(benchmarks/megatron_lm_shared_gpu.py calls it for `--sft`).
+`install()` puts them in place (`datasets` where the real one does not import; the
+tokenizer always; benchmarks/megatron_lm_shared_gpu.py calls it for `--sft`).
 """
 
 from __future__ import annotations
@@ -94,21 +94,33 @@ def load_dataset(kind: str, data_files: str, split: str = "all") -> list[dict]:
 
 
 def install() -> list[str]:
-    """Stand in for `datasets` and `transformers` where they do not import; returns which."""
+    """Stand in for `datasets` where it does not import, and for `transformers`'
+    `AutoTokenizer` always: the runs name their tokenizer 'standin', which no hub holds,
+    and a real transformers (the GPU machine has one) would look it up online and fail
+    there. Returns what was stood in for."""
     made = []
-    for name, attrs in (("datasets", {"load_dataset": load_dataset}),
-                        ("transformers", {"AutoTokenizer": types.SimpleNamespace(
-                            from_pretrained=lambda *a, **k: ByteTokenizer())})):
-        try:
-            __import__(name)
-        except ImportError:
-            module = types.ModuleType(name)
-            module.__dict__.update(attrs, __version__="0-standin")
-            sys.modules[name] = module
-            made.append(name)
-    if made:
-        print(f"MLM-SFT-STANDINS {', '.join(made)} (benchmarks/sft_standins.py)", flush=True)
+    try:
+        __import__("datasets")
+    except ImportError:
+        _module("datasets", load_dataset=load_dataset)
+        made.append("datasets")
+    tokenizer = types.SimpleNamespace(from_pretrained=lambda *a, **k: ByteTokenizer())
+    try:
+        transformers = __import__("transformers")
+    except ImportError:
+        _module("transformers", AutoTokenizer=tokenizer)
+        made.append("transformers")
+    else:  # Megatron-LM reads `transformers.AutoTokenizer` when it builds the tokenizer
+        transformers.AutoTokenizer = tokenizer
+        made.append("transformers.AutoTokenizer")
+    print(f"MLM-SFT-STANDINS {', '.join(made)} (benchmarks/sft_standins.py)", flush=True)
     return made
+
+
+def _module(name: str, **attrs: Any) -> None:
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs, __version__="0-standin")
+    sys.modules[name] = module
 
 
 def conversations(n: int, seed: int, words: int = 40) -> list[dict]:

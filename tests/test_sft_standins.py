@@ -43,3 +43,25 @@ def test_sft_flags_for_each_tree_layout(tmp_path, packs, builder, sft_tokenizer,
     # the shell scripts' contract: the flags on one line where the tree packs, else nothing
     assert r.stdout.split() == (sft_standins.sft_args(tree, out) if packs else [])
     assert out.exists() is packs and (not packs or len(out.read_text().splitlines()) == 3)
+
+
+def test_install_stands_in_for_the_tokenizer_with_or_without_transformers(monkeypatch):
+    """The runs' tokenizer ('standin') exists on no hub: a real transformers (the GPU
+    machine's) gets its AutoTokenizer replaced, an absent one a module of its own;
+    `datasets` is stood in for only where it does not import."""
+    import types
+
+    real = types.ModuleType("transformers")
+    real.AutoTokenizer = object()
+    monkeypatch.setitem(sys.modules, "transformers", real)
+    monkeypatch.setitem(sys.modules, "datasets", types.ModuleType("datasets"))
+    assert sft_standins.install() == ["transformers.AutoTokenizer"]
+    assert sys.modules["transformers"] is real
+    assert isinstance(real.AutoTokenizer.from_pretrained("standin"), sft_standins.ByteTokenizer)
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # None: `import` raises ImportError
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    assert sft_standins.install() == ["datasets", "transformers"]
+    tok = sys.modules["transformers"].AutoTokenizer.from_pretrained("standin")
+    assert tok.encode("ab</s>") == [97, 98, tok.eos_token_id]
+    assert sys.modules["datasets"].load_dataset is sft_standins.load_dataset

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from typing import Mapping, Sequence
 
 
@@ -16,7 +17,7 @@ def _plt():
 
 
 def _save(plt, fig, path: str, title: str) -> str:
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 150), fontsize=10)  # a long title wraps, not cut
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

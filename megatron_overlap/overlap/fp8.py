@@ -8,11 +8,12 @@ Transformer Engine's and Megatron's 'tensorwise' recipe; or delayed scaling, the
   [fp8] extra), imported when FP8 first runs, so the runtime imports without it. A scale
   is torchao's: fp8 = saturate(x * scale), x ~ fp8 / scale. On a GPU the cast runs as one
   fused kernel (`_fused_cast`), the amax as one reduction, the scale as one kernel
-  (`scale_for`), the transposed copies FP8 GEMMs need as one tiled kernel (`transposed`;
-  `quantize(..., out_t=)` makes one from the FP8 values it cast): torch.compile, each
-  kernel in a frame of its own (`_own_frame`), `set_fused` turns it off. A cast writing
-  both layouts in one function compiled to two kernels on an H200 (torch 2.11), each
-  reading the wider input: more bytes than the cast and a transpose of its FP8 output.
+  (`scale_for`): torch.compile, each kernel in a frame of its own (`_own_frame`). The
+  transposed copies FP8 GEMMs need, a cast that writes both layouts
+  (`quantize(..., out_t=)`) and delayed scaling's cast with its amax are hand-written
+  Triton kernels instead (overlap/fp8_kernels.py: inductor compiled the two-layout cast to
+  two kernels each reading the wide input, and moved 1-byte transposes at ~1.3 TB/s on an
+  H100). `set_fused` turns all of them off.
 - Own code, and why:
   - `ScaledGemm` calls `torch._scaled_mm` itself: the schedules write every chunk's
     product into its place of the pass's output (`out=`, the addresses a CUDA-graph
@@ -46,6 +47,7 @@ import torch
 
 from ..comm import trace
 from ..comm.transport import FLOAT8, Transport
+from . import fp8_kernels
 
 
 def _ao():
@@ -140,7 +142,8 @@ def _own_frame(fn, key: tuple):
 
 
 def _run_compiled(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True) -> bool:
-    """Run `fn(*args)` compiled (torch.compile, inductor; dynamic shapes, so a model's
+    """Run `fn(*args)` as one GPU kernel: for the keys overlap/fp8_kernels.py writes in
+    Triton, that kernel; else compiled (torch.compile, inductor; dynamic shapes, so a model's
     shapes compile once per key; `dynamic=False`: specialized to the first call's shapes,
     for a key whose shapes never change); False where it does not run so: on CPU, with
     `set_fused(False)`, or after a failure (logged once; that key runs eagerly from then
@@ -149,7 +152,13 @@ def _run_compiled(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True) -> 
     ask for a recompile (a new layout, a dimension of 1), runs eagerly there, captured so."""
     if not _fusing or args[0].device.type != "cuda":
         return False
-    return _call_compiled(key, fn, args, dynamic, torch.cuda.is_current_stream_capturing())
+    capturing = torch.cuda.is_current_stream_capturing()
+    if key[0] in fp8_kernels.KERNELS:  # hand-written (Triton): compiled, `fn` moves more bytes
+        if fp8_kernels.run(key[0], args, capturing):
+            return True
+        if key[0] != "transpose":  # the caller's kernels run instead
+            return False
+    return _call_compiled(key, fn, args, dynamic, capturing)
 
 
 def _call_compiled(key: tuple, fn, args: tuple, dynamic: bool, capturing: bool) -> bool:
@@ -231,14 +240,26 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
              ) -> torch.Tensor:
     """saturate(x * scale) in `dtype` (x upcast to fp32 first), into `out` when given.
     `out_t` (2-D `x`, a contiguous tensor of the transposed shape): the same values
-    transposed written there too (the FP8 GEMMs' other layout: `transposed`, from the FP8
-    values, one byte read an element)."""
+    transposed written there too (the FP8 GEMMs' other layout), by the cast's own kernel
+    on a GPU ('cast_transpose'), else `transposed` from the FP8 values."""
     out = _fp8_out(x, dtype, out, out_t)
+    if out_t is not None and _run_compiled(
+            ("cast_transpose", x.dtype, dtype),
+            functools.partial(_cast_t_by, _ao().to_fp8_saturated), x, scale, out, out_t):
+        return out
     fused = _fused_cast(x, scale, out)
     out = fused if fused is not None else _cast(x, scale, out)
     if out_t is not None:
         transposed(out, out=out_t)
     return out
+
+
+def _cast_t_by(saturate, x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+               out_t: torch.Tensor) -> torch.Tensor:
+    """`_cast_by`, and its values transposed into `out_t`: what the 'cast_transpose'
+    kernel writes (overlap/fp8_kernels.py), reading `x` once."""
+    _cast_by(saturate, x, scale, out)
+    return out_t.copy_(out.t())
 
 
 class AmaxHistory:
@@ -263,6 +284,16 @@ def _delayed_cast_by(saturate, x: torch.Tensor, scale: torch.Tensor, used: torch
     return _cast_by(saturate, x, used, out)
 
 
+def _delayed_cast_amax_by(saturate, x: torch.Tensor, scale: torch.Tensor, used: torch.Tensor,
+                          amax_out: torch.Tensor, out: torch.Tensor,
+                          out_t: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`amax` and `_delayed_cast_by` (and the values transposed into `out_t`): what the
+    'delayed_cast_amax' kernels write (overlap/fp8_kernels.py), reading `x` once."""
+    amax(x, out=amax_out)
+    _delayed_cast_by(saturate, x, scale, used, out)
+    return out if out_t is None else out_t.copy_(out.t())
+
+
 def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
                      used: torch.Tensor, amax_out: torch.Tensor,
                      out: Optional[torch.Tensor] = None, out_t: Optional[torch.Tensor] = None
@@ -270,13 +301,22 @@ def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
     """`x` quantized with the scale `state` holds now (from past amaxes: no pass over x
     before the cast), copied into `used`; x's own amax into `amax_out` (a 0-d float32
     tensor; a view into a larger one will do), for `update_scale` once it is the TP
-    group's. The amax is torch's own reduction, as current scaling's (`amax`); the cast one
-    compiled kernel on a GPU. Compiled together (inductor, dynamic shapes), the amax was a
-    reduction of its own, ~15x slower than torch's (H100, 70B TP=8 layer: 3.9 of its 11.7
-    ms). `out_t`: the FP8 values transposed there too (`transposed`)."""
+    group's. `out_t`: the FP8 values transposed there too. On a GPU one Triton kernel
+    ('delayed_cast_amax', overlap/fp8_kernels.py) reads `x` once for all of it; else the
+    amax is torch's own reduction, as current scaling's (`amax`), the cast one compiled
+    kernel and the transposed copy `transposed`. (Compiled together by inductor, the amax
+    was a split reduction ~15x slower than torch's: H100, 70B TP=8 layer, 3.9 of its 11.7
+    ms.)"""
     out = _fp8_out(x, dtype, out, out_t)
-    amax(x.detach(), out=amax_out)  # (out=: no autograd; the amax needs none)
-    fn = functools.partial(_delayed_cast_by, _ao().to_fp8_saturated)
+    saturate = _ao().to_fp8_saturated
+    x = x.detach()  # (the amax's out=: no autograd; neither needs it)
+    amax_out.zero_()  # the kernel's amax is a max over its tiles from 0 (NaN-safe: bits)
+    name, t = ("delayed_cast_amax", ()) if out_t is None else ("delayed_cast_amax_t", (out_t,))
+    if _run_compiled((name, x.dtype, dtype), functools.partial(_delayed_cast_amax_by, saturate),
+                     x, state.scale, used, amax_out, out, *t):
+        return out
+    amax(x, out=amax_out)
+    fn = functools.partial(_delayed_cast_by, saturate)
     if not (x.is_contiguous() and out.is_contiguous() and _run_compiled(
             ("delayed_cast", x.dtype, dtype), fn, x.view(-1), state.scale, used,
             out.view(-1))):

@@ -16,21 +16,23 @@ nothing, which this table does not model):
 | wgrad | a transposed copy of the gathered input [T, K] (fp8_wgrad), the product added into main_grad | a transposed copy of the gathered gradient [T, N]; without fp8_wgrad the gathered gradient dequantized |
 
 - Tensorwise (`quantize`): the amax read (the TP group's, a gathered tensor's: one more
-  kernel over the group's amaxes), one compiled scale kernel, one compiled cast; each
+  kernel over the group's amaxes), one compiled scale kernel, one cast kernel; each
   pass's scaled GEMM takes two reciprocal scales. A tensor that an FP8 GEMM reads
   transposed and that is not gathered (the weight, for the dgrad; with fp8_wgrad a row
-  layer's input and a column layer's gradient, for the wgrad) gets its transposed copy
-  right after its cast (`quantize(..., out_t=)`: a `transpose` of the FP8 values); a
-  gathered one is transposed in the wgrad.
-- Delayed (`delayed_quantize`): the amax read (torch's reduction) and the cast with the
-  history's scale (one compiled call, which also copies that scale for the GEMMs): no
+  layer's input and a column layer's gradient, for the wgrad) is cast into both layouts
+  by one kernel (`quantize(..., out_t=)`: overlap/fp8_kernels.py's cast-transpose, the
+  wide tensor read once); a gathered one is transposed in the wgrad (a `transpose` of its
+  FP8 values).
+- Delayed (`delayed_quantize`): the amax scalar zeroed, then one kernel that casts with
+  the history's scale, reduces the amax and copies the scale for the GEMMs (and writes
+  the transposed layout where the tensorwise cast would): the wide tensor read once, no
   scale kernel, no exchange before a gather. At the end of the pass the amaxes it took
   (`DELAYED_AMAXES`: the input's and the weight's place; the gradient's) are exchanged
   over the TP group, the max over the group's taken (one kernel, TP > 1), and each
   quantized tensor's history updated (one compiled kernel each). The histories' bytes (8
   a kept amax) are left out with the scalars.
-- torch's amax reduction counts as one kernel; on a GPU it also launches a memset (both
-  recipes).
+- torch's amax reduction counts as one kernel; on a GPU it also launches a memset
+  (tensorwise).
 - Row-wise: the amax along each row (torchao: |x| written, then reduced) and eight small
   kernels on the [rows, 1] scales (power-of-two rounding), the cast eagerly (upcast,
   multiply, clamp, cast, copy: `EAGER_CAST` bytes an element beyond p), the scales copied
@@ -57,7 +59,7 @@ from dataclasses import dataclass
 from .hardware import Hardware
 
 TENSORWISE_KERNELS = 3  # amax, scale (one compiled kernel: overlap.fp8.scale_for), cast
-DELAYED_KERNELS = 2  # amax, the cast with the history's scale (one compiled call)
+DELAYED_KERNELS = 2  # the amax zeroed, the cast reducing it (overlap/fp8_kernels.py)
 DELAYED_AMAXES = {"fprop": 2, "dgrad": 1}  # a pass's amaxes exchanged at its end (delayed)
 RECIPROCALS = 2  # a tensorwise scaled GEMM's inverse scales (overlap.fp8.ScaledGemm)
 ROW_SCALE_KERNELS = 10  # |x|, its amax along the row, eight on the [rows, 1] scales
@@ -95,17 +97,18 @@ class PassWork:
 def quantize(elems: int, p: int, scaling: str = "tensorwise", rows: int = 0,
              scales_out: bool = True, col: bool = False) -> Work:
     """One tensor of `elems` elements (`rows` rows) in p-byte precision made FP8 with its
-    scale(s) (`scaling`: 'tensorwise', 'delayed' or 'rowwise'); `col` (per tensor): then its
-    FP8 values transposed. Row-wise: |x| written and read, the amax, the eager cast, and
+    scale(s) (`scaling`: 'tensorwise', 'delayed' or 'rowwise'); `col` (per tensor): its
+    transposed layout written by the same cast. Row-wise: |x| written and read, the amax, the eager cast, and
     with `scales_out` the scales copied out (into the rows' tails, or the weight's scale
     tensor: 4 bytes read and written a row)."""
     if scaling == "rowwise":
         copy = Work(8 * rows, 1) if scales_out else Work()
         return Work((3 * p + p + EAGER_CAST[1]) * elems + ROW_SCALE_BYTES * rows,
                     ROW_SCALE_KERNELS + EAGER_CAST[0]) + copy
-    kernels = DELAYED_KERNELS if scaling == "delayed" else TENSORWISE_KERNELS
-    cast = Work(p * elems + (p + 1) * elems, kernels)
-    return cast + transpose(elems) if col else cast
+    written = 2 if col else 1  # FP8 bytes an element: with `col` both layouts, one kernel
+    if scaling == "delayed":  # the amax reduced in the cast's kernel: x read once
+        return Work((p + written) * elems, DELAYED_KERNELS)
+    return Work(p * elems + (p + written) * elems, TENSORWISE_KERNELS)
 
 
 def delayed_record(tensors: int, tp: int) -> Work:

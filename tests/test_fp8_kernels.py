@@ -1,0 +1,150 @@
+"""How `overlap.fp8_kernels.run` launches its Triton kernel, on CPU: which tensors go where
+for each kernel (a stand-in kernel computes what the Triton one is written to, so each
+kernel name's outputs must equal its eager definition in overlap.fp8), what it declines
+(layouts it does not take, a per-row scale), the capture rule (a launch signature not
+compiled yet never runs inside a CUDA-graph capture), and a failure (logged once, then
+the caller's kernels). The Triton kernel itself, its bits against eager's: the GPU suite
+(tests/gpu/test_fp8_cast_gpu.py)."""
+
+import functools
+import logging
+
+import pytest
+import torch
+
+pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
+
+from megatron_overlap.overlap import fp8 as f  # noqa: E402
+from megatron_overlap.overlap import fp8_kernels as k  # noqa: E402
+
+E4M3 = torch.float8_e4m3fn
+
+
+class StandIn:
+    """Computes what `fp8_kernels`' Triton kernel is written to compute, in torch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def launch(x, s, o, ot, used, amax, m, n, *, FMAX, CAST, WRITE_O, WRITE_T, AMAX, BM, BN,
+                   num_warps):
+            self.launches.append(dict(grid=grid, m=m, n=n, CAST=CAST, WRITE_T=WRITE_T, AMAX=AMAX))
+            assert (m, n) == tuple(x.shape) and grid == (-(-m // BM), -(-n // BN))
+            if CAST:
+                q = (x.float() * s).clamp(-FMAX, FMAX).to(o.dtype)
+                if WRITE_O:
+                    o.copy_(q)
+                if AMAX:
+                    amax.copy_(torch.maximum(amax, x.float().abs().max()))
+                    used.copy_(s)
+            else:
+                q = x
+            if WRITE_T:
+                ot.copy_(q.t())
+        return launch
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    fake = StandIn()
+    monkeypatch.setattr(k, "_kernel", fake)
+    monkeypatch.setattr(k, "_seen", set())
+    monkeypatch.setattr(k, "_broken", set())
+    return fake
+
+
+def _x(*shape):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16) * 50
+
+
+def test_each_kernel_s_tensors_go_where_its_eager_definition_puts_them(kernel):
+    saturate = f._ao().to_fp8_saturated
+    x, scale = _x(100, 72), torch.tensor(2.5)
+    # cast-transpose: both layouts
+    got = torch.empty(100, 72, dtype=E4M3), torch.empty(72, 100, dtype=E4M3)
+    want = torch.empty(100, 72, dtype=E4M3), torch.empty(72, 100, dtype=E4M3)
+    assert k.run("cast_transpose", (x, scale, *got), False)
+    f._cast_t_by(saturate, x, scale, *want)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+    # delayed: the scale used, the amax (from zero), the cast, with and without the transpose
+    for name, t in (("delayed_cast_amax", False), ("delayed_cast_amax_t", True)):
+        outs = [torch.zeros(()), torch.zeros(()), torch.empty(100, 72, dtype=E4M3)]
+        refs = [torch.zeros(()), torch.zeros(()), torch.empty(100, 72, dtype=E4M3)]
+        if t:
+            outs.append(torch.empty(72, 100, dtype=E4M3))
+            refs.append(torch.empty(72, 100, dtype=E4M3))
+        assert k.run(name, (x, scale, *outs), False)
+        f._delayed_cast_amax_by(saturate, x, scale, *refs)
+        assert torch.equal(outs[0], scale) and torch.equal(outs[1], refs[1])
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for a, b in zip(outs[2:], refs[2:]))
+    # a 3-D input (delayed, no transpose): one [rows, last] matrix
+    x3, out3 = _x(4, 25, 72), torch.empty(4, 25, 72, dtype=E4M3)
+    assert k.run("delayed_cast_amax", (x3, scale, torch.zeros(()), torch.zeros(()), out3), False)
+    assert kernel.launches[-1]["m"] == 100
+    # the transposed copy of FP8 bytes
+    q = x.to(E4M3).view(torch.uint8)
+    qt = torch.empty(72, 100, dtype=torch.uint8)
+    assert k.run("transpose", (q, qt), False) and torch.equal(qt, q.t())
+    assert [(d["CAST"], d["WRITE_T"], d["AMAX"]) for d in kernel.launches] == [
+        (True, True, False), (True, False, True), (True, True, True), (True, False, True),
+        (False, True, False)]
+
+
+def test_layouts_it_does_not_take_run_the_callers_kernels(kernel):
+    x, scale = _x(64, 32), torch.tensor(1.0)
+    o, ot = torch.empty(64, 32, dtype=E4M3), torch.empty(32, 64, dtype=E4M3)
+    assert not k.run("cast_transpose", (x.t(), scale, o.t(), ot.t()), False)  # a view
+    assert not k.run("cast_transpose", (x, torch.ones(64, 1), o, ot), False)  # per-row scales
+    assert not k.run("cast_transpose", (x, scale, o, torch.empty(64, 32, dtype=E4M3)), False)
+    assert not k.run("transpose", (o.view(torch.uint8).t(), ot.view(torch.uint8)), False)
+    assert not kernel.launches
+
+
+def test_a_capture_never_compiles_a_new_launch_signature(kernel):
+    """Inside a capture only a signature launched before runs (a Triton compile there could
+    break it); dtypes, the kernel's flags and each pointer's 16-byte alignment make it."""
+    x, scale = _x(64, 32), torch.tensor(1.0)
+    o, ot = torch.empty(64, 32, dtype=E4M3), torch.empty(32, 64, dtype=E4M3)
+    assert not k.run("cast_transpose", (x, scale, o, ot), True)
+    assert k.run("cast_transpose", (x, scale, o, ot), False)
+    assert k.run("cast_transpose", (x, scale, o, ot), True)
+    assert not k.run("cast_transpose", (x.float(), scale, o, ot), True)  # another dtype
+    odd = torch.empty(64 * 32 + 1, dtype=torch.uint8)[1:].view(E4M3).view(64, 32)
+    assert not k.run("cast_transpose", (x, scale, odd, ot), True)  # another alignment
+    assert len(kernel.launches) == 2
+
+
+def test_a_failing_kernel_is_logged_once_and_not_tried_again(monkeypatch, caplog):
+    monkeypatch.setattr(k, "_seen", set())
+    monkeypatch.setattr(k, "_broken", set())
+    monkeypatch.setattr(k, "_kernel", None)
+    calls = []
+
+    def broken():
+        calls.append(1)
+        raise RuntimeError("no Triton here")
+    monkeypatch.setattr(k, "_make", broken)
+    x, scale = _x(64, 32), torch.tensor(1.0)
+    args = (x, scale, torch.empty(64, 32, dtype=E4M3), torch.empty(32, 64, dtype=E4M3))
+    with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
+        assert not k.run("cast_transpose", args, False)
+        assert not k.run("cast_transpose", args, False)
+    assert len(calls) == 1 and "cast_transpose" in k._broken
+    assert sum("its Triton kernel failed" in r.message for r in caplog.records) == 1
+
+
+def test_quantize_on_cpu_never_reaches_the_kernels(kernel):
+    """On CPU (and with set_fused(False)) `quantize` and `delayed_quantize` run their eager
+    definitions: the same bits, no launch."""
+    x, scale = _x(64, 32), torch.tensor(1.0)
+    out_t = torch.empty(32, 64, dtype=E4M3)
+    got = f.quantize(x, scale, E4M3, out_t=out_t)
+    want = functools.partial(f._cast_by, f._ao().to_fp8_saturated)(
+        x, scale, torch.empty(64, 32, dtype=E4M3))
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert torch.equal(out_t.view(torch.uint8), want.view(torch.uint8).t())
+    st, used, a = f.AmaxHistory(2, x.device), torch.empty(()), torch.empty(())
+    f.delayed_quantize(x, st, E4M3, used, a)
+    assert a == x.float().abs().max() and not kernel.launches
