@@ -104,7 +104,8 @@ def test_layouts_it_does_not_take_run_the_callers_kernels(kernel):
 
 def test_a_capture_never_compiles_a_new_launch_signature(kernel):
     """Inside a capture only a signature launched before runs (a Triton compile there could
-    break it); dtypes, the kernel's flags and each pointer's 16-byte alignment make it."""
+    break it); dtypes, the kernel's flags, each pointer's 16-byte alignment and each size's
+    divisibility by 16 (and being 1) make it, as they make Triton's variants."""
     x, scale = _x(64, 32), torch.tensor(1.0)
     o, ot = torch.empty(64, 32, dtype=E4M3), torch.empty(32, 64, dtype=E4M3)
     assert not k.run("cast_transpose", (x, scale, o, ot), True)
@@ -113,7 +114,10 @@ def test_a_capture_never_compiles_a_new_launch_signature(kernel):
     assert not k.run("cast_transpose", (x.float(), scale, o, ot), True)  # another dtype
     odd = torch.empty(64 * 32 + 1, dtype=torch.uint8)[1:].view(E4M3).view(64, 32)
     assert not k.run("cast_transpose", (x, scale, odd, ot), True)  # another alignment
-    assert len(kernel.launches) == 2
+    x2, o2, ot2 = _x(64, 40), torch.empty(64, 40, dtype=E4M3), torch.empty(40, 64, dtype=E4M3)
+    assert not k.run("cast_transpose", (x2, scale, o2, ot2), True)  # a size not 16-divisible
+    assert k.run("cast_transpose", (_x(48, 32), scale, o[:48], ot[:, :48].contiguous()), True)
+    assert len(kernel.launches) == 3  # (48 x 32: the same variant as 64 x 32)
 
 
 def test_a_failing_kernel_is_logged_once_and_not_tried_again(monkeypatch, caplog):
