@@ -129,12 +129,20 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
 
 
 def check(emu, arms, e, tol: float) -> dict:
-    """Every arm against Megatron's on the mirror transport (layer_compute's measure)."""
+    """Every arm against Megatron's on the mirror transport (layer_compute's measure):
+    within `tol`, or, per output and gradient, within 5% of the flash reference's own
+    distance from Megatron's, the reference itself within 2.5 x `tol` (the same function).
+    At 16384 keys Megatron's bf16 softmax is that far from any fused kernel: 2.8e-2 for the
+    reference too, on the H200 and the H100; the GPU tests hold each attention to fp32."""
     got = lc.mirrored_results(emu, arms, e)[0]
     errs = {a: {k: lc._rel(got[a][k], v) for k, v in got["megatron"].items()} for a in ARMS[1:]}
     worst = {a: max(e.values()) for a, e in errs.items()}
+    ref = errs["sdpa_ref"]
+    ok = {a: all(v <= tol or (v <= 1.05 * ref[k] and ref[k] <= 2.5 * tol) for k, v in e.items())
+          for a, e in errs.items()}
     return {"tol_rel": tol, "max_rel_err": worst, "rel_err": errs,
-            "passed": all(w <= tol for w in worst.values())}
+            "within_reference": {a: worst[a] > tol and ok[a] for a in errs},
+            "passed": all(ok.values())}
 
 
 def memory(emu, arms, e, kind: str) -> dict:
@@ -273,7 +281,8 @@ def table(doc: dict) -> str:
                          f"{f(r['memory_gib'][a]['step'], 3):>9s} {f(r['memory_gib'][a]['kept'], 3):>6s} "
                          f"{f(r['memory_gib'][a]['pools'], 3):>6s} "
                          f"{f(r['attention_alone_ms'][a], 2):>8s}  "
-                         + ("" if err is None else f"rel {err:.1e}"))
+                         + ("" if err is None else f"rel {err:.1e}"
+                            + (" (as the reference's)" if c["within_reference"].get(a) else "")))
         packed = r["attention_alone_ms"][f"ours_packed_{DOCS}_docs"]
         lines.append(f"{'':18s} ours, attention alone on {DOCS} packed documents per sequence: "
                      f"{packed:.2f} ms ({r['attention_alone_ms']['packed_ran']})")
