@@ -128,20 +128,27 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
     return arms, lc.Extras(g, rope, mask)
 
 
-def check(emu, arms, e, tol: float) -> dict:
+def check(emu, arms, e, tol: float, follow_reference: bool) -> dict:
     """Every arm against Megatron's on the mirror transport (layer_compute's measure):
-    within `tol`, or, per output and gradient, within 5% of the flash reference's own
-    distance from Megatron's, the reference itself within 2.5 x `tol` (the same function).
-    At 16384 keys Megatron's bf16 softmax is that far from any fused kernel: 2.8e-2 for the
-    reference too, on the H200 and the H100; the GPU tests hold each attention to fp32."""
+    within `tol`; with `follow_reference` (bf16), or, per output and gradient, within 5% of
+    the flash reference's own distance from Megatron's, the reference itself within
+    2.5 x `tol` (the same function). At 16384 keys Megatron's bf16 softmax is that far from
+    any fused kernel: 2.8e-2 for the reference too, on the H200 and the H100; the GPU tests
+    hold each attention to fp32."""
     got = lc.mirrored_results(emu, arms, e)[0]
     errs = {a: {k: lc._rel(got[a][k], v) for k, v in got["megatron"].items()} for a in ARMS[1:]}
     worst = {a: max(e.values()) for a, e in errs.items()}
     ref = errs["sdpa_ref"]
-    ok = {a: all(v <= tol or (v <= 1.05 * ref[k] and ref[k] <= 2.5 * tol) for k, v in e.items())
-          for a, e in errs.items()}
+
+    def near(a: str, k: str, v: float) -> bool:
+        if v <= tol:
+            return True
+        if not follow_reference or ref[k] > 2.5 * tol:
+            return False
+        return a == "sdpa_ref" or v <= 1.05 * ref[k]
+    ok = {a: all(near(a, k, v) for k, v in e.items()) for a, e in errs.items()}
     return {"tol_rel": tol, "max_rel_err": worst, "rel_err": errs,
-            "within_reference": {a: worst[a] > tol and ok[a] for a in errs},
+            "within_reference": {a: worst[a] > tol and ok[a] for a in errs if a != "sdpa_ref"},
             "passed": all(ok.values())}
 
 
@@ -225,7 +232,8 @@ def attention_alone(shape: lc.LayerShape, arms, dtype, device, reps: int) -> dic
 def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
     with lc.last_rank(shape, args, dtype, device, build_arms) as (emu, arms, extras):
         row = {**lc.shape_row(shape),
-               "check": check(emu, arms, extras, 1e-5 if dtype == torch.float32 else 2e-2),
+               "check": check(emu, arms, extras, 1e-5 if dtype == torch.float32 else 2e-2,
+                              follow_reference=dtype != torch.float32),
                "attention": {a.name: type(a.layer.self_attention.core_attention).__name__ for a in arms}}
         if device.type == "cuda":
             row["memory_gib"] = memory(emu, arms, extras, args.timing)

@@ -27,63 +27,70 @@ import functools
 import json
 import os
 
+from dataclasses import replace
+
 import torch
 
 from megatron_overlap.overlap import fp8 as f
+from megatron_overlap.simulate.shapes import PRESETS
 from megatron_overlap.tune.measure import graphed, time_interleaved
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-TOKENS = 8192
-# (name, rows, cols, FP8 dtype, cast here: True; gathered FP8: False) per model
-TENSORS = {
-    "70b_tp8": [("w_qkv", 1280, 8192, E4M3, True), ("w_proj", 8192, 1024, E4M3, True),
-                ("w_fc1", 7168, 8192, E4M3, True), ("w_fc2", 8192, 3584, E4M3, True),
-                ("x_proj", TOKENS, 1024, E4M3, True), ("x_fc2", TOKENS, 3584, E4M3, True),
-                ("dy_qkv", TOKENS, 1280, E5M2, True), ("dy_fc1", TOKENS, 7168, E5M2, True),
-                ("x_qkv", TOKENS, 8192, E4M3, False), ("x_fc1", TOKENS, 8192, E4M3, False),
-                ("dy_proj", TOKENS, 8192, E5M2, False), ("dy_fc2", TOKENS, 8192, E5M2, False)],
-    "8b_tp4": [("w_qkv", 1536, 4096, E4M3, True), ("w_proj", 4096, 1024, E4M3, True),
-               ("w_fc1", 7168, 4096, E4M3, True), ("w_fc2", 4096, 3584, E4M3, True),
-               ("x_proj", TOKENS, 1024, E4M3, True), ("x_fc2", TOKENS, 3584, E4M3, True),
-               ("dy_qkv", TOKENS, 1536, E5M2, True), ("dy_fc1", TOKENS, 7168, E5M2, True),
-               ("x_qkv", TOKENS, 4096, E4M3, False), ("x_fc1", TOKENS, 4096, E4M3, False),
-               ("dy_proj", TOKENS, 4096, E5M2, False), ("dy_fc2", TOKENS, 4096, E5M2, False)],
-}
+MODELS = {"70b_tp8": ("70b", 8), "8b_tp4": ("8b", 4)}  # seq 4096 x micro-batch 2
+
+
+def tensors(model: str) -> list[tuple[str, int, int, torch.dtype, bool]]:
+    """(name, rows, cols, FP8 dtype, cast on this rank) of the 12 tensors a layer's FP8 work
+    transposes, from the layer's per-rank linears (simulate.shapes): each weight [n, k]; a
+    column layer's gathered input [m, k] and its output gradient [m, n]; a row layer's
+    input [m, k] and its gathered output gradient [m, n]."""
+    preset, tp = MODELS[model]
+    dims = replace(PRESETS[preset], seq_length=4096, micro_batch=2)
+    out = []
+    for sh in dims.shapes(preset.upper(), tp):
+        out += [(f"w_{sh.buffer}", sh.n, sh.k, E4M3, True),
+                (f"x_{sh.buffer}", sh.m, sh.k, E4M3, not sh.column),
+                (f"dy_{sh.buffer}", sh.m, sh.n, E5M2, sh.column)]
+    return out
+
+
 def arms(m, n, dt, local, g):
-    """name -> (function of no arguments, the tensors whose bytes must equal the compiled arm's)."""
+    """name -> (function of no arguments, the tensors it writes: each arm its own, checked
+    against the compiled arm's, or the delayed arms' against each other)."""
     dev = torch.device("cuda")
     x = torch.randn(m, n, generator=g, device=dev, dtype=torch.bfloat16) * 3
     scale = f.scale_for(f.amax(x), dt)
     saturate = f._ao().to_fp8_saturated
-    o, ot = torch.empty(m, n, dtype=dt, device=dev), torch.empty(n, m, dtype=dt, device=dev)
+    fp8 = lambda *shape: torch.empty(*shape, dtype=dt, device=dev)  # noqa: E731
+    scalar = lambda: torch.empty((), device=dev)  # noqa: E731
 
     def compiled_t(src, dst):  # the compiled transpose the kernel replaced
-        assert f._call_compiled(("transpose",), f._transpose_into, (src.view(torch.uint8),
-                                dst.view(torch.uint8)), True, torch.cuda.is_current_stream_capturing())
+        assert f._call_compiled(("transpose",), f._transpose_into,
+                                (src.view(torch.uint8), dst.view(torch.uint8)), True,
+                                torch.cuda.is_current_stream_capturing())
     if not local:
-        f.quantize(x, scale, dt, out=o)
-        ot2 = torch.empty_like(ot)
+        o = f.quantize(x, scale, dt)
+        ot, ot2 = fp8(n, m), fp8(n, m)
         return {"compiled": (lambda: compiled_t(o, ot), (ot,)),
                 "transposed": (lambda: f.transposed(o, out=ot2), (ot2,))}
-    o2, ot2 = torch.empty_like(o), torch.empty_like(ot)
+    (o, ot), (o1,), (o2, ot2) = (fp8(m, n), fp8(n, m)), (fp8(m, n),), (fp8(m, n), fp8(n, m))
     st = f.AmaxHistory(16, dev)
     st.scale.copy_(scale)
-    used, a = torch.empty((), device=dev), torch.empty((), device=dev)
-    o3, ot3 = torch.empty_like(o), torch.empty_like(ot)
-    used3, a3 = torch.empty((), device=dev), torch.empty((), device=dev)
+    o3, ot3, used3, a3 = fp8(m, n), fp8(n, m), scalar(), scalar()
+    o4, ot4, used4, a4 = fp8(m, n), fp8(n, m), scalar(), scalar()
     cast = functools.partial(f._delayed_cast_by, saturate)
 
     def delayed_compiled():
-        f.amax(x, out=a)
-        assert f._run_compiled(("delayed_cast", x.dtype, dt), cast, x.view(-1), st.scale, used,
+        f.amax(x, out=a3)
+        assert f._run_compiled(("delayed_cast", x.dtype, dt), cast, x.view(-1), st.scale, used3,
                                o3.view(-1))
         compiled_t(o3, ot3)
     return {"compiled": (lambda: (f._fused_cast(x, scale, o), compiled_t(o, ot)), (o, ot)),
-            "cast_only": (lambda: f._fused_cast(x, scale, o), (o,)),
+            "cast_only": (lambda: f._fused_cast(x, scale, o1), (o1,)),
             "kernel": (lambda: f.quantize(x, scale, dt, out=o2, out_t=ot2), (o2, ot2)),
-            "delayed_compiled": (delayed_compiled, (o3, ot3, a, used)),
-            "delayed_kernel": (lambda: f.delayed_quantize(x, st, dt, used3, a3, out=o2, out_t=ot2),
-                               (o2, ot2, a3, used3))}
+            "delayed_compiled": (delayed_compiled, (o3, ot3, a3, used3)),
+            "delayed_kernel": (lambda: f.delayed_quantize(x, st, dt, used4, a4, out=o4, out_t=ot4),
+                               (o4, ot4, a4, used4))}
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -103,14 +110,15 @@ def main(argv=None) -> int:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, failed = [], 0
     for model in args.models.split(","):
-        for name, m, n, dt, local in TENSORS[model]:
+        for name, m, n, dt, local in tensors(model):
             fns = arms(m, n, dt, local, g)
             for fn, _ in fns.values():  # compile, and the check: every arm's bytes = compiled's
                 fn()
             torch.cuda.synchronize()
             ref = fns["compiled"][1]
             ok = {arm: all(same_bytes(a, b) for a, b in zip(got, ref))
-                  for arm, (fn, got) in fns.items() if not arm.startswith("delayed")}
+                  for arm, (fn, got) in fns.items()
+                  if arm != "compiled" and not arm.startswith("delayed")}
             if local:
                 want = fns["delayed_compiled"][1]
                 ok["delayed_kernel"] = all(same_bytes(a, b) for a, b in
@@ -130,11 +138,13 @@ def main(argv=None) -> int:
                          "cast_here": local, "us": us, "bytes_equal": ok,
                          "min_bytes_moved": moved})
             new = us["kernel" if local else "transposed"]
-            print(f"{model:8} {name:8} {m:5}x{n:<5} compiled {us['compiled']:7.1f}  kernel {new:7.1f} "
-                  f"({moved / new / 1e6:4.2f} TB/s)"
-                  + (f"  delayed: compiled {us['delayed_compiled']:7.1f}, kernel "
-                     f"{us['delayed_kernel']:7.1f}; the cast alone {us['cast_only']:6.1f}" if local else "")
-                  + ("" if all(ok.values()) else f"  BYTES DIFFER: {[k for k, v in ok.items() if not v]}"))
+            delayed = (f"  delayed: compiled {us['delayed_compiled']:7.1f}, kernel "
+                       f"{us['delayed_kernel']:7.1f}; the cast alone {us['cast_only']:6.1f}"
+                       if local else "")
+            differ = [k for k, v in ok.items() if not v]
+            print(f"{model:8} {name:8} {m:5}x{n:<5} compiled {us['compiled']:7.1f}  kernel "
+                  f"{new:7.1f} ({moved / new / 1e6:4.2f} TB/s){delayed}"
+                  + (f"  BYTES DIFFER: {differ}" if differ else ""))
     for model in args.models.split(","):
         rs = [r for r in rows if r["model"] == model]
         old = sum(r["us"]["compiled"] for r in rs)

@@ -1,8 +1,9 @@
 """Stand-ins for the two Hugging Face libraries Megatron-LM's `--sft` path loads its data
 with, for runs where they are not installed (`datasets` needs pyarrow, more than a device
-call carries) or cannot reach the hub (the GPU machine has `transformers`, no network). Everything else of `--sft` is Megatron-LM's own: its
-SFTTokenizer (prompt format, target masking), SFTDataset (packing conversations into
-sequences with cu_seqlens), get_batch and the training loop.
+call carries) or cannot reach the hub (the GPU machine has `transformers`, no network).
+Everything else of `--sft` is Megatron-LM's own: its SFTTokenizer (prompt format, target
+masking), SFTDataset (packing conversations into sequences with cu_seqlens), get_batch and
+the training loop.
 
 - `datasets.load_dataset("json", data_files=PATH, split="all")`: the JSON lines of PATH,
   each a dict (Megatron reads `[i]["messages"]`).

@@ -99,6 +99,15 @@ def test_layouts_it_does_not_take_run_the_callers_kernels(kernel):
     assert not k.run("cast_transpose", (x, torch.ones(64, 1), o, ot), False)  # per-row scales
     assert not k.run("cast_transpose", (x, scale, o, torch.empty(64, 32, dtype=E4M3)), False)
     assert not k.run("transpose", (o.view(torch.uint8).t(), ot.view(torch.uint8)), False)
+    # shapes the eager definitions refuse (the kernel would write past its outputs)
+    assert not k.run("transpose", (o.view(torch.uint8), ot.view(torch.uint8)[:, :63]), False)
+    assert not k.run("cast_transpose", (x, scale, o[:63], ot), False)
+    assert not k.run("delayed_cast_amax", (x, scale, torch.zeros(()),
+                                           torch.zeros((), dtype=torch.bfloat16), o), False)
+    assert not k.run("cast_transpose", (x[:0], scale, o[:0], ot[:, :0]), False)  # nothing to do
+    wide = torch.zeros(1, k.MAX_GRID_Y * k.BLOCK[1] + 1, dtype=torch.bfloat16)  # too many tiles
+    assert not k.run("delayed_cast_amax", (wide, scale, torch.zeros(()), torch.zeros(()),
+                                           torch.empty(wide.shape, dtype=E4M3)), False)
     assert not kernel.launches
 
 
@@ -135,8 +144,27 @@ def test_a_failing_kernel_is_logged_once_and_not_tried_again(monkeypatch, caplog
     with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
         assert not k.run("cast_transpose", args, False)
         assert not k.run("cast_transpose", args, False)
-    assert len(calls) == 1 and "cast_transpose" in k._broken
+    assert len(calls) == 1 and k._broken == set(k.KERNELS)  # no Triton: none tried again
     assert sum("its Triton kernel failed" in r.message for r in caplog.records) == 1
+
+
+def test_a_failure_inside_a_capture_is_raised(monkeypatch, kernel):
+    """A launch whose signature ran before cannot compile, so a failure there is the
+    kernel's: raised, not hidden inside a capture (which it would leave broken)."""
+    x, scale = _x(64, 32), torch.tensor(1.0)
+    args = (x, scale, torch.empty(64, 32, dtype=E4M3), torch.empty(32, 64, dtype=E4M3))
+    assert k.run("cast_transpose", args, False)
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                raise RuntimeError("launch failed")
+            return launch
+    monkeypatch.setattr(k, "_kernel", Failing())
+    with pytest.raises(RuntimeError, match="launch failed"):
+        k.run("cast_transpose", args, True)
+    assert not k.run("cast_transpose", args, False)  # outside: logged, that kernel left
+    assert k._broken == {"cast_transpose"}
 
 
 def test_quantize_on_cpu_never_reaches_the_kernels(kernel):

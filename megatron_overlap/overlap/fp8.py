@@ -118,9 +118,9 @@ log = logging.getLogger("megatron_overlap")
 
 
 def set_fused(enabled: bool) -> bool:
-    """Whether FP8 casts, scales and transposes run as compiled kernels on a GPU (the
-    default) or eagerly; returns the previous setting. For side-by-side benchmarks: a pass captured
-    for replay keeps the kernels it was captured with."""
+    """Whether FP8 casts, scales and transposes run as compiled and Triton kernels on a GPU
+    (the default) or eagerly; returns the previous setting. For side-by-side benchmarks: a
+    pass captured for replay keeps the kernels it was captured with."""
     global _fusing
     before, _fusing = _fusing, bool(enabled)
     return before
@@ -147,16 +147,18 @@ def _run_compiled(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True) -> 
     shapes compile once per key; `dynamic=False`: specialized to the first call's shapes,
     for a key whose shapes never change); False where it does not run so: on CPU, with
     `set_fused(False)`, or after a failure (logged once; that key runs eagerly from then
-    on, with the same bits). Inside a CUDA-graph capture it never compiles (a compile
-    synchronizes, which a capture forbids): a kernel not compiled yet, or one whose guards
-    ask for a recompile (a new layout, a dimension of 1), runs eagerly there, captured so."""
+    on, with the same bits; a Triton kernel's key, the caller's compiled or eager kernels),
+    or for tensors a Triton kernel does not take. Inside a CUDA-graph capture it never
+    compiles (a compile synchronizes, which a capture forbids): a kernel not compiled yet,
+    or one whose guards ask for a recompile (a new layout, a dimension of 1), runs eagerly
+    there, captured so."""
     if not _fusing or args[0].device.type != "cuda":
         return False
     capturing = torch.cuda.is_current_stream_capturing()
-    if key[0] in fp8_kernels.KERNELS:  # hand-written (Triton): compiled, `fn` moves more bytes
+    if key[0] in fp8_kernels.KERNELS:  # hand-written in Triton (inductor's `fn` moves more bytes)
         if fp8_kernels.run(key[0], args, capturing):
             return True
-        if key[0] != "transpose":  # the caller's kernels run instead
+        if key[0] != "transpose":  # declined: the caller's other kernels run instead
             return False
     return _call_compiled(key, fn, args, dynamic, capturing)
 

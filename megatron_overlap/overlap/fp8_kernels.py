@@ -29,7 +29,7 @@ log = logging.getLogger("megatron_overlap")
 
 KERNELS = ("cast_transpose", "delayed_cast_amax", "delayed_cast_amax_t", "transpose")
 BLOCK = (64, 128, 4)  # rows, columns, warps of a tile: the probe's best over a layer's tensors
-_kernel = None  # the Triton kernel, made at the first call; False: Triton cannot run here
+_kernel = None  # the Triton kernel, made at the first call
 _seen: set = set()  # launch signatures compiled so far (a capture never compiles)
 _broken: set = set()  # names that failed once: not tried again (the caller's path runs)
 
@@ -83,30 +83,43 @@ def _flat2d(t: torch.Tensor) -> Optional[torch.Tensor]:
     return t.view(-1, t.shape[-1]) if t.dim() != 2 else t
 
 
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (the tiles across the columns)
+
+
 def _launch_args(name: str, args: tuple) -> Optional[tuple]:
     """(x, scale, o, ot, used, amax, flags) for the kernel, or None where it does not run
-    these tensors (a layout it does not take, a scale per row)."""
+    these tensors: a layout or shape it does not take (each output exactly the input's
+    shape, or its transpose's), a scale per row, scalars not float32, no elements, more
+    column tiles than a grid holds."""
     if name == "transpose":
         x, ot = args
-        if x.dim() != 2 or not (x.is_contiguous() and ot.is_contiguous()):
+        if (x.dim() != 2 or not (x.is_contiguous() and ot.is_contiguous())
+                or ot.shape != x.shape[::-1]):
             return None
-        return x, x, x, ot, x, x, dict(CAST=False, WRITE_O=False, WRITE_T=True, AMAX=False)
-    if name == "cast_transpose":
-        x, scale, o, ot = args
-        used = amax = None
-    elif name == "delayed_cast_amax":
-        (x, scale, used, amax, o), ot = args, None
+        flags = dict(CAST=False, WRITE_O=False, WRITE_T=True, AMAX=False)
+        x2, launch = x, (x, x, x, ot, x, x, flags)
     else:
-        x, scale, used, amax, o, ot = args
-    x2, o2 = _flat2d(x), _flat2d(o)
-    if x2 is None or o2 is None or scale.numel() != 1 or (ot is not None and not ot.is_contiguous()):
+        if name == "cast_transpose":
+            x, scale, o, ot = args
+            used = amax = None
+        elif name == "delayed_cast_amax":
+            (x, scale, used, amax, o), ot = args, None
+        else:
+            x, scale, used, amax, o, ot = args
+        x2, o2 = _flat2d(x), _flat2d(o)
+        scalars = [t for t in (scale, used, amax) if t is not None]
+        if (x2 is None or o2 is None or o2.shape != x2.shape or scale.numel() != 1
+                or any(t.dtype != torch.float32 or t.numel() != 1 for t in scalars)):
+            return None
+        if ot is not None and (x.dim() != 2 or not ot.is_contiguous() or ot.shape != x.shape[::-1]):
+            return None
+        scale = scale.reshape(())
+        launch = (x2, scale, o2, ot if ot is not None else o2, used if used is not None else scale,
+                  amax if amax is not None else scale,
+                  dict(CAST=True, WRITE_O=True, WRITE_T=ot is not None, AMAX=amax is not None))
+    if x2.numel() == 0 or -(-x2.shape[1] // BLOCK[1]) > MAX_GRID_Y:
         return None
-    if ot is not None and (x.dim() != 2 or ot.shape != x.shape[::-1]):
-        return None
-    scale = scale.reshape(())
-    return (x2, scale, o2, ot if ot is not None else o2, used if used is not None else scale,
-            amax if amax is not None else scale,
-            dict(CAST=True, WRITE_O=True, WRITE_T=ot is not None, AMAX=amax is not None))
+    return launch
 
 
 def run(name: str, args: tuple, capturing: bool) -> bool:
@@ -123,10 +136,12 @@ def run(name: str, args: tuple, capturing: bool) -> bool:
         return False
     x, scale, o, ot, used, amax, flags = launch
     # what Triton compiles a variant for: dtypes, flags, each pointer's 16-byte alignment,
-    # each size's divisibility by 16 and whether it is 1
+    # each size's divisibility by 16 and whether it is 1, each pointer's dtype, the device
+    tensors = (x, scale, o, ot, used, amax)
     signature = (x.dtype, o.dtype, tuple(flags.values()),
-                 tuple(t.data_ptr() % 16 == 0 for t in (x, scale, o, ot, used, amax)),
-                 tuple((d % 16 == 0, d == 1) for d in x.shape))
+                 tuple(t.data_ptr() % 16 == 0 for t in tensors),
+                 tuple((d % 16 == 0, d == 1) for d in x.shape),
+                 tuple(t.dtype for t in tensors), x.device)
     if capturing and signature not in _seen:
         return False
     try:
@@ -141,7 +156,7 @@ def run(name: str, args: tuple, capturing: bool) -> bool:
     except Exception as exc:  # noqa: BLE001  (no Triton, or it failed: the caller's kernels run)
         if capturing:
             raise
-        _broken.add(name)
+        _broken.update(KERNELS if _kernel is None else (name,))  # no Triton here: none runs
         log.warning("megatron_overlap: FP8 %s runs as compiled kernels: its Triton kernel "
                     "failed (%s: %s)", name, type(exc).__name__, exc)
         return False

@@ -98,9 +98,9 @@ def quantize(elems: int, p: int, scaling: str = "tensorwise", rows: int = 0,
              scales_out: bool = True, col: bool = False) -> Work:
     """One tensor of `elems` elements (`rows` rows) in p-byte precision made FP8 with its
     scale(s) (`scaling`: 'tensorwise', 'delayed' or 'rowwise'); `col` (per tensor): its
-    transposed layout written by the same cast. Row-wise: |x| written and read, the amax, the eager cast, and
-    with `scales_out` the scales copied out (into the rows' tails, or the weight's scale
-    tensor: 4 bytes read and written a row)."""
+    transposed layout written by the same cast. Row-wise: |x| written and read, the amax,
+    the eager cast, and with `scales_out` the scales copied out (into the rows' tails, or
+    the weight's scale tensor: 4 bytes read and written a row)."""
     if scaling == "rowwise":
         copy = Work(8 * rows, 1) if scales_out else Work()
         return Work((3 * p + p + EAGER_CAST[1]) * elems + ROW_SCALE_BYTES * rows,

@@ -51,6 +51,7 @@ def test_transpose_equals_torchs_copy(shape):
     from megatron_overlap.overlap import fp8_kernels as k
 
     t = (torch.randn(*shape, device="cuda") * 100).to(torch.float8_e4m3fn)
+    k._seen -= {sig for sig in k._seen if sig[2] == (False, False, True, False)}  # this test's own
     for src in (t, t.t()):
         want = src.t().contiguous().view(torch.uint8)
         got = f.transposed(src)
@@ -176,7 +177,8 @@ def test_compiled_kernels_never_compile_inside_a_capture():
     (a compile synchronizes, which breaks a capture), gives the same bytes on replay, and
     stays compiled for later calls outside the capture. A Triton kernel's launch signature
     not compiled yet (here FP8 values at an odd address) declines there the same way: the
-    compiled kernel runs, captured so; once launched outside, the capture takes it."""
+    compiled kernel runs, captured so (or eager, where this process has not compiled it);
+    once launched outside, the capture takes it."""
     pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
     from torchao.float8 import float8_utils as ao
 
