@@ -7,7 +7,7 @@
 # git: megatron-core 0.19.2 as ../shared/device/wheels.sh fetches it, torchao 0.18.0).
 # In two device calls (each under the 600 s a call may run, every piece under its timeout):
 #
-#   OUT=$OUT PART=bench bash benchmarks/fp8_gpu_session.sh   # ~5-6 min, at most ~8.5
+#   OUT=$OUT PART=bench bash benchmarks/fp8_gpu_session.sh   # ~5-6 min, at most 10
 #   OUT=$OUT PART=diag bash benchmarks/fp8_gpu_session.sh    # ~4-5 min, at most ~7
 #   OUT=$OUT PART=leak bash benchmarks/fp8_gpu_session.sh    # in two calls (LEAK_RUNS, below; not in all)
 #   OUT=$OUT PART=tune bash benchmarks/fp8_gpu_session.sh    # the transpose probe, the tuner in FP8, then
@@ -28,7 +28,8 @@
 # $OUT gets: session_<PART>.log (everything printed), fp8_compute_gpu.json, fp8_layer_gpu.json,
 # fp8_train_{shared_gpu_tp2,noreplay,eager_kernels,tp1,fp8_alone}.{json,txt,png}
 # (and fp8_gpu_tests.log with TESTS=1); PART=leak: fp8_train_leak_<run>.{json,txt,png} and
-# probe_fp8_tp_leak_probe_rank{0,1}.json. REPS / REPEAT / STEPS / DIAG_STEPS change the lengths.
+# probe_fp8_tp_leak_probe_rank{0,1}.json; PART=tune: probe_fp8_transpose.{json,log},
+# fp8_compute_gpu_fp8_picks.json and tune_fp8.tgz (the tunes' json, yaml and log). REPS / REPEAT / STEPS / DIAG_STEPS change the lengths.
 # A device call brings back at most 8 files: for PART=diag (13) write to a folder of its own and
 # tar it into $OUT (OUT=/tmp/d PART=diag bash ...; tar czf $OUT/diag.tgz -C /tmp/d .).
 set -uo pipefail
