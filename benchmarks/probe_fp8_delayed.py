@@ -37,14 +37,14 @@ E4M3 = torch.float8_e4m3fn
 
 def _fused_amax(saturate, x, scale, used, amax_out, out):
     used.copy_(scale)
-    amax_out.copy_(f.amax(x))
-    return f._cast_by(saturate, x, used, out)
+    f._amax_into(x, amax_out)
+    return f._cast_by(saturate, x, used[0], out)
 
 
 def variants(x: torch.Tensor) -> dict:
     """name -> a function of no arguments doing one quantization (or update) of `x`."""
     st = f.AmaxHistory(16, x.device)
-    used, a = torch.empty((), device=x.device), torch.empty((), device=x.device)
+    used, a = f.scale_pair(x.device), torch.empty((), device=x.device)
     out = torch.empty(x.shape, dtype=E4M3, device=x.device)
     fused = functools.partial(_fused_amax, f._ao().to_fp8_saturated)
 

@@ -21,34 +21,44 @@ E4M3 = torch.float8_e4m3fn
 
 
 class StandIn:
-    """Computes what `fp8_kernels`' Triton kernel is written to compute, in torch."""
+    """Computes what `fp8_kernels`' Triton kernel `name` is written to compute, in torch."""
 
-    def __init__(self):
-        self.launches = []
+    def __init__(self, name, launches):
+        self.name, self.launches = name, launches
 
     def __getitem__(self, grid):
-        def launch(x, s, o, ot, used, amax, m, n, *, FMAX, CAST, WRITE_O, WRITE_T, AMAX, BM, BN,
+        def cast_t(x, s, o, ot, used, amax, m, n, *, FMAX, CAST, WRITE_T, AMAX, BM, BN,
                    num_warps):
             self.launches.append(dict(grid=grid, m=m, n=n, CAST=CAST, WRITE_T=WRITE_T, AMAX=AMAX))
             assert (m, n) == tuple(x.shape) and grid == (-(-m // BM), -(-n // BN))
             if CAST:
-                q = (x.float() * s).clamp(-FMAX, FMAX).to(o.dtype)
-                if WRITE_O:
-                    o.copy_(q)
-                if AMAX:
+                q = (x.float() * s.reshape(-1)[0]).clamp(-FMAX, FMAX).to(o.dtype)
+                o.copy_(q)
+                if AMAX:  # s: the pair it copies out
                     amax.copy_(torch.maximum(amax, x.float().abs().max()))
                     used.copy_(s)
             else:
                 q = x
             if WRITE_T:
                 ot.copy_(q.t())
-        return launch
+
+        def amax(x, out, n, *, BLOCK, num_warps):
+            self.launches.append(dict(grid=grid, n=n, kernel="amax"))
+            assert n == x.numel() and grid == (-(-n // BLOCK),)
+            out.copy_(torch.maximum(out, x.float().abs().max()))
+        return {"cast_t": cast_t, "amax": amax}[self.name]
+
+
+class StandIns(dict):
+    def __init__(self):
+        self.launches = []
+        super().__init__((name, StandIn(name, self.launches)) for name in ("cast_t", "amax"))
 
 
 @pytest.fixture
 def kernel(monkeypatch):
-    fake = StandIn()
-    monkeypatch.setattr(k, "_kernel", fake)
+    fake = StandIns()
+    monkeypatch.setattr(k, "_kernels", fake)
     monkeypatch.setattr(k, "_seen", set())
     monkeypatch.setattr(k, "_broken", set())
     return fake
@@ -67,21 +77,23 @@ def test_each_kernel_s_tensors_go_where_its_eager_definition_puts_them(kernel):
     assert k.run("cast_transpose", (x, scale, *got), False)
     f._cast_t_by(saturate, x, scale, *want)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
-    # delayed: the scale used, the amax (from zero), the cast, with and without the transpose
+    # delayed: the scale pair used, the amax (from zero), the cast, with and without the
+    # transpose
+    pair = torch.stack((scale, f.inverse(scale)))
     for name, t in (("delayed_cast_amax", False), ("delayed_cast_amax_t", True)):
-        outs = [torch.zeros(()), torch.zeros(()), torch.empty(100, 72, dtype=E4M3)]
-        refs = [torch.zeros(()), torch.zeros(()), torch.empty(100, 72, dtype=E4M3)]
+        outs = [torch.zeros(2), torch.zeros(()), torch.empty(100, 72, dtype=E4M3)]
+        refs = [torch.zeros(2), torch.zeros(()), torch.empty(100, 72, dtype=E4M3)]
         if t:
             outs.append(torch.empty(72, 100, dtype=E4M3))
             refs.append(torch.empty(72, 100, dtype=E4M3))
-        assert k.run(name, (x, scale, *outs), False)
-        f._delayed_cast_amax_by(saturate, x, scale, *refs)
-        assert torch.equal(outs[0], scale) and torch.equal(outs[1], refs[1])
+        assert k.run(name, (x, pair, *outs), False)
+        f._delayed_cast_amax_by(saturate, x, pair, *refs)
+        assert torch.equal(outs[0], pair) and torch.equal(outs[1], refs[1])
         assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                    for a, b in zip(outs[2:], refs[2:]))
     # a 3-D input (delayed, no transpose): one [rows, last] matrix
     x3, out3 = _x(4, 25, 72), torch.empty(4, 25, 72, dtype=E4M3)
-    assert k.run("delayed_cast_amax", (x3, scale, torch.zeros(()), torch.zeros(()), out3), False)
+    assert k.run("delayed_cast_amax", (x3, pair, torch.zeros(2), torch.zeros(()), out3), False)
     assert kernel.launches[-1]["m"] == 100
     # the transposed copy of FP8 bytes
     q = x.to(E4M3).view(torch.uint8)
@@ -90,6 +102,20 @@ def test_each_kernel_s_tensors_go_where_its_eager_definition_puts_them(kernel):
     assert [(d["CAST"], d["WRITE_T"], d["AMAX"]) for d in kernel.launches] == [
         (True, True, False), (True, False, True), (True, True, True), (True, False, True),
         (False, True, False)]
+
+
+def test_the_amax_kernel_is_torch_s_amax_from_zero(kernel):
+    """'amax': max |x| over the flat tensor, into a scalar the launch zeroes first (what
+    was there before does not count), as `overlap.fp8`'s eager amax."""
+    for x in (_x(100, 72), _x(3, 5, 7), -_x(8193), torch.zeros(40, dtype=torch.bfloat16)):
+        out = torch.full((), 1e30)
+        assert k.run("amax", (x, out), False)
+        assert torch.equal(out, f._amax_into(x, torch.empty(())))
+        assert kernel.launches[-1]["grid"] == (-(-x.numel() // k.AMAX_BLOCK[0]),)
+    nan = _x(64, 32)
+    nan[7, 3] = float("nan")
+    out = torch.empty(())
+    assert k.run("amax", (nan, out), False) and out.isnan()
 
 
 def test_layouts_it_does_not_take_run_the_callers_kernels(kernel):
@@ -102,12 +128,21 @@ def test_layouts_it_does_not_take_run_the_callers_kernels(kernel):
     # shapes the eager definitions refuse (the kernel would write past its outputs)
     assert not k.run("transpose", (o.view(torch.uint8), ot.view(torch.uint8)[:, :63]), False)
     assert not k.run("cast_transpose", (x, scale, o[:63], ot), False)
-    assert not k.run("delayed_cast_amax", (x, scale, torch.zeros(()),
+    pair = torch.ones(2)
+    assert not k.run("delayed_cast_amax", (x, pair, torch.zeros(2),
                                            torch.zeros((), dtype=torch.bfloat16), o), False)
+    # delayed's scale and the copy it writes are pairs (a lone value would be overrun)
+    assert not k.run("delayed_cast_amax", (x, scale, torch.zeros(2), torch.zeros(()), o), False)
+    assert not k.run("delayed_cast_amax", (x, pair, torch.zeros(()), torch.zeros(()), o), False)
     assert not k.run("cast_transpose", (x[:0], scale, o[:0], ot[:, :0]), False)  # nothing to do
     wide = torch.zeros(1, k.MAX_GRID_Y * k.BLOCK[1] + 1, dtype=torch.bfloat16)  # too many tiles
-    assert not k.run("delayed_cast_amax", (wide, scale, torch.zeros(()), torch.zeros(()),
+    assert not k.run("delayed_cast_amax", (wide, pair, torch.zeros(2), torch.zeros(()),
                                            torch.empty(wide.shape, dtype=E4M3)), False)
+    # the amax: contiguous floating-point values, something to read, a float32 scalar out
+    assert not k.run("amax", (x.t(), torch.empty(())), False)
+    assert not k.run("amax", (x[:0], torch.empty(())), False)
+    assert not k.run("amax", (x.view(torch.int16), torch.empty(())), False)
+    assert not k.run("amax", (x, torch.empty((), dtype=torch.float64)), False)
     assert not kernel.launches
 
 
@@ -127,12 +162,16 @@ def test_a_capture_never_compiles_a_new_launch_signature(kernel):
     assert not k.run("cast_transpose", (x2, scale, o2, ot2), True)  # a size not 16-divisible
     assert k.run("cast_transpose", (_x(48, 32), scale, o[:48], ot[:, :48].contiguous()), True)
     assert len(kernel.launches) == 3  # (48 x 32: the same variant as 64 x 32)
+    a = torch.empty(())
+    assert not k.run("amax", (x, a), True)  # each kernel its own signatures
+    assert k.run("amax", (x, a), False) and k.run("amax", (_x(96, 32), a), True)
+    assert not k.run("amax", (_x(95), a), True)
 
 
 def test_a_failing_kernel_is_logged_once_and_not_tried_again(monkeypatch, caplog):
     monkeypatch.setattr(k, "_seen", set())
     monkeypatch.setattr(k, "_broken", set())
-    monkeypatch.setattr(k, "_kernel", None)
+    monkeypatch.setattr(k, "_kernels", None)
     calls = []
 
     def broken():
@@ -160,7 +199,7 @@ def test_a_failure_inside_a_capture_is_raised(monkeypatch, kernel):
             def launch(*a, **kw):
                 raise RuntimeError("launch failed")
             return launch
-    monkeypatch.setattr(k, "_kernel", Failing())
+    monkeypatch.setattr(k, "_kernels", {"cast_t": Failing(), "amax": Failing()})
     with pytest.raises(RuntimeError, match="launch failed"):
         k.run("cast_transpose", args, True)
     assert not k.run("cast_transpose", args, False)  # outside: logged, that kernel left
@@ -177,6 +216,7 @@ def test_quantize_on_cpu_never_reaches_the_kernels(kernel):
         x, scale, torch.empty(64, 32, dtype=E4M3))
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(out_t.view(torch.uint8), want.view(torch.uint8).t())
-    st, used, a = f.AmaxHistory(2, x.device), torch.empty(()), torch.empty(())
+    st, used, a = f.AmaxHistory(2, x.device), f.scale_pair("cpu"), torch.empty(())
     f.delayed_quantize(x, st, E4M3, used, a)
-    assert a == x.float().abs().max() and not kernel.launches
+    assert torch.equal(used, st.scale) and a == x.float().abs().max()
+    assert f.amax(x) == a and not kernel.launches

@@ -39,8 +39,9 @@ import torch
 
 from ..comm.transport import Transport
 from ..overlap.fp8 import (TAIL, AmaxHistory, RowScaledGemm, ScaledGemm, amax,
-                           delayed_quantize, group_max, quantize, row_scales, rows_dequantized,
-                           rows_quantized, scale_for, shared_amax, transposed, update_scale)
+                           delayed_quantize, group_max, inverse, quantize, row_scales,
+                           rows_dequantized, rows_quantized, scale_for, scale_pair, scale_value,
+                           shared_amax, transposed, update_scale)
 from .precision import Precision
 
 
@@ -55,8 +56,8 @@ def col_major(t: torch.Tensor) -> torch.Tensor:
 def quantized(x: torch.Tensor, dtype: torch.dtype, tp: Optional[Transport] = None,
               op: str = "", col: bool = False) -> tuple[torch.Tensor, torch.Tensor,
                                                         Optional[torch.Tensor]]:
-    """(x in FP8, its scale, and with `col` the same values column-major, written by the
-    cast's kernel, else None); the amax is the TP group's when `tp` is given (a tensor the
+    """(x in FP8, its scale pair, and with `col` the same values column-major, written by
+    the cast's kernel, else None); the amax is the TP group's when `tp` is given (a tensor the
     pass gathers: `op`'s amax exchange, named '<op>_amax')."""
     a = shared_amax(x, tp, f"{op}_amax") if tp is not None else amax(x)
     s = scale_for(a, dtype)
@@ -114,12 +115,13 @@ class DelayedScales:
 
     def state(self) -> dict:
         """What a checkpoint keeps (the layer's extra state): per role, its amax history
-        (oldest first) and scale, on the CPU."""
+        (oldest first) and scale (the value, as TE keeps it), on the CPU."""
         held = {r: (st.history, st.scale) for r, st in self._states.items()}
         held.update({r: v for r, v in self._loaded.items() if r not in held})
         return {"fp8_recipe": "delayed",
                 "amax_history": {r: h.detach().cpu().clone() for r, (h, _) in held.items()},
-                "scale": {r: s.detach().cpu().clone() for r, (_, s) in held.items()}}
+                "scale": {r: scale_value(s).detach().cpu().clone()
+                          for r, (_, s) in held.items()}}
 
     def load(self, state: dict) -> None:
         """Restore `state()`: into the histories in place where they exist (their addresses
@@ -139,7 +141,8 @@ class DelayedScales:
             st.history.zero_()
             if n:
                 st.history[-n:].copy_(h[-n:])
-            st.scale.copy_(s)
+            s = scale_value(s).to(st.scale)
+            st.scale.copy_(torch.stack((s, inverse(s))))
 
 
 _STALE = object()  # a cache key no weight has
@@ -201,7 +204,7 @@ class Fp8WeightCache:
                 or self.w8.device != weight.device):
             self.w8 = torch.empty(weight.shape, dtype=fwd, device=weight.device)
             self.w8t = torch.empty(weight.shape[::-1], dtype=fwd, device=weight.device)
-            self.w_scale = torch.empty((), dtype=torch.float32, device=weight.device)
+            self.w_scale = scale_pair(weight.device)
         return self.w8, self.w_scale, self.w8t
 
 
@@ -227,13 +230,14 @@ class Fp8Forward:
                               device=rows.device)
         self.x8t = (torch.empty((k, tokens), dtype=p.fwd, device=rows.device)
                     if input_t and not self.rowwise else None)
-        self.x_scale = torch.empty((), **f32)  # (row-wise: unused, the scales are in x8)
+        self.x_scale = scale_pair(rows.device)  # (row-wise: unused, the scales are in x8)
         self.quantize_weight = not reuse
         if cache is not None and not self.rowwise:
             self.w8, self.w_scale, self.w8t = cache.tensors(weight, p.fwd)
         else:
             self.w8 = torch.empty(weight.shape, dtype=p.fwd, device=weight.device)
-            self.w_scale = torch.empty((weight.shape[0], 1) if self.rowwise else (), **f32)
+            self.w_scale = (torch.empty((weight.shape[0], 1), **f32) if self.rowwise
+                            else scale_pair(weight.device))
             self.w8t = (None if self.rowwise or not weight_t else
                         torch.empty(weight.shape[::-1], dtype=p.fwd, device=weight.device))
         self.roles = ("input", "weight") if self.quantize_weight else ("input",)
@@ -319,7 +323,7 @@ class Fp8Backward:
         if self.delayed is None:
             return quantized(g, self.p.grad, tp if gathered else None, op, col)
         t = g.new_empty(g.shape[::-1], dtype=self.p.grad) if col else None
-        g_scale = torch.empty((), dtype=torch.float32, device=g.device)
+        g_scale = scale_pair(g.device)
         self._amax = torch.empty((), dtype=torch.float32, device=g.device)
         g8 = self.delayed.quantize("grad", g, self.p.grad, g_scale, self._amax, out_t=t)
         return g8, g_scale, (None if t is None else t.t())
@@ -345,7 +349,7 @@ class Fp8Backward:
         """The FP8 gradient `g8` (as the dgrad saw it) back in `dtype`."""
         if self.rowwise:
             return rows_dequantized(g8, dtype)
-        return (g8.float() / g_scale).to(dtype)
+        return (g8.float() / scale_value(g_scale)).to(dtype)
 
     def wgrad(self, g_scale: torch.Tensor, out_dtype: torch.dtype) -> ScaledGemm:
         """The GEMM of g8^T @ x8 (the FP8 input's scale)."""

@@ -7,13 +7,17 @@ Transformer Engine's and Megatron's 'tensorwise' recipe; or delayed scaling, the
 - Scaling and casting are torchao's float8 (`amax_to_scale`, `to_fp8_saturated`; the
   [fp8] extra), imported when FP8 first runs, so the runtime imports without it. A scale
   is torchao's: fp8 = saturate(x * scale), x ~ fp8 / scale. On a GPU the cast runs as one
-  fused kernel (`_fused_cast`), the amax as one reduction, the scale as one kernel
-  (`scale_for`): torch.compile, each kernel in a frame of its own (`_own_frame`). The
-  transposed copies FP8 GEMMs need, a cast that writes both layouts
-  (`quantize(..., out_t=)`) and delayed scaling's cast with its amax are hand-written
-  Triton kernels instead (overlap/fp8_kernels.py: inductor compiled the two-layout cast to
-  two kernels each reading the wide input, and moved 1-byte transposes at ~1.3 TB/s on an
-  H100). `set_fused` turns all of them off.
+  fused kernel (`_fused_cast`), the scale as one kernel (`scale_for`): torch.compile, each
+  kernel in a frame of its own (`_own_frame`). The transposed copies FP8 GEMMs need, a cast
+  that writes both layouts (`quantize(..., out_t=)`), delayed scaling's cast with its amax
+  and current scaling's amax are hand-written Triton kernels instead
+  (overlap/fp8_kernels.py: inductor compiled the two-layout cast to two kernels each
+  reading the wide input, and moved 1-byte transposes at ~1.3 TB/s on an H100).
+  `set_fused` turns all of them off.
+- A per-tensor scale is kept as a pair, [scale, 1 / scale] (`scale_pair`): the cast
+  multiplies by the first, the scaled GEMM takes the second, written by the kernel that
+  makes the scale (`scale_for`; delayed scaling's `update_scale`), so no GEMM launches
+  reciprocals of its own (two a GEMM: 24 kernels a layer's step).
 - Own code, and why:
   - `ScaledGemm` calls `torch._scaled_mm` itself: the schedules write every chunk's
     product into its place of the pass's output (`out=`, the addresses a CUDA-graph
@@ -61,11 +65,21 @@ def available() -> None:
     _ao()
 
 
+def _amax_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32, out=out)
+
+
 def amax(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """max |x| as a float32 scalar (into `out` when given): torchao's tensorwise amax (max
     of abs, exact), read in one pass (`tensor_to_amax` writes |x| first: three times the
-    memory traffic)."""
-    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32, out=out)
+    memory traffic). On a GPU the 'amax' Triton kernel (overlap/fp8_kernels.py), else
+    torch's reduction."""
+    x = x.detach()  # (never differentiated; torch refuses out= under autograd)
+    if out is None:
+        out = torch.empty((), dtype=torch.float32, device=x.device)
+    if _run_compiled(("amax",), _amax_into, x, out):
+        return out
+    return _amax_into(x, out)
 
 
 def shared_amax(x: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
@@ -84,18 +98,51 @@ def group_max(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     return every.view(tp.world_size, -1).amax(0)
 
 
+PAIR = fp8_kernels.PAIR  # a scale pair's shape: [scale, 1 / scale]
+
+
+def scale_pair(device: torch.device | str) -> torch.Tensor:
+    """An (unwritten) scale pair: [scale, 1 / scale], fp32. The cast multiplies by the
+    first, the scaled GEMM (`ScaledGemm`) by the second."""
+    return torch.empty(PAIR, dtype=torch.float32, device=device)
+
+
+def inverse(s: torch.Tensor) -> torch.Tensor:
+    """1 / s in fp32, divided in fp64: the bits of fp32's correctly rounded reciprocal (a
+    quotient rounded to fp64 and then to fp32 is rounded once: 53 >= 2 x 24 + 2 bits), the
+    same compiled and eagerly, as torchao's fp64 scales."""
+    return (1.0 / s.to(torch.float64)).to(torch.float32)
+
+
+def scale_value(scale: torch.Tensor) -> torch.Tensor:
+    """What a cast multiplies by: a pair's first entry; any other scale (a value, a scale
+    per row) itself."""
+    return scale[0] if scale.shape == PAIR else scale
+
+
+def scale_inverse(scale: torch.Tensor) -> torch.Tensor:
+    """What a scaled GEMM multiplies by: a pair's second entry (no kernel); a bare value's
+    reciprocal (a kernel)."""
+    return scale[1] if scale.shape == PAIR else scale.reciprocal()
+
+
 def _scale_by(to_scale, dtype: torch.dtype, a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return out.copy_(to_scale(a, dtype))
+    s = to_scale(a, dtype)
+    return out.copy_(torch.stack((s, inverse(s))))
 
 
 def scale_for(a: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None
               ) -> torch.Tensor:
-    """The scale that maps amax `a` to `dtype`'s largest value (torchao's `amax_to_scale`),
-    into `out` (an fp32 scalar) when given. On a GPU one compiled kernel where eagerly it is
-    five (to fp64, clamp, divide, to fp32, copy): torchao computes it in fp64 so that
-    compiled and eager give the same bits (tests/gpu/test_fp8_cast_gpu.py)."""
+    """The scale pair (`scale_pair`) whose scale maps amax `a` to `dtype`'s largest value
+    (torchao's `amax_to_scale`), into `out` when given. On a GPU one compiled kernel
+    writes both where eagerly it is nine: torchao computes the scale in fp64 so that
+    compiled and eager give the same bits (tests/gpu/test_fp8_cast_gpu.py), and so does
+    `inverse`."""
     if out is None:
-        out = torch.empty((), dtype=torch.float32, device=a.device)
+        out = scale_pair(a.device)
+    elif out.shape != PAIR or out.dtype != torch.float32:
+        raise ValueError(f"scale_for: out is {tuple(out.shape)} {out.dtype}, not a scale pair "
+                         f"(overlap.fp8.scale_pair)")
     fn = functools.partial(_scale_by, _ao().amax_to_scale, dtype)
     if a.dim() == 0 and _run_compiled(("scale", dtype), fn, a, out):
         return out
@@ -240,11 +287,12 @@ def _fp8_out(x: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor],
 def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
              out: Optional[torch.Tensor] = None, out_t: Optional[torch.Tensor] = None
              ) -> torch.Tensor:
-    """saturate(x * scale) in `dtype` (x upcast to fp32 first), into `out` when given.
-    `out_t` (2-D `x`, a contiguous tensor of the transposed shape): the same values
-    transposed written there too (the FP8 GEMMs' other layout), by the cast's own kernel
-    on a GPU ('cast_transpose'), else `transposed` from the FP8 values."""
-    out = _fp8_out(x, dtype, out, out_t)
+    """saturate(x * scale) in `dtype` (x upcast to fp32 first), into `out` when given;
+    `scale`: a scale pair (its first entry), a value or a scale per row. `out_t` (2-D
+    `x`, a contiguous tensor of the transposed shape): the same values transposed written
+    there too (the FP8 GEMMs' other layout), by the cast's own kernel on a GPU
+    ('cast_transpose'), else `transposed` from the FP8 values."""
+    out, scale = _fp8_out(x, dtype, out, out_t), scale_value(scale)
     if out_t is not None and _run_compiled(
             ("cast_transpose", x.dtype, dtype),
             functools.partial(_cast_t_by, _ao().to_fp8_saturated), x, scale, out, out_t):
@@ -267,12 +315,13 @@ def _cast_t_by(saturate, x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor
 class AmaxHistory:
     """One tensor's delayed scaling (Transformer Engine's `DelayedScaling`, Megatron's
     default fp8_recipe): the amaxes of its last `length` quantizations (oldest first) and
-    the scale the next one uses, on the device, at fixed addresses (a replayed pass
-    updates them in place). A new history quantizes with scale 1, as TE's does."""
+    the scale pair the next one uses (`scale_pair`), on the device, at fixed addresses (a
+    replayed pass updates them in place). A new history quantizes with scale 1, as TE's
+    does."""
 
     def __init__(self, length: int, device: torch.device):
         self.history = torch.zeros(length, dtype=torch.float32, device=device)
-        self.scale = torch.ones((), dtype=torch.float32, device=device)
+        self.scale = torch.ones(PAIR, dtype=torch.float32, device=device)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.history, self.scale
@@ -280,10 +329,10 @@ class AmaxHistory:
 
 def _delayed_cast_by(saturate, x: torch.Tensor, scale: torch.Tensor, used: torch.Tensor,
                      out: torch.Tensor) -> torch.Tensor:
-    """`_cast_by` with the history's scale, copied into `used` (which this quantization's
-    GEMMs and backward read)."""
+    """`_cast_by` with the history's scale pair, copied into `used` (which this
+    quantization's GEMMs and backward read)."""
     used.copy_(scale)
-    return _cast_by(saturate, x, used, out)
+    return _cast_by(saturate, x, used[0], out)
 
 
 def _delayed_cast_amax_by(saturate, x: torch.Tensor, scale: torch.Tensor, used: torch.Tensor,
@@ -291,7 +340,7 @@ def _delayed_cast_amax_by(saturate, x: torch.Tensor, scale: torch.Tensor, used: 
                           out_t: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`amax` and `_delayed_cast_by` (and the values transposed into `out_t`): what the
     'delayed_cast_amax' kernels write (overlap/fp8_kernels.py), reading `x` once."""
-    amax(x, out=amax_out)
+    _amax_into(x, amax_out)
     _delayed_cast_by(saturate, x, scale, used, out)
     return out if out_t is None else out_t.copy_(out.t())
 
@@ -301,7 +350,8 @@ def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
                      out: Optional[torch.Tensor] = None, out_t: Optional[torch.Tensor] = None
                      ) -> torch.Tensor:
     """`x` quantized with the scale `state` holds now (from past amaxes: no pass over x
-    before the cast), copied into `used`; x's own amax into `amax_out` (a 0-d float32
+    before the cast), its pair copied into `used` (a scale pair); x's own amax into
+    `amax_out` (a 0-d float32
     tensor; a view into a larger one will do), for `update_scale` once it is the TP
     group's. `out_t`: the FP8 values transposed there too. On a GPU one Triton kernel
     ('delayed_cast_amax', overlap/fp8_kernels.py) reads `x` once for all of it; else the
@@ -334,13 +384,16 @@ def _update_by(use_max: bool, fp8_max: float, margin: int, history: torch.Tensor
     ('max') or the newest ('most_recent') to fp8_max / 2^margin, in fp64 (compiled and
     eager alike, as torchao's amax_to_scale), at most float32's largest; an amax of 0 or
     inf keeps the scale. A NaN amax is recorded as 0 (TE's reductions, fmaxf, skip NaN):
-    it keeps the scale, and leaves a window's max to the other amaxes."""
+    it keeps the scale, and leaves a window's max to the other amaxes. `scale`: the
+    pair, its inverse written with it."""
     history.copy_(torch.cat([history[1:], torch.nan_to_num(a.reshape(1), nan=0.0,
                                                            posinf=float("inf"))]))
     a = history[-1]
     ref = (history.max() if use_max else a).to(torch.float64)
     new = (fp8_max / ref / 2.0 ** margin).clamp(max=torch.finfo(torch.float32).max)
-    scale.copy_(torch.where((ref > 0) & torch.isfinite(ref), new.to(torch.float32), scale))
+    new = new.to(torch.float32)
+    scale.copy_(torch.where((ref > 0) & torch.isfinite(ref), torch.stack((new, inverse(new))),
+                            scale))
 
 
 def update_scale(state: AmaxHistory, a: torch.Tensor, dtype: torch.dtype, margin: int,
@@ -412,11 +465,12 @@ def _check(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
 
 class ScaledGemm:
     """`a @ b` of FP8 operands quantized with the per-tensor scales `a_scale`, `b_scale`
-    (torchao's meaning), through torch._scaled_mm: the schedules' `gemm` for an FP8
-    pass. The product is `out`'s dtype, or `out_dtype` (bf16 or fp32), never FP8."""
+    (torchao's meaning; pairs, whose inverses it reads, or values, whose reciprocals it
+    takes), through torch._scaled_mm: the schedules' `gemm` for an FP8 pass. The product
+    is `out`'s dtype, or `out_dtype` (bf16 or fp32), never FP8."""
 
     def __init__(self, a_scale: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype):
-        self.a_inv, self.b_inv = a_scale.reciprocal(), b_scale.reciprocal()
+        self.a_inv, self.b_inv = scale_inverse(a_scale), scale_inverse(b_scale)
         self.out_dtype = out_dtype
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,

@@ -6,74 +6,48 @@ compiled ones (`overlap.fp8._run_compiled`) move more bytes than they need:
   kernels each reading it, so the layers cast and then transposed the FP8 values.
 - `delayed_cast_amax` (`_t`: with the transposed copy): delayed scaling's cast with the
   history's scale, which also reduces the tensor's amax (max |x|, atomically per tile,
-  into a scalar zeroed before; a NaN anywhere makes it NaN, as torch's amax) and copies
-  the scale used: the amax needs no pass of its own.
+  into a scalar zeroed before) and copies the scale pair used (`overlap.fp8.scale_pair`):
+  the amax needs no pass of its own.
 - `transpose`: 1-byte values transposed. Inductor's kernel moved them at ~1.3 TB/s on an
   H100 (its fp8 layers' transposes), this one at ~2.9 TB/s.
+- `amax`: current scaling's max |x|, the same atomic reduction over tiles as the delayed
+  cast's, into a scalar zeroed first. torch's reduction (`linalg.vector_norm`, one memset
+  and one kernel as well) read an 8192 x 8192 bf16 tensor at ~2.4 TB/s on an H100, and
+  a layer's 12 amaxes took 272 of its 6966 us of kernels at 70B TP=8.
+
+Every amax here is an integer max over the bits of |x| with the sign bit cleared: |x| >= 0
+orders as its bits, and a NaN (above inf) wins, so a NaN anywhere makes the amax NaN, as
+torch's does, whatever sign the NaN's bits carry.
 
 Each computes what `overlap.fp8`'s eager definition computes, bit for bit (the cast:
 fp32 multiply, clamp with NaN kept, round to nearest even; checked on the GPU:
 tests/gpu/test_fp8_cast_gpu.py). Measured one by one against the compiled kernels:
-`benchmarks/probe_fp8_transpose.py`. Triton is imported at the first call (the runtime
-imports without it; on CPU these never run).
+`benchmarks/probe_fp8_transpose.py`. The kernels themselves are overlap/fp8_triton.py,
+imported at the first call (the runtime imports without Triton; on CPU they never run).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 log = logging.getLogger("megatron_overlap")
 
-KERNELS = ("cast_transpose", "delayed_cast_amax", "delayed_cast_amax_t", "transpose")
+KERNELS = ("cast_transpose", "delayed_cast_amax", "delayed_cast_amax_t", "transpose", "amax")
 BLOCK = (64, 128, 4)  # rows, columns, warps of a tile: the probe's best over a layer's tensors
-_kernel = None  # the Triton kernel, made at the first call
+AMAX_BLOCK = (8192, 8)  # elements, warps of an amax program
+_kernels: Optional[dict] = None  # the Triton kernels by name, made at the first call
 _seen: set = set()  # launch signatures compiled so far (a capture never compiles)
 _broken: set = set()  # names that failed once: not tried again (the caller's path runs)
 
 
-def _make():
-    import triton
-    import triton.language as tl
+def _make() -> dict:
+    from . import fp8_triton  # (imports Triton)
 
-    @triton.jit
-    def max_nan(a, b):
-        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-    @triton.jit  # (m, n specialized as Triton does: 16-divisible rows vectorize its accesses)
-    def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, FMAX: tl.constexpr,
-               CAST: tl.constexpr, WRITE_O: tl.constexpr, WRITE_T: tl.constexpr,
-               AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        """One [BM, BN] tile of x [m, n]: with CAST, saturate(fp32(x) * scale) into o
-        (WRITE_O) and transposed into ot (WRITE_T), with AMAX max |x| into amax and the
-        scale into used; without, x's bytes transposed into ot."""
-        pm, pn = tl.program_id(0), tl.program_id(1)
-        rm = pm * BM + tl.arange(0, BM)
-        rn = pn * BN + tl.arange(0, BN)
-        mask = (rm[:, None] < m) & (rn[None, :] < n)
-        offs = rm[:, None].to(tl.int64) * n + rn[None, :]
-        if CAST:
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            s = tl.load(s_ptr)
-            y = tl.maximum(x * s, -FMAX, propagate_nan=tl.PropagateNan.ALL)
-            q = tl.minimum(y, FMAX, propagate_nan=tl.PropagateNan.ALL).to(o_ptr.dtype.element_ty)
-            if WRITE_O:
-                tl.store(o_ptr + offs, q, mask=mask)
-            if AMAX:  # |x| >= 0 (a NaN's sign cleared too) orders as its bits: an integer
-                # max, under which a NaN (above inf) wins, as in torch's amax
-                top = tl.reduce(tl.abs(x), None, max_nan)
-                tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), top.to(tl.int32, bitcast=True))
-                if (pm == 0) & (pn == 0):
-                    tl.store(used_ptr, s)
-        else:
-            q = tl.load(x_ptr + offs, mask=mask)
-        if WRITE_T:
-            offs_t = rn[:, None].to(tl.int64) * m + rm[None, :]
-            tl.store(ot_ptr + offs_t, tl.trans(q), mask=tl.trans(mask))
-
-    return cast_t
+    return {"cast_t": fp8_triton.cast_t, "amax": fp8_triton.fp8_amax}
 
 
 def _flat2d(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -84,20 +58,46 @@ def _flat2d(t: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (the tiles across the columns)
+PAIR = (2,)  # a scale pair's shape: [scale, 1 / scale]
 
 
-def _launch_args(name: str, args: tuple) -> Optional[tuple]:
-    """(x, scale, o, ot, used, amax, flags) for the kernel, or None where it does not run
-    these tensors: a layout or shape it does not take (each output exactly the input's
-    shape, or its transpose's), a scale per row, scalars not float32, no elements, more
-    column tiles than a grid holds."""
+@dataclass(frozen=True)
+class Launch:
+    """One launch: the kernel, its tensor arguments, sizes, constexpr flags, grid, warps."""
+
+    kernel: str
+    tensors: tuple
+    sizes: tuple
+    flags: dict
+    grid: tuple
+    warps: int
+
+
+def _amax_launch(args: tuple) -> Optional[Launch]:
+    x, out = args
+    if (not x.is_contiguous() or x.numel() == 0 or out.dtype != torch.float32
+            or out.numel() != 1 or not x.is_floating_point()):
+        return None
+    block, warps = AMAX_BLOCK
+    return Launch("amax", (x, out), (x.numel(),), dict(BLOCK=block),
+                  (-(-x.numel() // block),), warps)
+
+
+def _launch(name: str, args: tuple) -> Optional[Launch]:
+    """The launch that runs kernel `name` on `args`, or None where it does not run these
+    tensors: a layout or shape it does not take (each output exactly the input's shape,
+    or its transpose's), a scale per row, scalars not float32 (a cast's scale one value,
+    delayed's scale and the one it copies out pairs), no elements, more column tiles than
+    a grid holds."""
+    if name == "amax":
+        return _amax_launch(args)
     if name == "transpose":
         x, ot = args
         if (x.dim() != 2 or not (x.is_contiguous() and ot.is_contiguous())
                 or ot.shape != x.shape[::-1]):
             return None
-        flags = dict(CAST=False, WRITE_O=False, WRITE_T=True, AMAX=False)
-        x2, launch = x, (x, x, x, ot, x, x, flags)
+        x2, tensors = x, (x, x, x, ot, x, x)
+        flags = dict(CAST=False, WRITE_T=True, AMAX=False, FMAX=0.0)
     else:
         if name == "cast_transpose":
             x, scale, o, ot = args
@@ -107,19 +107,24 @@ def _launch_args(name: str, args: tuple) -> Optional[tuple]:
         else:
             x, scale, used, amax, o, ot = args
         x2, o2 = _flat2d(x), _flat2d(o)
-        scalars = [t for t in (scale, used, amax) if t is not None]
-        if (x2 is None or o2 is None or o2.shape != x2.shape or scale.numel() != 1
-                or any(t.dtype != torch.float32 or t.numel() != 1 for t in scalars)):
+        pairs = (scale, used) if amax is not None else ()
+        if (x2 is None or o2 is None or o2.shape != x2.shape
+                or any(t.dtype != torch.float32 for t in (scale, used, amax) if t is not None)
+                or (scale.numel() != 1 if amax is None else amax.numel() != 1)
+                or any(t.shape != PAIR or not t.is_contiguous() for t in pairs)):
             return None
         if ot is not None and (x.dim() != 2 or not ot.is_contiguous() or ot.shape != x.shape[::-1]):
             return None
-        scale = scale.reshape(())
-        launch = (x2, scale, o2, ot if ot is not None else o2, used if used is not None else scale,
-                  amax if amax is not None else scale,
-                  dict(CAST=True, WRITE_O=True, WRITE_T=ot is not None, AMAX=amax is not None))
+        scale = scale.reshape(()) if amax is None else scale
+        tensors = (x2, scale, o2, ot if ot is not None else o2,
+                   used if used is not None else scale, amax if amax is not None else scale)
+        flags = dict(CAST=True, WRITE_T=ot is not None, AMAX=amax is not None)
+        flags["FMAX"] = float(torch.finfo(o.dtype).max)
     if x2.numel() == 0 or -(-x2.shape[1] // BLOCK[1]) > MAX_GRID_Y:
         return None
-    return launch
+    (m, n), (bm, bn, warps) = x2.shape, BLOCK
+    return Launch("cast_t", tensors, (m, n), {**flags, "BM": bm, "BN": bn},
+                  (-(-m // bm), -(-n // bn)), warps)
 
 
 def run(name: str, args: tuple, capturing: bool) -> bool:
@@ -128,35 +133,31 @@ def run(name: str, args: tuple, capturing: bool) -> bool:
     (logged once), or, inside a CUDA-graph capture, a launch signature not compiled yet
     (a compile there could break the capture: the caller's kernels run instead, as
     `_run_compiled`'s do)."""
-    global _kernel
+    global _kernels
     if name in _broken:
         return False
-    launch = _launch_args(name, args)
+    launch = _launch(name, args)
     if launch is None:
         return False
-    x, scale, o, ot, used, amax, flags = launch
-    # what Triton compiles a variant for: dtypes, flags, each pointer's 16-byte alignment,
-    # each size's divisibility by 16 and whether it is 1, each pointer's dtype, the device
-    tensors = (x, scale, o, ot, used, amax)
-    signature = (x.dtype, o.dtype, tuple(flags.values()),
-                 tuple(t.data_ptr() % 16 == 0 for t in tensors),
-                 tuple((d % 16 == 0, d == 1) for d in x.shape),
-                 tuple(t.dtype for t in tensors), x.device)
+    t = launch.tensors
+    # what Triton compiles a variant for: the kernel, its flags, each pointer's dtype and
+    # 16-byte alignment, each size's divisibility by 16 and whether it is 1, the device
+    signature = (launch.kernel, tuple(launch.flags.items()), tuple(x.dtype for x in t),
+                 tuple(x.data_ptr() % 16 == 0 for x in t),
+                 tuple((d % 16 == 0, d == 1) for d in launch.sizes), t[0].device)
     if capturing and signature not in _seen:
         return False
     try:
-        if _kernel is None:
-            _kernel = _make()
-        m, n = x.shape
-        bm, bn, warps = BLOCK
-        fmax = float(torch.finfo(o.dtype).max) if flags["CAST"] else 0.0
-        grid = ((m + bm - 1) // bm, (n + bn - 1) // bn)
-        _kernel[grid](x, scale, o, ot, used, amax, m, n, FMAX=fmax, BM=bm, BN=bn,
-                      num_warps=warps, **flags)
+        if _kernels is None:
+            _kernels = _make()
+        if name == "amax":
+            t[1].zero_()  # the atomic max's start (|x| >= 0)
+        _kernels[launch.kernel][launch.grid](*t, *launch.sizes, num_warps=launch.warps,
+                                            **launch.flags)
     except Exception as exc:  # noqa: BLE001  (no Triton, or it failed: the caller's kernels run)
         if capturing:
             raise
-        _broken.update(KERNELS if _kernel is None else (name,))  # no Triton here: none runs
+        _broken.update(KERNELS if _kernels is None else (name,))  # no Triton here: none runs
         log.warning("megatron_overlap: FP8 %s runs as compiled kernels: its Triton kernel "
                     "failed (%s: %s)", name, type(exc).__name__, exc)
         return False

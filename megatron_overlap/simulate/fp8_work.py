@@ -1,6 +1,6 @@
 """The memory-bound FP8 work of a pass around its GEMM, as the layers run it
 (layers/fp8.py, layers/functions.py, overlap/fp8.py): amaxes, scales, casts, transposed
-copies and the scaled GEMMs' reciprocal scales, in bytes read + written and kernels. A
+copies and the row-wise GEMMs' reciprocal scales, in bytes read + written and kernels. A
 pass's GEMM and transfers are the schedules'; this is the rest, which an FP8 pass pays
 and a bf16 pass does not, on the GEMMs' stream before or after them.
 
@@ -16,23 +16,24 @@ nothing, which this table does not model):
 | wgrad | a transposed copy of the gathered input [T, K] (fp8_wgrad), the product added into main_grad | a transposed copy of the gathered gradient [T, N]; without fp8_wgrad the gathered gradient dequantized |
 
 - Tensorwise (`quantize`): the amax read (the TP group's, a gathered tensor's: one more
-  kernel over the group's amaxes), one compiled scale kernel, one cast kernel; each
-  pass's scaled GEMM takes two reciprocal scales. A tensor that an FP8 GEMM reads
+  kernel over the group's amaxes), one compiled scale kernel (which writes the scale's
+  inverse too: the scaled GEMM launches nothing of its own), one cast kernel. A tensor
+  that an FP8 GEMM reads
   transposed and that is not gathered (the weight, for the dgrad; with fp8_wgrad a row
   layer's input and a column layer's gradient, for the wgrad) is cast into both layouts
   by one kernel (`quantize(..., out_t=)`: overlap/fp8_kernels.py's cast-transpose, the
   wide tensor read once); a gathered one is transposed in the wgrad (a `transpose` of its
   FP8 values).
 - Delayed (`delayed_quantize`): the amax scalar zeroed, then one kernel that casts with
-  the history's scale, reduces the amax and copies the scale for the GEMMs (and writes
+  the history's scale, reduces the amax and copies the scale pair for the GEMMs (and writes
   the transposed layout where the tensorwise cast would): the wide tensor read once, no
   scale kernel, no exchange before a gather. At the end of the pass the amaxes it took
   (`DELAYED_AMAXES`: the input's and the weight's place; the gradient's) are exchanged
   over the TP group, the max over the group's taken (one kernel, TP > 1), and each
   quantized tensor's history updated (one compiled kernel each). The histories' bytes (8
   a kept amax) are left out with the scalars.
-- torch's amax reduction counts as one kernel; on a GPU it also launches a memset
-  (tensorwise).
+- The amax counts as one kernel; on a GPU it also launches a memset (tensorwise: the
+  Triton amax's scalar zeroed, as torch's reduction also does).
 - Row-wise: the amax along each row (torchao: |x| written, then reduced) and eight small
   kernels on the [rows, 1] scales (power-of-two rounding), the cast eagerly (upcast,
   multiply, clamp, cast, copy: `EAGER_CAST` bytes an element beyond p), the scales copied
@@ -61,7 +62,6 @@ from .hardware import Hardware
 TENSORWISE_KERNELS = 3  # amax, scale (one compiled kernel: overlap.fp8.scale_for), cast
 DELAYED_KERNELS = 2  # the amax zeroed, the cast reducing it (overlap/fp8_kernels.py)
 DELAYED_AMAXES = {"fprop": 2, "dgrad": 1}  # a pass's amaxes exchanged at its end (delayed)
-RECIPROCALS = 2  # a tensorwise scaled GEMM's inverse scales (overlap.fp8.ScaledGemm)
 ROW_SCALE_KERNELS = 10  # |x|, its amax along the row, eight on the [rows, 1] scales
 ROW_SCALE_BYTES = 100  # bytes per row of those eight and of the amax's output
 EAGER_CAST = (5, 27)  # kernels; bytes an element beyond p: fp32 upcast, multiply, clamp, cast, copy
@@ -145,7 +145,7 @@ def pass_work(pass_name: str, column: bool, tokens: int, tp: int, k: int, n: int
     adds into an fp32 main_grad; `weight_cached`: the per-tensor FP8 weight is made once
     per step (else at every forward)."""
     rowwise, delayed = scaling == "rowwise", scaling == "delayed"
-    gemm = Work(0, 1 + gemm_calls) if rowwise else Work(0, RECIPROCALS)
+    gemm = Work(0, 1 + gemm_calls) if rowwise else Work()  # (per tensor: scale pairs)
     # tensorwise: the max over the group's amaxes of a tensor gathered, before its cast
     shared = Work(0, int(scaling == "tensorwise" and tp > 1 and gathered(pass_name, column)))
     cached = weight_cached and not rowwise

@@ -1,5 +1,7 @@
 """FP8 on one GPU, one process: the fused cast (`overlap.fp8._fused_cast`, torch.compile of
-the one definition) gives the bits eager torchao gives, the one-pass amax torchao's amax,
+the one definition) gives the bits eager torchao gives, the amax (a Triton kernel where
+the tensor is contiguous, else torch's one-pass reduction) torchao's amax, the scale pair
+torchao's scale and fp32's reciprocal of it,
 the Triton transpose torch's copy, the cast with its transposed copy one Triton kernel
 (overlap/fp8_kernels.py) with eager's bits, delayed scaling's cast with its amax too,
 every kernel compiled however many there are;
@@ -42,6 +44,11 @@ def test_fused_cast_equals_eager_bit_for_bit(dtype, fp8):
 
 
 @pytest.mark.parametrize("shape", [(1024, 8192), (8192, 1280), (1000, 272), (16, 16)])
+def _transposes(sig) -> bool:
+    """Whether a launch signature (overlap/fp8_kernels.py's `run`) is a transpose's."""
+    return sig[0] == "cast_t" and not dict(sig[1])["CAST"]
+
+
 def test_transpose_equals_torchs_copy(shape):
     """`transposed` (the FP8 GEMMs' layouts) as one kernel: the bytes torch's strided copy
     gives, for a contiguous input (the Triton kernel) and a transposed view (which it does
@@ -51,7 +58,7 @@ def test_transpose_equals_torchs_copy(shape):
     from megatron_overlap.overlap import fp8_kernels as k
 
     t = (torch.randn(*shape, device="cuda") * 100).to(torch.float8_e4m3fn)
-    k._seen -= {sig for sig in k._seen if sig[2] == (False, False, True, False)}  # this test's own
+    k._seen -= {sig for sig in k._seen if _transposes(sig)}  # this test's own
     for src in (t, t.t()):
         want = src.t().contiguous().view(torch.uint8)
         got = f.transposed(src)
@@ -63,7 +70,7 @@ def test_transpose_equals_torchs_copy(shape):
         finally:
             f.set_fused(before)
     assert f._compiled.get(("transpose",)) is not None, f._compiled
-    assert any(sig[2] == (False, False, True, False) for sig in k._seen), k._seen  # Triton's ran
+    assert any(_transposes(sig) for sig in k._seen), k._seen  # Triton's ran
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -125,7 +132,7 @@ def test_every_compiled_kernel_stays_compiled_past_dynamos_recompile_limit():
                 f.quantize(x, s, dt, out_t=torch.empty(x.shape[::-1], dtype=dt, device="cuda"))
                 for _ in range(2):
                     st = next(states)
-                    used, a = torch.empty((), device="cuda"), torch.empty(1, device="cuda")
+                    used, a = f.scale_pair("cuda"), torch.empty(1, device="cuda")
                     f.delayed_quantize(x, st, dt, used, a[0])
                     f.update_scale(st, a[0], dt, 0, "max")
     every_key()
@@ -136,9 +143,9 @@ def test_every_compiled_kernel_stays_compiled_past_dynamos_recompile_limit():
         every_key()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    eager = [n for n in names if not n.startswith(("triton_", "cast_t")) and "reduce_kernel" not in n
+    eager = [n for n in names if not n.startswith(("triton_", "cast_t", "fp8_amax"))
              and "Memset" not in n and "Memcpy" not in n and "FillFunctor" not in n]
-    # (amax: torch's one-pass reduction; delayed's amax zeroed: a fill; empties: no kernel)
+    # (an amax's scalar zeroed: a fill; empties: no kernel)
     assert not eager, eager
 
 
@@ -212,8 +219,9 @@ def test_compiled_kernels_never_compile_inside_a_capture():
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
 def test_compiled_scale_equals_torchaos(fp8):
-    """`scale_for` as one compiled kernel: torchao's `amax_to_scale` bits (it computes in
-    fp64 so that compiled and eager agree), from zero and subnormal amaxes to huge ones."""
+    """`scale_for` as one compiled kernel: the pair of torchao's `amax_to_scale` bits (it
+    computes in fp64 so that compiled and eager agree) and fp32's reciprocal of them (what
+    a scaled GEMM took before the pairs), from zero and subnormal amaxes to huge ones."""
     pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
     from torchao.float8.float8_utils import amax_to_scale
 
@@ -222,11 +230,12 @@ def test_compiled_scale_equals_torchaos(fp8):
     g = torch.Generator().manual_seed(11)
     vals = torch.cat([torch.tensor([0.0, 1e-30, 1e-12, 448.0, 57344.0, 1e30]),
                       torch.rand(300, generator=g) * 10.0 ** torch.randint(-8, 8, (300,), generator=g)])
-    out = torch.empty((), device="cuda")
+    out = f.scale_pair("cuda")
     for v in vals.cuda():
         v = v.clone()  # a fresh scalar, as an amax is (not a view into the vector)
         assert f.scale_for(v, fp8, out=out) is out
-        assert torch.equal(out, amax_to_scale(v, fp8)), v
+        want = amax_to_scale(v, fp8)
+        assert torch.equal(out, torch.stack((want, want.reciprocal()))), (v, out)
     assert f._compiled.get(("scale", fp8)) is not None, f._compiled
 
 
@@ -256,7 +265,7 @@ def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
         try:
             st, outs = f.AmaxHistory(2, torch.device("cuda")), []
             for x in xs:
-                used, a = torch.empty((), device="cuda"), torch.empty(1, device="cuda")
+                used, a = f.scale_pair("cuda"), torch.empty(1, device="cuda")
                 out_t = torch.empty(x.shape[::-1], dtype=fp8, device="cuda") if col else None
                 out = f.delayed_quantize(x, st, fp8, used, a[0], out_t=out_t)
                 f.update_scale(st, a[0], fp8, 1, "max")
@@ -273,7 +282,7 @@ def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
                 and torch.equal(a.nan_to_num(), b.nan_to_num())), (step, i, a, b)
     assert runs[True][2][2].isnan().all()  # the NaN's amax
     assert f._compiled.get(("delayed_update", "max", fp8, 1, 2)) is not None, f._compiled
-    used, a = torch.empty((), device="cuda"), torch.empty(1, device="cuda")
+    used, a = f.scale_pair("cuda"), torch.empty(1, device="cuda")
     out_t = torch.empty(xs[0].shape[::-1], dtype=fp8, device="cuda") if col else None
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -282,3 +291,43 @@ def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     print(f"delayed cast {dtype} -> {fp8}, col={col}: {len(kernels)} kernels {kernels}")
     assert len(kernels) == 2 and kernels[1].startswith("cast_t"), kernels  # the zeroing, the cast
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_amax_kernel_equals_torchs_reduction(dtype):
+    """`amax` on a contiguous tensor: the 'amax' Triton kernel (the scalar zeroed, then one
+    kernel), torch's reduction's bits on sizes that fill its blocks and sizes that do not,
+    1-, 2- and 3-D, all zeros, negative maxima, inf; a NaN anywhere, of either sign, makes
+    it NaN; a transposed view runs torch's reduction."""
+    pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_overlap.overlap import fp8 as f
+
+    g = torch.Generator().manual_seed(13)
+    cases = [torch.randn(n, generator=g) * 7 for n in (1, 17, 8192, 8193, 3 * 8192 - 5)]
+    cases += [torch.randn(1000, 257, generator=g) - 9, torch.zeros(64, 48),
+              torch.randn(4, 33, 96, generator=g)]
+    cases[-3][500, 3] = -1e4  # the largest |x| negative
+    inf = torch.randn(8200, generator=g)
+    inf[8199] = float("-inf")  # in the last block's tail
+    cases.append(inf)
+    for x in cases:
+        x = x.to(dtype).cuda()
+        want = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+        assert torch.equal(f.amax(x), want), (x.shape, f.amax(x), want)
+        if x.dim() == 2:
+            assert torch.equal(f.amax(x.t()), want)  # (not contiguous: torch's reduction)
+    for sign in (1.0, -1.0):
+        x = torch.randn(3000, 64, generator=g).to(dtype).cuda()
+        x[2999, 63] = sign * float("nan")
+        assert f.amax(x).isnan(), sign
+    x = torch.randn(4096, 1024, generator=g).to(dtype).cuda()
+    f.amax(x)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        a = f.amax(x)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert len(kernels) == 2 and kernels[1].startswith("fp8_amax"), kernels  # zeroed, reduced
+    assert torch.equal(a, x.float().abs().max())

@@ -193,7 +193,7 @@ def fp8_trial_passes_match_reference(rank: int, world: int) -> list[dict]:
         for trial in trials(shape, layout, rs_dgrad=True):
             timed = trial_pass(trial, tp, "cpu", torch.float32, precision=p8)
             t, p = timed.tensors, trial.spec.pass_name
-            sf, sg = t["scale_fwd"], t["scale_grad"]
+            sf, sg = t["scale_fwd"][0], t["scale_grad"][0]  # (scale pairs: the values)
             w8 = t["weight"]
             returned = timed.run()
             every = lambda v: [v] if world == 1 else _gather(v[None]).unbind(0)  # noqa: E731

@@ -1,0 +1,57 @@
+"""The Triton kernels of overlap/fp8_kernels.py (which says what each computes, launches
+them and decides where they run). Imported only there, at the first launch: this module
+imports Triton, which the runtime does not need."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def max_nan(a, b):
+    """max that keeps a NaN (tl.maximum's default drops it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def amax_into(x, amax_ptr):
+    """max |x| of a block into the float32 at amax_ptr: an integer max of the bits, the
+    sign bit cleared (NaN, above inf, wins whatever its sign)."""
+    top = tl.reduce(tl.abs(x), None, max_nan).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), top)
+
+
+@triton.jit  # (m, n specialized as Triton does: 16-divisible rows vectorize its accesses)
+def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, FMAX: tl.constexpr,
+           CAST: tl.constexpr, WRITE_T: tl.constexpr, AMAX: tl.constexpr,
+           BM: tl.constexpr, BN: tl.constexpr):
+    """One [BM, BN] tile of x [m, n]: with CAST, saturate(fp32(x) * scale) into o and,
+    with WRITE_T, transposed into ot; with AMAX (s_ptr a scale pair) max |x| into amax
+    and the pair into used; without CAST, x's bytes transposed into ot."""
+    pm, pn = tl.program_id(0), tl.program_id(1)
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < m) & (rn[None, :] < n)
+    offs = rm[:, None].to(tl.int64) * n + rn[None, :]
+    if CAST:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(s_ptr)
+        y = tl.maximum(x * s, -FMAX, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.minimum(y, FMAX, propagate_nan=tl.PropagateNan.ALL).to(o_ptr.dtype.element_ty)
+        tl.store(o_ptr + offs, q, mask=mask)
+        if AMAX:
+            amax_into(x, amax_ptr)
+            if (pm == 0) & (pn == 0):
+                pair = tl.arange(0, 2)
+                tl.store(used_ptr + pair, tl.load(s_ptr + pair))
+    else:
+        q = tl.load(x_ptr + offs, mask=mask)
+    if WRITE_T:
+        offs_t = rn[:, None].to(tl.int64) * m + rm[None, :]
+        tl.store(ot_ptr + offs_t, tl.trans(q), mask=tl.trans(mask))
+
+
+@triton.jit  # (n specialized as Triton does)
+def fp8_amax(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
+    """max |x| of BLOCK elements of flat x [n] into the float32 at amax_ptr."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    amax_into(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32), amax_ptr)
