@@ -117,3 +117,15 @@ def test_a_pass_the_plan_leaves_plain_is_named_for_its_layer():
     assert column.op_name("wgrad") == column.wgrad.name == "qkv_wgrad"
     row = plan(flags(), "proj", "row", sp=False)
     assert row.dgrad is None and row.op_name("dgrad") == "proj_dgrad"
+
+
+def test_aggregate_on_an_odd_tp_size_is_refused_at_build():
+    """`aggregate` pairs a ring's ranks (overlap.ring_steps): an odd TP size is refused
+    naming the layer, the pass and the fix; an even one builds."""
+    agg = OverlapConfig.load({"qkv_fprop": {"method": "ring_exchange", "aggregate": 1},
+                              "proj_dgrad": {"method": "ring_exchange", "aggregate": 1}})
+    for buf, kind, name in (("qkv", "column", "qkv_fprop"), ("proj", "row", "proj_dgrad")):
+        with pytest.raises(ValueError, match=f"{name} has aggregate=1.*TP size is 3.*aggregate: 0"):
+            plan(flags(tensor_model_parallel_size=3), buf, kind, settings=agg)
+        p = plan(flags(tensor_model_parallel_size=4), buf, kind, settings=agg)
+        assert (p.fprop if kind == "column" else p.dgrad).aggregate

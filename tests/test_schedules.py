@@ -75,7 +75,7 @@ def _expected_ring_ag(steps):
     for i, blocks in enumerate(steps):
         if i + 1 < len(steps):
             ev.append(("start", i + 1))
-        ev += [("gemm", i)] * len(blocks)
+        ev.append(("gemm", i))  # one GEMM a step, over its adjacent blocks
         if i + 1 < len(steps):
             ev.append(("wait", i + 1))
     return ev

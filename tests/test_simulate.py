@@ -80,7 +80,8 @@ def test_slow_links_are_comm_bound_with_the_gemm_hidden():
 
 
 def test_aggregate_halves_the_latency_bound_steps():
-    """Tiny blocks, large latency: both ring directions take W/2 steps instead of W-1."""
+    """Tiny blocks, large latency: pairs take W/2 transfers (the partner's block, then
+    W/2 - 1 pairs) instead of W-1."""
     hw = HW.replace(nvlink_latency_us=500.0)
     lay, gemm = Layout(tp=8), GemmModel(hw)
     shape = dataclasses.replace(QKV8, m=64, k=64, n=64)
@@ -339,11 +340,19 @@ def test_ring_steps_and_node_pairing_are_what_the_model_assumes():
 
     for world in range(1, 10):
         for rank in range(world):
-            one, both = ring_steps(rank, world, False), ring_steps(rank, world, True)
-            for steps in (one, both):
+            one = ring_steps(rank, world, False)
+            both = ring_steps(rank, world, True) if world <= 2 or world % 2 == 0 else None
+            for steps in (one, both) if both else (one,):
                 assert sorted(b for s in steps for b in s) == list(range(world))
                 assert steps[0] == [rank]
-            assert len(one) == world and len(both) == world // 2 + 1
+                assert all(s == list(range(s[0], s[0] + len(s))) for s in steps)  # adjacent
+            assert len(one) == world
+            if both:
+                assert len(both) == world // 2 + 1 if world > 1 else len(both) == 1
+                assert [len(s) for s in both] == [1] * min(world, 2) + [2] * (len(both) - 2)
+            else:
+                with pytest.raises(ValueError, match="odd"):
+                    ring_steps(rank, world, True)
         for node in range(world):
             assert sorted(partners(node, world)) == [n for n in range(world) if n != node]
         for r in range(max(world - 1 + world % 2, 0)):  # mutual in every round
@@ -706,3 +715,28 @@ def test_cli_host_time_flag(tmp_path, capsys):
     assert "do not overlap" in printed and "measured through the public layers" in printed
     assert main(["simulate", "--shapes", "70B_tp8_qkv", "--tp", "8", "--host-time",
                  str(tmp_path / "missing.json")]) == 2
+
+
+@pytest.mark.parametrize("aggregate", [False, True])
+def test_ring_moves_deliver_each_step_s_blocks_from_peers_holding_them(aggregate):
+    """What every rank sends at each transfer is what its peer receives from it there, the
+    sender held it at the step before, and after it every block of the next step is in:
+    the orders `ring_exchange` runs, for every rank of even worlds up to 16."""
+    from megatron_overlap.overlap.ag_gemm import ring_moves
+
+    for world in range(2, 17, 2):
+        steps = [ring_steps(r, world, aggregate) for r in range(world)]
+        moves = [ring_moves(r, world, aggregate) for r in range(world)]
+        held = [set(steps[r][0]) for r in range(world)]
+        for i in range(len(steps[0]) - 1):
+            for r in range(world):
+                sends, recvs = moves[r][i]
+                for blocks, peer in sends:
+                    assert set(blocks) <= held[r] and blocks == sorted(blocks)
+                    assert (blocks, r) in moves[peer][i][1], (world, r, i)
+                for blocks, peer in recvs:
+                    assert (blocks, r) in moves[peer][i][0], (world, r, i)
+            for r in range(world):
+                held[r] |= {b for blocks, _ in moves[r][i][1] for b in blocks}
+                assert set(steps[r][i + 1]) <= held[r], (world, r, i)
+        assert all(h == set(range(world)) for h in held)

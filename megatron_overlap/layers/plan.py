@@ -106,6 +106,17 @@ def _effects(s: LayerSettings, backends: Sequence[str]) -> dict[str, str]:
     return {k: next((e[k] for e in each if e[k] != "active"), "active") for k in each[0]}
 
 
+def _check_pairs(label: str, s: LayerSettings | None, config: Any) -> None:
+    """A ring all-gather with `aggregate` pairs the ranks (`overlap.ring_steps`): refused
+    at build for an odd TP size, before any transfer."""
+    tp = getattr(config, "tensor_model_parallel_size", 1)
+    if s is not None and s.method == "ring_exchange" and s.aggregate and tp % 2:
+        raise ValueError(
+            f"megatron_overlap: layer {label}: {s.name} has aggregate=1, which pairs the "
+            f"ranks of its ring, but the TP size is {tp} (odd). Set aggregate: 0 for "
+            f"{s.name}.")
+
+
 def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_parallel: bool,
                is_expert: bool, settings: OverlapConfig, rs_dgrad_settings: OverlapConfig,
                layer: str | None = None) -> LayerPlan:
@@ -148,9 +159,11 @@ def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_para
         if not sp:
             notes.append("no sequence parallelism: fprop has no communication; "
                          "wgrad hides the dgrad all-reduce")
+        _check_pairs(label, fprop, config)
         return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, rs_dgrad, tuple(notes), buffer_name)
     fprop = get(settings, "fprop") if flag("tp_comm_overlap_rs", True) else None
     dgrad = get(settings, "dgrad") if sp and flag("tp_comm_overlap_ag", True) else None
+    _check_pairs(label, dgrad, config)
     if not sp:
         notes.append("no sequence parallelism: fprop reduces with chunked all-reduces "
                      "(pipeline); the backward has no communication")

@@ -18,53 +18,73 @@ from .streams import ChunkStreams, plain
 
 
 def ring_steps(rank: int, world: int, aggregate: bool) -> list[list[int]]:
-    """The row blocks a rank multiplies at each ring step.
+    """The row blocks a rank multiplies at each ring step: one GEMM a step (a step's
+    blocks are adjacent rows).
 
-    One direction: step s holds block (rank - s); every block but the own one
-    arrives from the left neighbour one step after that neighbour used it.
-    `aggregate`: both directions at once, (rank - s) from the left and
-    (rank + s) from the right, so two blocks per step and half the steps.
-    """
-    if not aggregate:
+    One direction: step s holds block (rank - s); every block but the own one arrives
+    from the left neighbour one step after that neighbour used it. `aggregate`
+    (Transformer Engine's): the own block, then the pair partner's (rank ^ 1,
+    exchanged meanwhile), then whole pairs [2q, 2q + 1], q = rank // 2 - s, each from
+    rank - 2, which used it the step before: world / 2 + 1 GEMMs, all but the first two
+    of twice the rows (which fill the chip better), for the same bytes moved. An even
+    world only (pairs); world 2 is the plain ring."""
+    if not aggregate or world <= 2:
         return [[(rank - s) % world] for s in range(world)]
-    steps, seen = [], set()
-    for s in range(world // 2 + 1):
-        blocks = [b for b in dict.fromkeys([(rank - s) % world, (rank + s) % world]) if b not in seen]
-        seen.update(blocks)
-        if blocks:
-            steps.append(blocks)
-    return steps
+    if world % 2:
+        raise ValueError(f"aggregate pairs the ranks of a ring: TP size {world} is odd")
+    pair, pairs = rank // 2, world // 2
+    return [[rank], [rank ^ 1]] + [[2 * q, 2 * q + 1] for q in
+                                   ((pair - s) % pairs for s in range(1, pairs))]
+
+
+Moves = list[tuple[list[int], int]]  # (adjacent blocks, peer)
+
+
+def ring_moves(rank: int, world: int, aggregate: bool) -> list[tuple[Moves, Moves]]:
+    """Before each step but the first, what this rank sends and receives (blocks and
+    peer) so that the step's blocks have arrived: the blocks it held the step before go
+    on, as `ring_steps` says. The plain ring forwards to the right and receives from the
+    left; `aggregate` exchanges with its partner first, then forwards pairs to rank + 2
+    and receives from rank - 2."""
+    steps = ring_steps(rank, world, aggregate)
+    if not aggregate or world <= 2:
+        return [([(steps[s - 1], (rank + 1) % world)], [(steps[s], (rank - 1) % world)])
+                for s in range(1, world)]
+    own_pair = sorted(steps[0] + steps[1])
+    moves = [([(steps[0], rank ^ 1)], [(steps[1], rank ^ 1)])]
+    for s in range(2, len(steps)):
+        held = own_pair if s == 2 else steps[s - 1]
+        moves.append(([(held, (rank + 2) % world)], [(steps[s], (rank - 2) % world)]))
+    return moves
 
 
 def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
                   aggregate: bool = False, streams: ChunkStreams | None = None,
                   out: torch.Tensor | None = None, gemm: Gemm = matmul
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ring all-gather, one block per step, each block's GEMM run while the next
-    block is on the wire: start(i+1) -> gemm(i) -> wait(i+1), the wait enqueued on
-    the stream that runs gemm(i+1). Blocks land in a transport workspace
-    ([world * rows, k], valid until the transport's next pass), which is returned."""
+    """Ring all-gather, each step's GEMM run while the next step's blocks are on the
+    wire: start(i+1) -> gemm(i) -> wait(i+1), the wait enqueued on the stream that runs
+    gemm(i+1). Blocks land in a transport workspace ([world * rows, k], valid until the
+    transport's next pass), which is returned. `aggregate`: `ring_steps`' pairs."""
     world, rank, rows = tp.world_size, tp.rank, x.shape[0]
     gathered = tp.workspace((world * rows, x.shape[1]), x.dtype, x.device)
     out = x.new_empty(world * rows, w.shape[0], dtype=out_dtype(gemm, x)) if out is None else out
-    g_blocks, out_blocks, wt = gathered.split(rows), out.split(rows), w.t()  # views made once
-    g_blocks[rank].copy_(x)
-    steps = ring_steps(rank, world, aggregate)
+    wt = w.t()
+    gathered[rank * rows:(rank + 1) * rows].copy_(x)
+    steps, moves = ring_steps(rank, world, aggregate), ring_moves(rank, world, aggregate)
+
+    def of(t: torch.Tensor, blocks: list[int]) -> torch.Tensor:  # adjacent blocks' rows
+        return t[blocks[0] * rows:(blocks[-1] + 1) * rows]
     with streams or plain() as st:
         for i, blocks in enumerate(steps):
             handle = None
             if i + 1 < len(steps):
-                sends, recvs = [], []
-                for b in steps[i + 1]:  # what arrives next, and from which side
-                    from_left = b == (rank - i - 1) % world
-                    # The block this rank forwards in the same direction is the one it holds now.
-                    fwd = (rank - i) % world if from_left else (rank + i) % world
-                    sends.append((g_blocks[fwd], tp.right if from_left else tp.left))
-                    recvs.append((g_blocks[b], tp.left if from_left else tp.right))
-                handle = tp.exchange(sends, recvs, op=op, chunk=i + 1)
+                sends, recvs = moves[i]
+                handle = tp.exchange([(of(gathered, b), peer) for b, peer in sends],
+                                     [(of(gathered, b), peer) for b, peer in recvs],
+                                     op=op, chunk=i + 1)
             with st.chunk(i):
-                for b in blocks:
-                    gemm(g_blocks[b], wt, out_blocks[b], op=op, chunk=i)
+                gemm(of(gathered, blocks), wt, of(out, blocks), op=op, chunk=i)
             if handle is not None:
                 with st.chunk(i + 1):
                     handle.wait()

@@ -103,7 +103,7 @@ def _canonical(s: LayerSettings, layout: Layout) -> LayerSettings:
     """Keys the resolved schedule does not read put back to TE's default, so candidates
     that would run the same thing collapse into one."""
     schedule, default = schedule_of(s, layout), LayerSettings.default(s.name, s.method)
-    if schedule == "ag_hier":
+    if schedule == "ag_hier" or layout.tp <= 2 or layout.tp % 2:  # (pairs: an even TP > 2)
         s = dataclasses.replace(s, aggregate=default.aggregate)
     if schedule == "rs_hier" and s.method == "pipeline":
         s = dataclasses.replace(s, num_splits=default.num_splits)

@@ -18,8 +18,10 @@ from typing import Any
 # gemm_streams. 3: one-GPU (compute) results take each pass's monolithic GEMM (bulk and
 # external compute sides, baselines, chunked ratios) timed in that pass's operand layout
 # (fprop NT, dgrad NN, wgrad TN); version 2's timed every pass's in NT, and shared one timing
-# between passes of the same (m, k, n).
-KEY_VERSION = 4
+# between passes of the same (m, k, n). 5: `aggregate` runs Transformer Engine's pairs
+# (one GEMM of two adjacent blocks a step after the partner's) where it ran both ring
+# directions (two GEMMs of one block a step).
+KEY_VERSION = 5
 
 
 def cache_key(job: dict[str, Any], hardware: dict[str, Any]) -> str:
