@@ -174,3 +174,43 @@ def test_plan_rows_merge_what_each_link_honours():
     alone, = plan.rows(4, "symm")
     assert "num_sm" not in alone["no_effect"] and alone["ring_order"] == "-"
     assert "num_splits" not in alone["no_effect"]
+
+
+def test_per_peer_transport_orders_a_send_after_an_arrival_through_the_other_transport():
+    """A ring forwards what its last step received. Each transport orders its own
+    exchanges; where a send goes through one transport and the last exchange received
+    through the other (a flat ring at a node's edge; an aggregate ring's partner block sent
+    on to rank + 2 on another node), the current stream waits for that arrival before the
+    send starts, and not otherwise."""
+    from megatron_overlap.comm import transport as transport_mod
+
+    order = []
+
+    class Handle(transport_mod.Handle):
+        def __init__(self, name):
+            self.name = name
+
+        def wait(self):
+            order.append(("wait", self.name))
+
+    class Rec(_Recorder):
+        def _start_exchange(self, sends, recvs, op, chunk):
+            order.append(("start", self.name, chunk))
+            return Handle(f"{self.name}{chunk}")
+
+    topo = from_peers(1, [("a", None), ("b", None), ("a", None), ("b", None)])  # rank 1: node b
+    intra, inter = Rec("symm", 2, 0), Rec("torch_p2p", 4, 1)
+    tp = PerPeerTransport(topo, intra, (1, 3), inter)
+    t = torch.zeros(2)
+    tp.begin_pass("ring")
+    tp.exchange([(t, 2)], [(t, 3)], op="ring", chunk=1)  # sends via inter, receives via intra
+    tp.exchange([(t, 0)], [(t, 0)], op="ring", chunk=2)  # sends via inter: waits intra's 1 first
+    tp.exchange([(t, 0)], [(t, 2)], op="ring", chunk=3)  # inter only, after inter: no wait
+    tp.exchange([(t, 3)], [(t, 3)], op="ring", chunk=4)  # sends via intra: waits inter's 3 first
+    assert order == [("start", "torch_p2p", 1), ("start", "symm", 1), ("wait", "symm1"),
+                     ("start", "torch_p2p", 2), ("start", "torch_p2p", 3), ("wait", "torch_p2p3"),
+                     ("start", "symm", 4)], order
+    order.clear()
+    tp.begin_pass("next")  # a new pass forwards nothing of the last
+    tp.exchange([(t, 0)], [(t, 0)], op="next", chunk=1)
+    assert order == [("start", "torch_p2p", 1)]

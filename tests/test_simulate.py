@@ -198,6 +198,8 @@ def test_calibration_drives_gemm_times(tmp_path):
     gemm = GemmModel(HW, cal)
     assert gemm.mono_us(8192, 8192, 1280, "NT") == pytest.approx(300)
     assert gemm.chunk_us(8192, 8192, 1280, "NT", 8, "ag_ring") == pytest.approx(50)  # 1-stream row
+    # an aggregate ring's pair GEMM: the same measured ring, shared by rows
+    assert gemm.chunk_us(8192, 8192, 1280, "NT", 8, "ag_ring", rows=2048) == pytest.approx(100)
     assert cal.eager_step_us() == pytest.approx(100)
     # the fitted roofline reproduces the one measured shape, and is used for the others
     from megatron_overlap.simulate.gemm import roofline_us
@@ -740,3 +742,24 @@ def test_ring_moves_deliver_each_step_s_blocks_from_peers_holding_them(aggregate
                 held[r] |= {b for blocks, _ in moves[r][i][1] for b in blocks}
                 assert set(steps[r][i + 1]) <= held[r], (world, r, i)
         assert all(h == set(range(world)) for h in held)
+
+
+def test_an_aggregate_ring_is_modelled_with_the_gemms_it_runs():
+    """The cost model counts an aggregate ring's GEMM calls as `ring_steps` has them (5 at
+    TP=8: own, partner, three pairs), and its measured compute side, shared by rows, is
+    the same total as the plain ring's for the same measurement."""
+    from megatron_overlap.simulate.passes import gemm_calls
+
+    lay = Layout(tp=8)
+    assert gemm_calls(_spec(QKV8, "fprop"), _ring("qkv_fprop", aggregate=True), lay) == 5
+    assert gemm_calls(_spec(QKV8, "fprop"), _ring("qkv_fprop"), lay) == 8
+    assert gemm_calls(_spec(QKV8, "fprop"), _ring("qkv_fprop", aggregate=True), Layout(tp=2)) == 2
+    cal = Calibration()
+    m, k, n = _spec(QKV8, "fprop").gemm
+    ops = _spec(QKV8, "fprop").gemm_layout
+    cal.add((m, k, n, ops), 300.0, "ag_ring", 8, 400.0, 400.0, 0.0)
+    hw = HW.replace(nvlink_gbs=1e5, nvlink_latency_us=0.5, sm_copy_gbs=1e4)
+    gemm = GemmModel(hw, cal)
+    one = simulate_pass(_spec(QKV8, "fprop"), _ring("qkv_fprop"), hw, lay, gemm)
+    two = simulate_pass(_spec(QKV8, "fprop"), _ring("qkv_fprop", aggregate=True), hw, lay, gemm)
+    assert one.compute_only_us == pytest.approx(400) and two.compute_only_us == pytest.approx(400)

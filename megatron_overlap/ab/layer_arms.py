@@ -51,6 +51,8 @@ class Method:
             return "n/a"
         if self.aggregate and tp <= 2:
             return "aggregate changes nothing at TP <= 2"
+        if self.aggregate and tp % 2:
+            return f"aggregate pairs ranks: TP {tp} is odd"
         if self.method == "pipeline" and rows % max(self.splits, 1):
             return f"{rows} rows per rank do not split into {self.splits} chunks"
         return None

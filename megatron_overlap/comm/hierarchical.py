@@ -88,6 +88,7 @@ class PerPeerTransport(Transport):
                  inter: Transport):
         super().__init__(topo.rank, topo.world_size, inter.timeout)
         self.topology, self.intra, self.inter = topo, intra, inter
+        self._received: dict[str, Handle] = {}  # role -> the last exchange's, where it received
         domain = set(topo.domains[topo.domain[topo.rank]]) if intra is not None else set()
         # peer -> (role, transport, the peer's rank in that transport)
         local = {p: i for i, p in enumerate(intra_peers)}
@@ -137,6 +138,7 @@ class PerPeerTransport(Transport):
 
     def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
         self.check()
+        self._received = {}
         for t in self._parts():
             t.begin_pass(name, comm_priority)
 
@@ -153,10 +155,19 @@ class PerPeerTransport(Transport):
         for t, p in recvs:
             role, tp, local = self._route[p]
             parts.setdefault(role, (tp, [], []))[2].append((t, local))
-        handles = []
-        for tp, s, r in parts.values():
-            handles.append(tp.start_untraced("exchange", s, r, op, chunk))
-        return handles[0] if len(handles) == 1 else _All(handles)
+        # A send may forward what the previous exchange received (a ring's step). Each
+        # transport orders its own exchanges, not the other's: where this one sends through
+        # one transport what may have arrived through the other, the current stream (whose
+        # order the sending transport follows) waits for that arrival first.
+        for role, (_, s, _) in parts.items():
+            for other, h in self._received.items():
+                if s and other != role:
+                    h.wait()
+        handles = {role: tp.start_untraced("exchange", s, r, op, chunk)
+                   for role, (tp, s, r) in parts.items()}
+        self._received = {role: h for role, h in handles.items() if parts[role][2]}
+        out = list(handles.values())
+        return out[0] if len(out) == 1 else _All(out)
 
     def _start_all_gather(self, out, inp, op, chunk) -> Handle:
         return self.inter.start_untraced("all_gather", out, inp, op, chunk)

@@ -137,8 +137,9 @@ class Transport(abc.ABC):
     def exchange(self, sends: Sequence[Send], recvs: Sequence[SendRecv], *,
                  op: str, chunk: int) -> Handle:
         """Send each tensor to its peer and receive each buffer from its peer, at once
-        (one ring step; both ring directions when `aggregate` is on). Receive
-        buffers, and send destinations, are `workspace` tensors."""
+        (one ring step). Receive buffers, and send destinations, are `workspace`
+        tensors. A send may forward what the previous exchange received: each transport
+        orders an exchange after its previous ones."""
         self.check()
         full = [(s[0], s[1], s[2] if len(s) > 2 else s[0]) for s in sends]
         nbytes = sum(_nbytes(t) for t, _, _ in full)

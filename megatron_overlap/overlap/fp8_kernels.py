@@ -141,10 +141,11 @@ def run(name: str, args: tuple, capturing: bool) -> bool:
         return False
     t = launch.tensors
     # what Triton compiles a variant for: the kernel, its flags, each pointer's dtype and
-    # 16-byte alignment, each size's divisibility by 16 and whether it is 1, the device
+    # 16-byte alignment, each size's divisibility by 16, whether it is 1 and whether it
+    # needs 64 bits, the device
     signature = (launch.kernel, tuple(launch.flags.items()), tuple(x.dtype for x in t),
                  tuple(x.data_ptr() % 16 == 0 for x in t),
-                 tuple((d % 16 == 0, d == 1) for d in launch.sizes), t[0].device)
+                 tuple((d % 16 == 0, d == 1, d >= 2 ** 31) for d in launch.sizes), t[0].device)
     if capturing and signature not in _seen:
         return False
     try:

@@ -118,19 +118,21 @@ class GemmModel:
 
     def chunk_us(self, m: int, k: int, n: int, layout: str, chunks: int,
                  kind: str | None = None, sms: int | None = None, extra_us: float = 0.0,
-                 mode: str = "graph") -> float:
-        """One of `chunks` row chunks ([m/chunks, k] x [k, n]). `kind` names the measured
-        schedule (ag_ring, rs_ring, rs_pipeline) whose time, in launch `mode`, applies;
-        `extra_us`: device time that schedule's measurement holds besides its GEMMs
-        (the ring reduce-scatter's adds), taken out before dividing."""
-        rows, dims = m // chunks, (m, k, n, layout)
+                 mode: str = "graph", rows: int | None = None) -> float:
+        """One GEMM of a schedule of `chunks` row chunks, of `rows` rows (default m /
+        chunks: one chunk; an aggregate ring's pairs are two) of [m, k] x [k, n]. `kind`
+        names the measured schedule (ag_ring, rs_ring, rs_pipeline) whose time, in launch
+        `mode`, applies, shared by rows; `extra_us`: device time that schedule's
+        measurement holds besides its GEMMs (the ring reduce-scatter's adds), taken out
+        before sharing."""
+        rows, dims = m // chunks if rows is None else rows, (m, k, n, layout)
         if chunks == 1:
             return self.mono_us(m, k, n, layout, sms)
         measured = self.calibration.chunked_us(dims, kind, chunks, mode) if kind else None
         if measured is None and kind and mode == "eager":  # fall back to the graphed timing
             measured = self.calibration.chunked_us(dims, kind, chunks, "graph")
         if measured is not None:
-            base = max(measured - extra_us, 0.0) / chunks
+            base = max(measured - extra_us, 0.0) * rows / m
         elif dims in self._mono:  # measured whole, roofline ratio for the cut
             base = self._mono[dims] * self._roof(rows, k, n) / self._roof(m, k, n)
         else:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..config import LayerSettings
+from ..overlap import ring_steps
 from .fp8_work import DELAYED_AMAXES, PassWork, Work, batched, gathered, pass_work
 from .gemm import GemmModel
 from .numerics import dtype_name
@@ -246,6 +247,8 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
         if (kk, nn) != (k, n) or m % rows:
             raise ValueError(f"{spec.name}: the schedule ran a [{rows}, {kk}] x [{kk}, {nn}] GEMM, "
                              f"not a row chunk of the pass's [{m}, {k}] x [{k}, {n}]")
+        if run.schedule == "ag_ring" and run.aggregate:  # the ring's timing, shared by rows
+            return gemm.chunk_us(m, k, n, ops, chunks, kind, sms, extra, mode, rows=rows)
         return gemm.chunk_us(m, k, n, ops, m // rows, kind, sms, extra, mode)
 
     # bulk: two launches and no schedule loop, each what a collective launch costs the host
@@ -270,12 +273,14 @@ def baseline_us(spec: PassSpec, hw: Hardware, layout: Layout, gemm: GemmModel) -
 
 def gemm_calls(spec: PassSpec, s: LayerSettings | None, layout: Layout) -> int:
     """How many GEMM calls the pass's schedule issues: one per ring step (every rank's
-    block), one per pipeline chunk, else one."""
+    block; an aggregate ring's `ring_steps`), one per pipeline chunk, else one."""
     if s is None or spec.comm == "none" or layout.tp == 1:
         return 1
     schedule = schedule_of(s, layout)
     if schedule == "rs_pipeline":
         return s.splits(layout.tp)
+    if schedule == "ag_ring" and s.aggregate:
+        return len(ring_steps(0, layout.tp, layout.tp % 2 == 0))
     return layout.tp if schedule in ("ag_ring", "ag_hier", "rs_ring", "rs_hier") else 1
 
 
