@@ -204,16 +204,18 @@ class Ledger(TorchDispatchMode):
 COMPILED = {"cast": "fp8 cast", "transpose": "transpose", "scale": "elementwise",
             "delayed_cast": "fp8 cast", "delayed_update": "elementwise",
             "cast_transpose": "fp8 cast", "delayed_cast_amax": "fp8 cast",
-            "delayed_cast_amax_t": "fp8 cast", "amax": "reduction"}
+            "delayed_cast_amax_t": "fp8 cast", "amax": "reduction",
+            "current_cast": "fp8 cast", "current_cast_t": "fp8 cast"}
 # a kernel's trailing arguments it writes (else its last one): the delayed cast writes the
 # scale it used and the FP8 tensor (its amax is torch's reduction, recorded as such; the
 # amax kernel, like torch's, also launches the memset of its scalar, not recorded); the
 # cast-transpose both layouts; delayed scaling's cast with its amax the scale used, the
-# amax and the FP8 tensor (and its transpose); the update (arguments: history, amax, scale)
+# amax and the FP8 tensor (and its transpose); current scaling's cast the scale pair it
+# made and the FP8 tensor (and its transpose); the update (arguments: history, amax, scale)
 # is recorded writing its scale, its history's rewrite left out, as the cost model leaves
 # out the histories' bytes
 OUTPUTS = {"delayed_cast": 2, "cast_transpose": 2, "delayed_cast_amax": 3,
-           "delayed_cast_amax_t": 4}
+           "delayed_cast_amax_t": 4, "current_cast": 2, "current_cast_t": 3}
 
 
 @contextlib.contextmanager

@@ -4,7 +4,7 @@ every pass of the FP8 arm's first --probe-steps steps checked where it happens:
 1. every scaled GEMM against an fp32 product of the very FP8 operands and scales it was
    given (a wrong or partial GEMM, a scale misapplied, an `out=` not written: O(1); FP8
    products in bf16 are ~4e-3 off);
-2. every amax the TP group shares (`shared_amax`, the scale of a tensor that is gathered)
+2. every amax the TP group shares (`group_amaxes`' max, the scale of a tensor that is gathered)
    against an all-reduce(MAX) of the ranks' own amaxes (a peer's amax read early or from
    the wrong place: the gathered rows would carry two scales);
 3. every all-gather GEMM: the tensor it gathered, byte for byte, against the ranks' own
@@ -112,7 +112,7 @@ def install_checks(stats: Stats) -> dict:
     from megatron_overlap.overlap import matmul
 
     switch = {"on": False}
-    gemm_call, shared = fp8.ScaledGemm.__call__, fp8.shared_amax
+    gemm_call, shared = fp8.ScaledGemm.__call__, fp8.group_amaxes
     gather_mm, mm_scatter = functions.all_gather_matmul, functions.matmul_reduce_scatter
     all_gather, reduce_scatter, all_reduce = (Transport.all_gather, Transport.reduce_scatter,
                                               Transport.all_reduce)
@@ -125,13 +125,14 @@ def install_checks(stats: Stats) -> dict:
         return res
 
     def checked_amax(x, tp, op):
-        m = shared(x, tp, op)
+        every = shared(x, tp, op)
         if switch["on"]:
             true = _pg(fp8.amax(x).float().reshape(1))
             dist.all_reduce(true, op=dist.ReduceOp.MAX)
+            m = every.amax()
             _note(stats, f"{op}: |shared - true| / true",
                   abs(m.item() - true.item()) / max(true.item(), 1e-30))
-        return m
+        return every
 
     def checked_gather_mm(x, w, tp, method, **kw):
         out, gathered = gather_mm(x, w, tp, method, **kw)
@@ -178,7 +179,7 @@ def install_checks(stats: Stats) -> dict:
                                               fp8_train.rel_error(_pg(tensor), _summed(before))))
 
     fp8.ScaledGemm.__call__ = checked_gemm
-    fp8.shared_amax = layer_fp8.shared_amax = checked_amax
+    fp8.group_amaxes = layer_fp8.group_amaxes = checked_amax
     functions.all_gather_matmul, functions.matmul_reduce_scatter = checked_gather_mm, checked_mm_scatter
     Transport.all_gather, Transport.reduce_scatter = checked_all_gather, checked_reduce_scatter
     Transport.all_reduce = checked_all_reduce

@@ -27,10 +27,17 @@ class StandIn:
         self.name, self.launches = name, launches
 
     def __getitem__(self, grid):
-        def cast_t(x, s, o, ot, used, amax, m, n, *, FMAX, CAST, WRITE_T, AMAX, BM, BN,
-                   num_warps):
-            self.launches.append(dict(grid=grid, m=m, n=n, CAST=CAST, WRITE_T=WRITE_T, AMAX=AMAX))
+        def cast_t(x, s, o, ot, used, amax, m, n, na, *, FMAX, CAST, WRITE_T, AMAX, FROM_AMAX,
+                   NA, BM, BN, num_warps):
+            self.launches.append(dict(grid=grid, m=m, n=n, CAST=CAST, WRITE_T=WRITE_T, AMAX=AMAX,
+                                      FROM_AMAX=FROM_AMAX))
             assert (m, n) == tuple(x.shape) and grid == (-(-m // BM), -(-n // BN))
+            assert NA >= na and NA & (NA - 1) == 0  # a power of two holding the amaxes
+            if FROM_AMAX:  # s: the amaxes; the scale made from their max, written with its inverse
+                a = amax[:na].max().double().clamp(min=1e-12)
+                scale = (FMAX / a).float()
+                used.copy_(torch.stack((scale, (1 / scale.double()).float())))
+                s = scale
             if CAST:
                 q = (x.float() * s.reshape(-1)[0]).clamp(-FMAX, FMAX).to(o.dtype)
                 o.copy_(q)
@@ -102,6 +109,22 @@ def test_each_kernel_s_tensors_go_where_its_eager_definition_puts_them(kernel):
     assert [(d["CAST"], d["WRITE_T"], d["AMAX"]) for d in kernel.launches] == [
         (True, True, False), (True, False, True), (True, True, True), (True, False, True),
         (False, True, False)]
+    # current scaling: the scale made from the amax (the max of the group's), written as a
+    # pair, the cast, with and without the transpose
+    to_scale = f._ao().amax_to_scale
+    for amaxes in (f._amax_into(x, torch.empty(())).reshape(1), torch.tensor([3.0, 150.0, 7.0])):
+        for t in (False, True):
+            outs = [torch.zeros(2), torch.empty(100, 72, dtype=E4M3)]
+            refs = [torch.zeros(2), torch.empty(100, 72, dtype=E4M3)]
+            if t:
+                outs.append(torch.empty(72, 100, dtype=E4M3))
+                refs.append(torch.empty(72, 100, dtype=E4M3))
+            name = "current_cast_t" if t else "current_cast"
+            assert k.run(name, (x, amaxes, *outs), False)
+            f._current_cast_by(to_scale, saturate, E4M3, x, amaxes, *refs)
+            assert torch.equal(outs[0], refs[0]) and kernel.launches[-1]["FROM_AMAX"]
+            assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                       for a, b in zip(outs[1:], refs[1:]))
 
 
 def test_the_amax_kernel_is_torch_s_amax_from_zero(kernel):
@@ -138,6 +161,11 @@ def test_layouts_it_does_not_take_run_the_callers_kernels(kernel):
     wide = torch.zeros(1, k.MAX_GRID_Y * k.BLOCK[1] + 1, dtype=torch.bfloat16)  # too many tiles
     assert not k.run("delayed_cast_amax", (wide, pair, torch.zeros(2), torch.zeros(()),
                                            torch.empty(wide.shape, dtype=E4M3)), False)
+    # current: fp32 amaxes in a vector (a 0-d one is the caller's to flatten), a pair out
+    assert not k.run("current_cast", (x, torch.tensor(2.0), pair, o), False)
+    assert not k.run("current_cast", (x, torch.ones(2, dtype=torch.float64), pair, o), False)
+    assert not k.run("current_cast", (x, torch.ones(1), torch.ones(()), o), False)
+    assert not k.run("current_cast", (x, torch.ones(k.MAX_AMAXES + 1), pair, o), False)
     # the amax: contiguous floating-point values, something to read, a float32 scalar out
     assert not k.run("amax", (x.t(), torch.empty(())), False)
     assert not k.run("amax", (x[:0], torch.empty(())), False)
@@ -220,3 +248,9 @@ def test_quantize_on_cpu_never_reaches_the_kernels(kernel):
     f.delayed_quantize(x, st, E4M3, used, a)
     assert torch.equal(used, st.scale) and a == x.float().abs().max()
     assert f.amax(x) == a and not kernel.launches
+    group, pair = torch.stack((a * 2, a)), f.scale_pair("cpu")
+    got = f.quantize_current(x, group, E4M3, pair, out_t=out_t)
+    s = f.scale_for(a * 2, E4M3)
+    assert torch.equal(pair, s) and not kernel.launches  # the group's max, with its inverse
+    assert torch.equal(got.view(torch.uint8), f.quantize(x, s, E4M3).view(torch.uint8))
+    assert torch.equal(out_t.view(torch.uint8), got.view(torch.uint8).t())

@@ -122,7 +122,7 @@ def _others(rank, world):
     x = torch.randn(SEQ, BATCH, N // world, requires_grad=True)
 
     def run(layer, first=None, grad=True):
-        kept, casts, real = [], [], lf.quantize
+        kept, casts, real = [], [], lf.quantize_current  # (tensorwise's casts)
 
         def pack(t):
             kept.append(t)
@@ -133,13 +133,13 @@ def _others(rank, world):
             return real(t, *a, out_t=out_t, **k)
         if first is not None:
             layer.is_first_microbatch = first
-        lf.quantize = counting
+        lf.quantize_current = counting
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                     torch.set_grad_enabled(grad):
                 y, _ = layer(x)
         finally:
-            lf.quantize = real
+            lf.quantize_current = real
         if grad:
             y.sum().backward()
         return kept, casts

@@ -287,14 +287,16 @@ def test_layer_ledger_counts_what_the_fp8_layer_adds(tmp_path):
     assert fp8["transpose"]["launches"] == bf16["transpose"]["launches"] + 4
     casts = [o for o in row["ops"]["fp8"] if o["cls"] == "fp8 cast"]
     assert len(casts) == 12  # per linear: input and weight, then the grad
-    # each reads its bf16 tensor (2 bytes an element) and the scale, writes 1 byte: the
-    # gathered tensors' (the column inputs, the row gradients) in one layout, the 8 others
-    # in both (cast-transpose: 2 bytes)
-    one = [o for o in casts if o["name"] == "compiled cast"]
-    both = [o for o in casts if o["name"] == "compiled cast_transpose"]
+    # each reads its bf16 tensor (2 bytes an element) and its amaxes (the TP group's for
+    # the gathered tensors: the column inputs, the row gradients), writes its scale pair (8
+    # bytes) and 1 byte an element: the gathered tensors in one layout, the 8 others in
+    # both (cast-transpose: 2 bytes); no scale kernel of their own
+    one = [o for o in casts if o["name"] == "compiled current_cast"]
+    both = [o for o in casts if o["name"] == "compiled current_cast_t"]
     assert len(one) == 4 and len(both) == 8, casts
-    assert all(o["written"] == (o["read"] - 4) // 2 for o in one), one
-    assert all(o["written"] == o["read"] - 4 for o in both), both
+    assert all(o["written"] - 8 == (o["read"] - 4 * tp) // 2 for o in one), one
+    assert all(o["written"] - 8 == o["read"] - 4 for o in both), both
+    assert not [o for o in row["ops"]["fp8"] if o["name"] in ("compiled scale", "reciprocal")]
     assert "fp8's largest sites of the rest" in r.stdout
     assert fp8["comm"]["mib"] < bf16["comm"]["mib"]  # the gathers move FP8
 

@@ -17,21 +17,22 @@ STEPS, MICRO = 3, 3
 
 @contextlib.contextmanager
 def _weight_casts(weights):
-    """The casts of `weights` (layers.fp8.quantize's calls on them), counted while inside."""
+    """The casts of `weights` (layers.fp8.quantize_current's calls on them: the tensorwise
+    casts), counted while inside."""
     from megatron_overlap.layers import fp8 as lf
 
-    calls, real = [], lf.quantize
+    calls, real = [], lf.quantize_current
     ids = {id(w) for w in weights}
 
     def counting(x, *a, **k):
         if id(x) in ids:
             calls.append(id(x))
         return real(x, *a, **k)
-    lf.quantize = counting
+    lf.quantize_current = counting
     try:
         yield calls
     finally:
-        lf.quantize = real
+        lf.quantize_current = real
 
 
 def _schedule(rank, world):

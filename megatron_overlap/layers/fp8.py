@@ -39,9 +39,9 @@ import torch
 
 from ..comm.transport import Transport
 from ..overlap.fp8 import (TAIL, AmaxHistory, RowScaledGemm, ScaledGemm, amax,
-                           delayed_quantize, group_max, inverse, quantize, row_scales,
-                           rows_dequantized, rows_quantized, scale_for, scale_pair, scale_value,
-                           shared_amax, transposed, update_scale)
+                           delayed_quantize, group_amaxes, group_max, inverse, quantize,
+                           quantize_current, row_scales, rows_dequantized, rows_quantized,
+                           scale_pair, scale_value, transposed, update_scale)
 from .precision import Precision
 
 
@@ -59,10 +59,9 @@ def quantized(x: torch.Tensor, dtype: torch.dtype, tp: Optional[Transport] = Non
     """(x in FP8, its scale pair, and with `col` the same values column-major, written by
     the cast's kernel, else None); the amax is the TP group's when `tp` is given (a tensor the
     pass gathers: `op`'s amax exchange, named '<op>_amax')."""
-    a = shared_amax(x, tp, f"{op}_amax") if tp is not None else amax(x)
-    s = scale_for(a, dtype)
-    t = x.new_empty(x.shape[::-1], dtype=dtype) if col else None
-    return quantize(x, s, dtype, out_t=t), s, (None if t is None else t.t())
+    a = group_amaxes(x, tp, f"{op}_amax") if tp is not None else amax(x)
+    s, t = scale_pair(x.device), x.new_empty(x.shape[::-1], dtype=dtype) if col else None
+    return quantize_current(x, a, dtype, s, out_t=t), s, (None if t is None else t.t())
 
 
 class DelayedScales:
@@ -284,12 +283,11 @@ class Fp8Forward:
                 d.quantize("weight", weight, fwd, self.w_scale, self._amaxes[1], out=self.w8,
                            out_t=self.w8t)
             return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
-        a = shared_amax(x2, tp, f"{op}_amax") if gathered else amax(x2)
-        scale_for(a, fwd, out=self.x_scale)
-        quantize(x2, self.x_scale, fwd, out=self.x8, out_t=self.x8t)
+        a = group_amaxes(x2, tp, f"{op}_amax") if gathered else amax(x2)
+        quantize_current(x2, a, fwd, self.x_scale, out=self.x8, out_t=self.x8t)
         if self.quantize_weight:  # with the dgrad's layout (cached: made once per step)
-            scale_for(amax(weight), fwd, out=self.w_scale)
-            quantize(weight, self.w_scale, fwd, out=self.w8, out_t=self.w8t)
+            quantize_current(weight, amax(weight), fwd, self.w_scale, out=self.w8,
+                             out_t=self.w8t)
         return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
 
 

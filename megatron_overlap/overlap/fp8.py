@@ -82,10 +82,23 @@ def amax(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     return _amax_into(x, out)
 
 
+def group_amaxes(x: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
+    """Every rank's max |x| ([world], fp32), whose max is the amax of the tensor a gather
+    of `x` makes: one all-gather of a float per rank (`group_max` without its max, which
+    the current cast takes itself). Collective over the TP group, inside the caller's
+    transport pass."""
+    local = amax(x).reshape(1)
+    if tp.world_size == 1:
+        return local
+    every = local.new_empty(tp.world_size)
+    tp.all_gather(every, local, op=op).wait()
+    return every
+
+
 def shared_amax(x: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     """max |x| over every rank of `tp`: the amax of the tensor a gather of `x` makes.
     Collective over the TP group, inside the caller's transport pass."""
-    return group_max(amax(x).reshape(1), tp, op)[0]
+    return group_amaxes(x, tp, op).amax()
 
 
 def group_max(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
@@ -127,14 +140,15 @@ def scale_inverse(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_by(to_scale, dtype: torch.dtype, a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    s = to_scale(a, dtype)
+    s = to_scale(a.amax(), dtype)  # (a vector of amaxes: their max, NaN kept)
     return out.copy_(torch.stack((s, inverse(s))))
 
 
 def scale_for(a: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None
               ) -> torch.Tensor:
-    """The scale pair (`scale_pair`) whose scale maps amax `a` to `dtype`'s largest value
-    (torchao's `amax_to_scale`), into `out` when given. On a GPU one compiled kernel
+    """The scale pair (`scale_pair`) whose scale maps amax `a` (or the max of a vector of
+    amaxes) to `dtype`'s largest value (torchao's `amax_to_scale`), into `out` when given.
+    On a GPU one compiled kernel
     writes both where eagerly it is nine: torchao computes the scale in fp64 so that
     compiled and eager give the same bits (tests/gpu/test_fp8_cast_gpu.py), and so does
     `inverse`."""
@@ -144,7 +158,7 @@ def scale_for(a: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] =
         raise ValueError(f"scale_for: out is {tuple(out.shape)} {out.dtype}, not a scale pair "
                          f"(overlap.fp8.scale_pair)")
     fn = functools.partial(_scale_by, _ao().amax_to_scale, dtype)
-    if a.dim() == 0 and _run_compiled(("scale", dtype), fn, a, out):
+    if _run_compiled(("scale", dtype, a.dim()), fn, a, out):
         return out
     return fn(a, out)
 
@@ -302,6 +316,31 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     if out_t is not None:
         transposed(out, out=out_t)
     return out
+
+
+def _current_cast_by(to_scale, saturate, dtype: torch.dtype, x: torch.Tensor,
+                     amaxes: torch.Tensor, pair: torch.Tensor, out: torch.Tensor,
+                     out_t: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`scale_for` into `pair`, then `_cast_by` with it (and the values transposed into
+    `out_t`): what the 'current_cast' kernels write (overlap/fp8_kernels.py)."""
+    _scale_by(to_scale, dtype, amaxes, pair)
+    _cast_by(saturate, x, pair[0], out)
+    return out if out_t is None else out_t.copy_(out.t())
+
+
+def quantize_current(x: torch.Tensor, amaxes: torch.Tensor, dtype: torch.dtype,
+                     pair: torch.Tensor, out: Optional[torch.Tensor] = None,
+                     out_t: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Current scaling: `x` quantized with the scale its amax gives (`amaxes`: `amax(x)`,
+    or `group_amaxes`, whose max is taken), the scale pair written into `pair`; `out_t`
+    as `quantize`'s. On a GPU one Triton kernel ('current_cast') makes the scale and
+    casts; else `scale_for`, then `quantize`: the same bits."""
+    out = _fp8_out(x, dtype, out, out_t)
+    name, t = ("current_cast", ()) if out_t is None else ("current_cast_t", (out_t,))
+    fn = functools.partial(_current_cast_by, _ao().amax_to_scale, _ao().to_fp8_saturated, dtype)
+    if _run_compiled((name, x.dtype, dtype), fn, x, amaxes.reshape(-1), pair, out, *t):
+        return out
+    return quantize(x, scale_for(amaxes, dtype, out=pair), dtype, out=out, out_t=out_t)
 
 
 def _cast_t_by(saturate, x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,

@@ -8,6 +8,10 @@ compiled ones (`overlap.fp8._run_compiled`) move more bytes than they need:
   history's scale, which also reduces the tensor's amax (max |x|, atomically per tile,
   into a scalar zeroed before) and copies the scale pair used (`overlap.fp8.scale_pair`):
   the amax needs no pass of its own.
+- `current_cast` (`_t`: with the transposed copy): current scaling's cast, which makes
+  its scale from the tensor's amax (the TP group's amaxes' max, for a tensor gathered)
+  and writes the scale pair (`overlap.fp8.scale_pair`) beside it: no kernel of its own
+  for the scale, nor for the group's max.
 - `transpose`: 1-byte values transposed. Inductor's kernel moved them at ~1.3 TB/s on an
   H100 (its fp8 layers' transposes), this one at ~2.9 TB/s.
 - `amax`: current scaling's max |x|, the same atomic reduction over tiles as the delayed
@@ -36,7 +40,8 @@ import torch
 
 log = logging.getLogger("megatron_overlap")
 
-KERNELS = ("cast_transpose", "delayed_cast_amax", "delayed_cast_amax_t", "transpose", "amax")
+KERNELS = ("cast_transpose", "current_cast", "current_cast_t", "delayed_cast_amax",
+           "delayed_cast_amax_t", "transpose", "amax")
 BLOCK = (64, 128, 4)  # rows, columns, warps of a tile: the probe's best over a layer's tensors
 AMAX_BLOCK = (8192, 8)  # elements, warps of an amax program
 _kernels: Optional[dict] = None  # the Triton kernels by name, made at the first call
@@ -59,6 +64,12 @@ def _flat2d(t: torch.Tensor) -> Optional[torch.Tensor]:
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (the tiles across the columns)
 PAIR = (2,)  # a scale pair's shape: [scale, 1 / scale]
+MAX_AMAXES = 1024  # the most amaxes (a TP group's) a current cast reduces for its scale
+
+
+def triton_pow2(n: int) -> int:
+    """The power of two >= n (a Triton block's length)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 @dataclass(frozen=True)
@@ -87,8 +98,9 @@ def _launch(name: str, args: tuple) -> Optional[Launch]:
     """The launch that runs kernel `name` on `args`, or None where it does not run these
     tensors: a layout or shape it does not take (each output exactly the input's shape,
     or its transpose's), a scale per row, scalars not float32 (a cast's scale one value,
-    delayed's scale and the one it copies out pairs), no elements, more column tiles than
-    a grid holds."""
+    delayed's scale and the one it copies out pairs, a current cast's amaxes a vector of
+    at most MAX_AMAXES and its scale out a pair), no elements, more column tiles than a
+    grid holds."""
     if name == "amax":
         return _amax_launch(args)
     if name == "transpose":
@@ -97,7 +109,19 @@ def _launch(name: str, args: tuple) -> Optional[Launch]:
                 or ot.shape != x.shape[::-1]):
             return None
         x2, tensors = x, (x, x, x, ot, x, x)
-        flags = dict(CAST=False, WRITE_T=True, AMAX=False, FMAX=0.0)
+        flags, na = dict(CAST=False, WRITE_T=True, AMAX=False, FROM_AMAX=False, FMAX=0.0), 1
+    elif name.startswith("current_cast"):
+        (x, amaxes, pair, o), ot = args[:4], (args[4] if len(args) > 4 else None)
+        x2, o2, na = _flat2d(x), _flat2d(o), amaxes.numel()
+        if (x2 is None or o2 is None or o2.shape != x2.shape or amaxes.dtype != torch.float32
+                or pair.dtype != torch.float32 or pair.shape != PAIR or not pair.is_contiguous()
+                or amaxes.dim() != 1 or not amaxes.is_contiguous() or not 0 < na <= MAX_AMAXES):
+            return None
+        if ot is not None and (x.dim() != 2 or not ot.is_contiguous() or ot.shape != x.shape[::-1]):
+            return None
+        tensors = (x2, amaxes, o2, ot if ot is not None else o2, pair, amaxes)
+        flags = dict(CAST=True, WRITE_T=ot is not None, AMAX=False, FROM_AMAX=True,
+                     FMAX=float(torch.finfo(o.dtype).max))
     else:
         if name == "cast_transpose":
             x, scale, o, ot = args
@@ -118,12 +142,14 @@ def _launch(name: str, args: tuple) -> Optional[Launch]:
         scale = scale.reshape(()) if amax is None else scale
         tensors = (x2, scale, o2, ot if ot is not None else o2,
                    used if used is not None else scale, amax if amax is not None else scale)
-        flags = dict(CAST=True, WRITE_T=ot is not None, AMAX=amax is not None)
-        flags["FMAX"] = float(torch.finfo(o.dtype).max)
+        flags = dict(CAST=True, WRITE_T=ot is not None, AMAX=amax is not None, FROM_AMAX=False,
+                     FMAX=float(torch.finfo(o.dtype).max))
+        na = 1
     if x2.numel() == 0 or -(-x2.shape[1] // BLOCK[1]) > MAX_GRID_Y:
         return None
     (m, n), (bm, bn, warps) = x2.shape, BLOCK
-    return Launch("cast_t", tensors, (m, n), {**flags, "BM": bm, "BN": bn},
+    return Launch("cast_t", tensors, (m, n, na),
+                  {**flags, "NA": triton_pow2(na), "BM": bm, "BN": bn},
                   (-(-m // bm), -(-n // bn)), warps)
 
 

@@ -20,12 +20,24 @@ def amax_into(x, amax_ptr):
     tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), top)
 
 
+@triton.jit
+def scale_from(amax_ptr, na, FMAX: tl.constexpr, NA: tl.constexpr):
+    """torchao's amax_to_scale of the max of the `na` amaxes at amax_ptr (NaN kept):
+    fp8 max / max(amax, 1e-12), divided in fp64, rounded to fp32."""
+    i = tl.arange(0, NA)
+    a = tl.reduce(tl.load(amax_ptr + i, mask=i < na, other=0.0), 0, max_nan)
+    a = tl.maximum(a.to(tl.float64), 1e-12, propagate_nan=tl.PropagateNan.ALL)
+    return (FMAX / a).to(tl.float32)
+
+
 @triton.jit  # (m, n specialized as Triton does: 16-divisible rows vectorize its accesses)
-def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, FMAX: tl.constexpr,
+def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, FMAX: tl.constexpr,
            CAST: tl.constexpr, WRITE_T: tl.constexpr, AMAX: tl.constexpr,
-           BM: tl.constexpr, BN: tl.constexpr):
+           FROM_AMAX: tl.constexpr, NA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """One [BM, BN] tile of x [m, n]: with CAST, saturate(fp32(x) * scale) into o and,
-    with WRITE_T, transposed into ot; with AMAX (s_ptr a scale pair) max |x| into amax
+    with WRITE_T, transposed into ot; the scale read at s_ptr, or with FROM_AMAX made
+    from the `na` amaxes at amax_ptr (current scaling: the TP group's) and written with
+    its inverse into the pair at used; with AMAX (s_ptr a scale pair) max |x| into amax
     and the pair into used; without CAST, x's bytes transposed into ot."""
     pm, pn = tl.program_id(0), tl.program_id(1)
     rm = pm * BM + tl.arange(0, BM)
@@ -34,7 +46,14 @@ def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, FMAX: tl.const
     offs = rm[:, None].to(tl.int64) * n + rn[None, :]
     if CAST:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.load(s_ptr)
+        if FROM_AMAX:
+            s = scale_from(amax_ptr, na, FMAX, NA)
+            if (pm == 0) & (pn == 0):
+                pair = tl.arange(0, 2)
+                inv = (1.0 / s.to(tl.float64)).to(tl.float32)
+                tl.store(used_ptr + pair, tl.where(pair == 0, s, inv))
+        else:
+            s = tl.load(s_ptr)
         y = tl.maximum(x * s, -FMAX, propagate_nan=tl.PropagateNan.ALL)
         q = tl.minimum(y, FMAX, propagate_nan=tl.PropagateNan.ALL).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + offs, q, mask=mask)

@@ -15,10 +15,10 @@ nothing, which this table does not model):
 | dgrad | the output gradient [T, N] | its block of the gradient [T/W, N] |
 | wgrad | a transposed copy of the gathered input [T, K] (fp8_wgrad), the product added into main_grad | a transposed copy of the gathered gradient [T, N]; without fp8_wgrad the gathered gradient dequantized |
 
-- Tensorwise (`quantize`): the amax read (the TP group's, a gathered tensor's: one more
-  kernel over the group's amaxes), one compiled scale kernel (which writes the scale's
-  inverse too: the scaled GEMM launches nothing of its own), one cast kernel. A tensor
-  that an FP8 GEMM reads
+- Tensorwise (`quantize_current`): the amax read (a gathered tensor's: the TP group's,
+  exchanged), then one cast kernel that makes its scale from the amax (the max of the
+  group's) and writes the scale pair (the scaled GEMM launches nothing of its own). A
+  tensor that an FP8 GEMM reads
   transposed and that is not gathered (the weight, for the dgrad; with fp8_wgrad a row
   layer's input and a column layer's gradient, for the wgrad) is cast into both layouts
   by one kernel (`quantize(..., out_t=)`: overlap/fp8_kernels.py's cast-transpose, the
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 from .hardware import Hardware
 
-TENSORWISE_KERNELS = 3  # amax, scale (one compiled kernel: overlap.fp8.scale_for), cast
+TENSORWISE_KERNELS = 2  # amax, the cast making its scale (overlap.fp8.quantize_current)
 DELAYED_KERNELS = 2  # the amax zeroed, the cast reducing it (overlap/fp8_kernels.py)
 DELAYED_AMAXES = {"fprop": 2, "dgrad": 1}  # a pass's amaxes exchanged at its end (delayed)
 ROW_SCALE_KERNELS = 10  # |x|, its amax along the row, eight on the [rows, 1] scales
@@ -146,13 +146,11 @@ def pass_work(pass_name: str, column: bool, tokens: int, tp: int, k: int, n: int
     per step (else at every forward)."""
     rowwise, delayed = scaling == "rowwise", scaling == "delayed"
     gemm = Work(0, 1 + gemm_calls) if rowwise else Work()  # (per tensor: scale pairs)
-    # tensorwise: the max over the group's amaxes of a tensor gathered, before its cast
-    shared = Work(0, int(scaling == "tensorwise" and tp > 1 and gathered(pass_name, column)))
     cached = weight_cached and not rowwise
     own_t = fp8_wgrad and not rowwise  # the wgrad's layout of an operand not gathered
     if pass_name == "fprop":
         rows = tokens // tp if column else tokens
-        act = quantize(rows * k, p, scaling, rows, col=own_t and not column) + gemm + shared
+        act = quantize(rows * k, p, scaling, rows, col=own_t and not column) + gemm
         weight = quantize(n * k, p, scaling, n, col=not rowwise)  # with the dgrad's layout
         if delayed:  # the input's update; the weight's where it is quantized
             act += delayed_record(1, tp)
@@ -160,7 +158,7 @@ def pass_work(pass_name: str, column: bool, tokens: int, tp: int, k: int, n: int
         return PassWork(act, weight) if cached else PassWork(act + weight)
     if pass_name == "dgrad":
         rows = tokens if column else tokens // tp
-        act = (quantize(rows * n, p, scaling, rows, col=own_t and column) + gemm + shared
+        act = (quantize(rows * n, p, scaling, rows, col=own_t and column) + gemm
                + (delayed_record(1, tp) if delayed else Work()))
         if rowwise:  # the weight again, per column (its copy out transposes it); no tails
             act += quantize(n * k, p, "rowwise", k, scales_out=False)

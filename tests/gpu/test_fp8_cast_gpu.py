@@ -130,6 +130,8 @@ def test_every_compiled_kernel_stays_compiled_past_dynamos_recompile_limit():
                 s = f.scale_for(f.amax(x), dt)
                 f.quantize(x, s, dt)
                 f.quantize(x, s, dt, out_t=torch.empty(x.shape[::-1], dtype=dt, device="cuda"))
+                f.quantize_current(x, f.amax(x), dt, f.scale_pair("cuda"),
+                                   out_t=torch.empty(x.shape[::-1], dtype=dt, device="cuda"))
                 for _ in range(2):
                     st = next(states)
                     used, a = f.scale_pair("cuda"), torch.empty(1, device="cuda")
@@ -236,7 +238,7 @@ def test_compiled_scale_equals_torchaos(fp8):
         assert f.scale_for(v, fp8, out=out) is out
         want = amax_to_scale(v, fp8)
         assert torch.equal(out, torch.stack((want, want.reciprocal()))), (v, out)
-    assert f._compiled.get(("scale", fp8)) is not None, f._compiled
+    assert f._compiled.get(("scale", fp8, 0)) is not None, f._compiled
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -334,3 +336,57 @@ def test_amax_kernel_equals_torchs_reduction(dtype):
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     assert len(kernels) == 2 and kernels[1].startswith("fp8_amax"), kernels  # zeroed, reduced
     assert torch.equal(a, x.float().abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("col", [False, True])
+def test_current_cast_makes_its_scale_with_eagers_bits_in_one_kernel(dtype, fp8, col):
+    """`quantize_current` (current scaling as the layers run it): one Triton kernel makes
+    the scale from the amax, or from the max of a TP group's amaxes, writes the scale pair
+    and casts (with `col`, both layouts): the pair torchao's scale and fp32's reciprocal of
+    it, the bytes eager's (`scale_for`, then the cast), for amaxes of 0, a NaN, inf and
+    ordinary ones; the same with the kernels off."""
+    pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
+    from torch.profiler import ProfilerActivity, profile
+    from torchao.float8.float8_utils import amax_to_scale
+
+    from megatron_overlap.overlap import fp8 as f
+
+    g = torch.Generator().manual_seed(17)
+    x = (torch.randn(1000, 272, generator=g) * 30).to(dtype).cuda()
+    a = f.amax(x)
+    cases = [a, torch.stack([a * 0.5, a * 3, a]), torch.zeros(()), torch.tensor([a.item(),
+             float("nan")]), torch.tensor(float("inf")), torch.rand(33, generator=g) * 100]
+    for amaxes in cases:
+        amaxes = amaxes.float().cuda()
+        runs = []
+        for fused in (True, False):
+            before = f.set_fused(fused)
+            try:
+                pair = f.scale_pair("cuda")
+                out_t = torch.empty(x.shape[::-1], dtype=fp8, device="cuda") if col else None
+                out = f.quantize_current(x, amaxes, fp8, pair, out_t=out_t)
+                runs.append((pair.clone(), out.view(torch.uint8).clone(),
+                             None if out_t is None else out_t.view(torch.uint8).clone()))
+            finally:
+                f.set_fused(before)
+        want = amax_to_scale(amaxes.amax(), fp8)
+        want = torch.stack((want, want.reciprocal()))
+        for pair, got, got_t in runs:
+            assert torch.equal(pair.nan_to_num(), want.nan_to_num()), (amaxes, pair, want)
+            assert torch.equal(pair.isnan(), want.isnan())
+            if want[0].isnan():  # every value NaN (its encoding's sign aside)
+                assert got.view(fp8).float().isnan().all(), amaxes
+            else:
+                assert torch.equal(got, runs[1][1]), amaxes  # the kernel's bytes = eager's
+            if col:
+                assert torch.equal(got_t, got.view(x.shape).t().contiguous().view(torch.uint8))
+    pair, amaxes = f.scale_pair("cuda"), cases[1].float().cuda()
+    out_t = torch.empty(x.shape[::-1], dtype=fp8, device="cuda") if col else None
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        f.quantize_current(x, amaxes, fp8, pair, out_t=out_t)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert len(kernels) == 1 and kernels[0].startswith("cast_t"), kernels
