@@ -84,15 +84,9 @@ def amax(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 def group_amaxes(x: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     """Every rank's max |x| ([world], fp32), whose max is the amax of the tensor a gather
-    of `x` makes: one all-gather of a float per rank (`group_max` without its max, which
-    the current cast takes itself). Collective over the TP group, inside the caller's
-    transport pass."""
-    local = amax(x).reshape(1)
-    if tp.world_size == 1:
-        return local
-    every = local.new_empty(tp.world_size)
-    tp.all_gather(every, local, op=op).wait()
-    return every
+    of `x` makes (`group_max` without its max, which the current cast takes itself).
+    Collective over the TP group, inside the caller's transport pass."""
+    return _gathered(amax(x).reshape(1), tp, op)
 
 
 def shared_amax(x: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
@@ -101,14 +95,21 @@ def shared_amax(x: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     return group_amaxes(x, tp, op).amax()
 
 
-def group_max(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
-    """The elementwise max of `local` (fp32, [n]) over every rank of `tp`: one all-gather
-    of n floats a rank through the transport (bounded and named like every wait here)."""
+def _gathered(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
+    """`local` (fp32, [n]) of every rank of `tp`, [world * n]: one all-gather of n floats
+    a rank through the transport (bounded and named like every wait here)."""
     if tp.world_size == 1:
         return local
     every = local.new_empty(tp.world_size * local.numel())
     tp.all_gather(every, local, op=op).wait()
-    return every.view(tp.world_size, -1).amax(0)
+    return every
+
+
+def group_max(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
+    """The elementwise max of `local` (fp32, [n]) over every rank of `tp`."""
+    if tp.world_size == 1:
+        return local
+    return _gathered(local, tp, op).view(tp.world_size, -1).amax(0)
 
 
 PAIR = fp8_kernels.PAIR  # a scale pair's shape: [scale, 1 / scale]
