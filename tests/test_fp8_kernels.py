@@ -166,6 +166,7 @@ def test_layouts_it_does_not_take_run_the_callers_kernels(kernel):
     assert not k.run("current_cast", (x, torch.ones(2, dtype=torch.float64), pair, o), False)
     assert not k.run("current_cast", (x, torch.ones(1), torch.ones(()), o), False)
     assert not k.run("current_cast", (x, torch.ones(k.MAX_AMAXES + 1), pair, o), False)
+    assert not k.run("current_cast", (x, torch.ones(1, device="meta"), pair, o), False)
     # the amax: contiguous floating-point values, something to read, a float32 scalar out
     assert not k.run("amax", (x.t(), torch.empty(())), False)
     assert not k.run("amax", (x[:0], torch.empty(())), False)

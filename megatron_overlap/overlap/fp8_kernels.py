@@ -115,7 +115,8 @@ def _launch(name: str, args: tuple) -> Optional[Launch]:
         x2, o2, na = _flat2d(x), _flat2d(o), amaxes.numel()
         if (x2 is None or o2 is None or o2.shape != x2.shape or amaxes.dtype != torch.float32
                 or pair.dtype != torch.float32 or pair.shape != PAIR or not pair.is_contiguous()
-                or amaxes.dim() != 1 or not amaxes.is_contiguous() or not 0 < na <= MAX_AMAXES):
+                or amaxes.dim() != 1 or not amaxes.is_contiguous() or not 0 < na <= MAX_AMAXES
+                or not amaxes.device == pair.device == x.device):
             return None
         if ot is not None and (x.dim() != 2 or not ot.is_contiguous() or ot.shape != x.shape[::-1]):
             return None

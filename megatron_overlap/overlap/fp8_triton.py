@@ -23,10 +23,12 @@ def amax_into(x, amax_ptr):
 @triton.jit
 def scale_from(amax_ptr, na, FMAX: tl.constexpr, NA: tl.constexpr):
     """torchao's amax_to_scale of the max of the `na` amaxes at amax_ptr (NaN kept):
-    fp8 max / max(amax, 1e-12), divided in fp64, rounded to fp32."""
+    fp8 max / max(amax, 1e-12), divided in fp64, rounded to fp32. (The clamp is taken in
+    fp32, at fp32(1e-12), where PTX has a NaN-keeping max: no fp32 amax lies between the
+    two bounds, and fp8 max over either rounds to the same fp32 scale.)"""
     i = tl.arange(0, NA)
     a = tl.reduce(tl.load(amax_ptr + i, mask=i < na, other=0.0), 0, max_nan)
-    a = tl.maximum(a.to(tl.float64), 1e-12, propagate_nan=tl.PropagateNan.ALL)
+    a = tl.maximum(a, 1e-12, propagate_nan=tl.PropagateNan.ALL).to(tl.float64)
     return (FMAX / a).to(tl.float32)
 
 
