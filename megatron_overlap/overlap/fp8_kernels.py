@@ -94,6 +94,18 @@ def _amax_launch(args: tuple) -> Optional[Launch]:
                   (-(-x.numel() // block),), warps)
 
 
+def _cast_layout(x: torch.Tensor, o: torch.Tensor, ot: Optional[torch.Tensor]
+                 ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """(x, o) as the [rows, last dim] matrices a cast reads and writes, or None where o is
+    not x's shape or ot (when given) not x's transposed one."""
+    x2, o2 = _flat2d(x), _flat2d(o)
+    if x2 is None or o2 is None or o2.shape != x2.shape:
+        return None
+    if ot is not None and (x.dim() != 2 or not ot.is_contiguous() or ot.shape != x.shape[::-1]):
+        return None
+    return x2, o2
+
+
 def _launch(name: str, args: tuple) -> Optional[Launch]:
     """The launch that runs kernel `name` on `args`, or None where it does not run these
     tensors: a layout or shape it does not take (each output exactly the input's shape,
@@ -112,14 +124,13 @@ def _launch(name: str, args: tuple) -> Optional[Launch]:
         flags, na = dict(CAST=False, WRITE_T=True, AMAX=False, FROM_AMAX=False, FMAX=0.0), 1
     elif name.startswith("current_cast"):
         (x, amaxes, pair, o), ot = args[:4], (args[4] if len(args) > 4 else None)
-        x2, o2, na = _flat2d(x), _flat2d(o), amaxes.numel()
-        if (x2 is None or o2 is None or o2.shape != x2.shape or amaxes.dtype != torch.float32
+        layout, na = _cast_layout(x, o, ot), amaxes.numel()
+        if (layout is None or amaxes.dtype != torch.float32
                 or pair.dtype != torch.float32 or pair.shape != PAIR or not pair.is_contiguous()
                 or amaxes.dim() != 1 or not amaxes.is_contiguous() or not 0 < na <= MAX_AMAXES
                 or not amaxes.device == pair.device == x.device):
             return None
-        if ot is not None and (x.dim() != 2 or not ot.is_contiguous() or ot.shape != x.shape[::-1]):
-            return None
+        x2, o2 = layout
         tensors = (x2, amaxes, o2, ot if ot is not None else o2, pair, amaxes)
         flags = dict(CAST=True, WRITE_T=ot is not None, AMAX=False, FROM_AMAX=True,
                      FMAX=float(torch.finfo(o.dtype).max))
@@ -131,15 +142,13 @@ def _launch(name: str, args: tuple) -> Optional[Launch]:
             (x, scale, used, amax, o), ot = args, None
         else:
             x, scale, used, amax, o, ot = args
-        x2, o2 = _flat2d(x), _flat2d(o)
-        pairs = (scale, used) if amax is not None else ()
-        if (x2 is None or o2 is None or o2.shape != x2.shape
+        layout, pairs = _cast_layout(x, o, ot), (scale, used) if amax is not None else ()
+        if (layout is None
                 or any(t.dtype != torch.float32 for t in (scale, used, amax) if t is not None)
                 or (scale.numel() != 1 if amax is None else amax.numel() != 1)
                 or any(t.shape != PAIR or not t.is_contiguous() for t in pairs)):
             return None
-        if ot is not None and (x.dim() != 2 or not ot.is_contiguous() or ot.shape != x.shape[::-1]):
-            return None
+        x2, o2 = layout
         scale = scale.reshape(()) if amax is None else scale
         tensors = (x2, scale, o2, ot if ot is not None else o2,
                    used if used is not None else scale, amax if amax is not None else scale)
