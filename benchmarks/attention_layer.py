@@ -100,7 +100,7 @@ def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.devi
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         if arm == "sdpa_ref":
             spec.submodules.self_attention.submodules.core_attention = SDPAReference
-        config = lc.layer_config(shape, arm == "ours", dtype, device)
+        config = lc.layer_config(shape, arm == "ours", dtype, device, args.fusions)
         layer = build_module(spec, config=config, layer_number=1)
     finally:
         mo.uninstall()
@@ -304,10 +304,14 @@ def table(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def arguments(description: str, shapes) -> argparse.ArgumentParser:
-    """The command line of the one-GPU whole-layer benchmarks (this one, fp8_layer.py)."""
+def arguments(description: str, shapes, fusions: str = "off") -> argparse.ArgumentParser:
+    """The command line of the one-GPU whole-layer benchmarks (this one, fp8_layer.py);
+    `fusions`: the default of --fusions."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="all", help="all | comma list of " + ", ".join([*shapes, "tiny"]))
+    ap.add_argument("--fusions", choices=sorted(lc.FUSIONS), default=fusions,
+                    help="the layer's elementwise fusions, every arm alike (layer_compute.FUSIONS): "
+                         "off, or megatron_lm (Megatron-LM's defaults: its compiled SwiGLU and dropout-add)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

@@ -27,6 +27,12 @@ scale or operand is off by a factor, >= 0.5). Goal: the fp8 layer at least 1.35x
     python benchmarks/fp8_layer.py [--shapes all] [--reps 10] [--repeat 5] [--profile 12]
     python benchmarks/fp8_layer.py --shapes tiny --device cpu      # the check only
 
+--fusions (default megatron_lm): the layer's elementwise fusions, the same in every arm
+(layer_compute.FUSIONS). megatron_lm is what pretrain_gpt.py runs for a SwiGLU model
+without Transformer Engine: megatron-core's compiled SwiGLU and dropout-add. off gives
+every elementwise op its own kernels, as the runs before 2026-12-06 measured; the work
+around the GEMMs, which FP8 does not speed up, is then larger in both arms.
+
 --profile N (default 12; 0: off): after timing, each arm's kernels over eager steps
 (torch.profiler), in groups (GEMM, attention, compiled, copy, reduction, other) and the fp8
 arm's N largest: where FP8's time goes, beside benchmarks/layer_ledger.py's byte counts.
@@ -64,7 +70,7 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
     mo.install(backend="torch_p2p")  # each layer's transport is replaced by mirror / null
     try:
         config = {"bf16": {}, "fp8_delayed": DELAYED}
-        layers = {a: lc.build_layer(shape, True, dtype, device, **config.get(a, FP8))
+        layers = {a: lc.build_layer(shape, True, dtype, device, args.fusions, **config.get(a, FP8))
                   for a in ARMS}
     finally:
         mo.uninstall()
@@ -245,7 +251,8 @@ def profile_lines(r: dict, what: str) -> list[str]:
 def table(doc: dict) -> str:
     m = doc["meta"]
     lines = [f"fp8_layer: one TransformerLayer fwd+bwd per TP rank, bf16 params, {m.get('gpu_name') or 'CPU'}, "
-             f"torch {m['torch']}, {m['date']}; median of {doc['config']['repeat']} x {doc['config']['reps']} calls",
+             f"torch {m['torch']}, {m['date']}; median of {doc['config']['repeat']} x {doc['config']['reps']} calls; "
+             f"fusions {doc['config']['fusions']}",
              f"{'shape':18s} {'arm':17s} {'eager ms':>9s} {'x bf16':>7s} {'graph ms':>9s} {'x bf16':>7s} "
              f"{'GiB step':>9s} {'kept':>6s}"]
     f = lambda v, p: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
@@ -276,7 +283,7 @@ def table(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = al.arguments(__doc__, SHAPES)
+    ap = al.arguments(__doc__, SHAPES, fusions="megatron_lm")
     ap.add_argument("--profile", type=int, default=12, metavar="N",
                     help="each arm's kernels per step (torch.profiler), the fp8 arm's N largest "
                          "printed (0: no profile; on CPU: aten ops, functional only)")

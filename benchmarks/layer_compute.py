@@ -160,12 +160,25 @@ def seed_rng(device: torch.device, seed: int) -> None:
         mrandom.get_cuda_rng_tracker().add("model-parallel-rng", seed + 2718)
 
 
+# The elementwise fusions a layer runs with (`--fusions`). off: none, every elementwise op
+# its own kernels. megatron_lm: what Megatron-LM's pretrain_gpt.py turns on by default for
+# a SwiGLU model without Transformer Engine or apex: the SwiGLU (--swiglu sets
+# bias_swiglu_fusion) and the dropout-add (bias_dropout_fusion), each through megatron-core's
+# jit_fuser (torch.compile). Its RoPE fusion and gradient-accumulation fusion need
+# Transformer Engine or apex, so they stay off in both.
+FUSIONS = {"off": {}, "megatron_lm": dict(bias_activation_fusion=True, bias_dropout_fusion=True)}
+
+
 def layer_config(shape: LayerShape, overlap: bool, dtype: torch.dtype, device: torch.device,
-                 **extra):
-    """`extra`: more TransformerConfig fields (benchmarks/fp8_layer.py: Megatron's fp8 ones)."""
+                 fusions: str = "off", **extra):
+    """`fusions`: a key of FUSIONS; `extra`: more TransformerConfig fields
+    (benchmarks/fp8_layer.py: Megatron's fp8 ones)."""
     from megatron.core.transformer import TransformerConfig
 
     d = shape.dims
+    fields = dict(bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+                  apply_rope_fusion=False, gradient_accumulation_fusion=False)
+    fields.update(FUSIONS[fusions], **extra)
     return TransformerConfig(
         num_layers=1, hidden_size=d.hidden, ffn_hidden_size=d.ffn_hidden,
         num_attention_heads=d.heads, num_query_groups=d.query_groups,
@@ -173,18 +186,17 @@ def layer_config(shape: LayerShape, overlap: bool, dtype: torch.dtype, device: t
         add_bias_linear=False, tensor_model_parallel_size=shape.tp, sequence_parallel=True,
         tp_comm_overlap=overlap, params_dtype=dtype, bf16=dtype == torch.bfloat16,
         use_cpu_initialization=device.type == "cpu", hidden_dropout=0.0, attention_dropout=0.0,
-        bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, **extra)
+        **fields)
 
 
 def build_layer(shape: LayerShape, overlap: bool, dtype: torch.dtype, device: torch.device,
-                **extra):
+                fusions: str = "off", **extra):
     """One TransformerLayer from the local spec (ours where `overlap`: install() is active);
     `extra`: more config fields (layer_config)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
-    config = layer_config(shape, overlap, dtype, device, **extra)
+    config = layer_config(shape, overlap, dtype, device, fusions, **extra)
     layer = build_module(get_gpt_layer_local_spec(normalization="RMSNorm"), config=config,
                          layer_number=1)
     return layer.to(device=device, dtype=dtype).train()

@@ -117,3 +117,59 @@ def test_layer_compute_check_catches_what_differs(cases):
     assert not res["no_ring"]["passed"] and res["no_ring"]["rel_err"]["output"] > 1e-3
     bad = res["other_weight"]
     assert not bad["passed"] and bad["rel_err"]["output"] > 1e-5
+
+
+def _fusions(rank: int, world: int) -> dict:
+    import torch
+    from megatron.core.fusions import fused_bias_swiglu
+
+    bench = _bench()
+    shape = bench.pick_shapes("tiny", 0)[0]
+    device = torch.device("cpu")
+    bench.init_process(device, 1234)
+    calls = []
+    swiglu = fused_bias_swiglu.SwiGLUFunction.forward
+
+    def counted(*a, **k):
+        calls.append(1)
+        return swiglu(*a, **k)
+
+    fused_bias_swiglu.SwiGLUFunction.forward = staticmethod(counted)
+    res: dict = {}
+    import megatron_overlap as mo
+    from megatron_overlap.ab.emulated_tp import EmulatedTP, MirrorTransport
+
+    mo.install(backend="torch_p2p")  # (as the benchmarks build: Megatron's norms under SP)
+    try:
+        with EmulatedTP(shape.tp, shape.tp - 1, MirrorTransport(shape.tp, shape.tp - 1)):
+            layers = {}
+            for f in ("off", "megatron_lm"):
+                cfg = bench.layer_config(shape, False, torch.float32, device, f)
+                res[f] = (cfg.bias_activation_fusion, cfg.bias_dropout_fusion, cfg.apply_rope_fusion)
+                bench.seed_rng(device, 1234)
+                layers[f] = bench.build_layer(shape, False, torch.float32, device, f)
+            layers["megatron_lm"].load_state_dict(layers["off"].state_dict())
+            d = shape.dims
+            x = torch.randn(d.seq_length // shape.tp, d.micro_batch, d.hidden)
+            mask = torch.ones(d.seq_length, d.seq_length).triu(1).bool()[None, None]
+            outs = {}
+            for f, layer in layers.items():
+                before = len(calls)
+                outs[f] = layer(x, attention_mask=mask)[0]
+                res[f + "_swiglu_calls"] = len(calls) - before
+        res["diff"] = (outs["off"] - outs["megatron_lm"]).abs().max().item()
+    finally:
+        fused_bias_swiglu.SwiGLUFunction.forward = swiglu
+        mo.uninstall()
+    return res
+
+
+def test_megatron_lm_fusions_run_megatrons_fused_swiglu_with_the_same_result():
+    """--fusions megatron_lm (fp8_layer.py's default) builds the layer Megatron-LM runs for
+    a SwiGLU model: megatron-core's fused SwiGLU and dropout-add, RoPE unfused (it needs
+    Transformer Engine), and the same result as every op on its own."""
+    res = run(_fusions, 1, timeout=300)[0]
+    assert res["off"] == (False, False, False)
+    assert res["megatron_lm"] == (True, True, False)
+    assert res["off_swiglu_calls"] == 0 and res["megatron_lm_swiglu_calls"] == 1
+    assert res["diff"] <= 1e-5
