@@ -11,10 +11,14 @@ replay, medians of --repeat rounds of --reps):
   'hybrid'), the whole-GEMM form every FP8 pass has (row-major x column-major);
 - fp8 chunked: the same pass in FP8 (`tune.passes.fp8_trial_pass`: FP8 operands with
   their scaled GEMM into the same pass function);
-- fp8 whole + layout (wgrad passes only): the whole FP8 GEMM with the transposed copy of
-  its gathered token-major operand (a column layer's input, a row layer's gradient) made
-  inside it, as the pass makes it: the work a wgrad pays with or without chunking, so
-  that chunked / this is the chunking's own cost.
+- fp8 whole + own work (wgrads and ring reduce-scatters): the whole FP8 GEMM with the
+  work its pass does beside the GEMM, chunked or not, so that chunked / this is the
+  chunking's own cost. A wgrad: the transposed copy of its gathered token-major operand
+  (a column layer's input, a row layer's gradient), made as the pass makes it. A ring
+  reduce-scatter (`gemm_rs.ring_exchange`): the sum of the TP partials of this rank's
+  block, which the pass runs itself (one kernel) where a pipelined one leaves it to the
+  collective (on the null transport: not run, so not timed); the same sum on the whole
+  GEMM's output.
 
 The FP8 operands are quantized before the timing: the layer quantizes each once per pass
 (before any transfer), whole or chunked alike; so are the transposed copies its casts
@@ -55,7 +59,7 @@ GOAL = 0.93
 TUNE = [os.path.join(HERE, "results", f) for f in ("tune_compute_70b_tp8_h200_2026-12-04b.json",
                                                     "tune_compute_8b_tp2_h200_2026-12-04b.json")]
 HYBRID = Precision("tensorwise", torch.float8_e4m3fn, torch.float8_e5m2, True)
-ARMS = ("bf16_whole", "bf16_chunked", "fp8_whole", "fp8_chunked", "fp8_whole_layout")
+ARMS = ("bf16_whole", "bf16_chunked", "fp8_whole", "fp8_chunked", "fp8_whole_own")
 
 
 def shrink(trial, by: int):
@@ -95,7 +99,16 @@ def fns(trial, device: str) -> dict:
         else:  # the gathered gradient (a); the input as its cast left it
             a_tok = fp8.transposed(a8)
             layout = lambda: whole8(fp8.transposed(a_tok), b8.t(), out8, op="whole")  # noqa: E731
-        arms["fp8_whole_layout"] = layout
+        arms["fp8_whole_own"] = layout
+    s = trial.candidate.settings
+    if s.is_reduce_scatter and s.method == "ring_exchange" and not nodes:
+        world = trial.spec.shape.tp
+        red = torch.empty(m // world, n, device=device, dtype=dtype)
+
+        def whole_sum():  # the GEMM, then the pass's one sum of the TP partials of a block
+            whole8(a8, b8.t(), out8, op="whole")
+            return torch.sum(out8.view(world, m // world, n), dim=0, out=red)
+        arms["fp8_whole_own"] = whole_sum
     return arms
 
 
@@ -116,10 +129,10 @@ def measure(trial, device: str, reps: int, repeat: int) -> dict:
             samples[k].append(timer(f[k]))
     ms = {k: statistics.median(v) for k, v in samples.items()}
     del f
-    layout = ms.get("fp8_whole_layout", ms["fp8_whole"])  # the whole GEMM's own layout work
+    own = ms.get("fp8_whole_own", ms["fp8_whole"])  # the whole GEMM with the pass's own work
     return {**{f"{k}_ms": ms.get(k) for k in ARMS}, "samples": samples,
             "fp8_chunked_vs_whole": ms["fp8_whole"] / ms["fp8_chunked"],
-            "fp8_chunked_vs_whole_layout": layout / ms["fp8_chunked"],
+            "fp8_chunked_vs_whole_own": own / ms["fp8_chunked"],
             "bf16_chunked_vs_whole": ms["bf16_whole"] / ms["bf16_chunked"],
             "fp8_speedup_whole": ms["bf16_whole"] / ms["fp8_whole"],
             "fp8_speedup_chunked": ms["bf16_chunked"] / ms["fp8_chunked"]}
@@ -131,24 +144,25 @@ def table(doc: dict) -> str:
              + ("CUDA-graph replay" if doc["meta"]["device"] != "cpu" else "CPU: FUNCTIONAL ONLY"),
              f"{'pass':22s} {'pick':30s} {'bf16 whole':>10s} {'chunked':>8s} {'fp8 whole':>9s} "
              f"{'chunked':>8s} {'fp8 ch/wh':>9s} {'bf16 ch/wh':>10s} {'fp8 x whole':>11s} "
-             f"{'x chunked':>9s} {'ch/wh+layout':>12s}"]
+             f"{'x chunked':>9s} {'ch/wh+own':>10s}"]
     for r in doc["rows"]:
         lines.append(f"{r['shape'] + ' ' + r['pass']:22s} {r['pick'][:30]:30s} {r['bf16_whole_ms']:10.3f} "
                      f"{r['bf16_chunked_ms']:8.3f} {r['fp8_whole_ms']:9.3f} {r['fp8_chunked_ms']:8.3f} "
                      f"{r['fp8_chunked_vs_whole']:9.3f} {r['bf16_chunked_vs_whole']:10.3f} "
                      f"{r['fp8_speedup_whole']:11.2f} {r['fp8_speedup_chunked']:9.2f} "
-                     f"{r['fp8_chunked_vs_whole_layout']:12.3f}")
+                     f"{r['fp8_chunked_vs_whole_own']:10.3f}")
     g = doc["goal"]
     lines.append(f"goal: fp8 chunked >= {GOAL} of fp8 whole at every pick: "
                  f"{'met' if g['met'] else 'NOT MET'} (worst {g['worst']:.3f}, {g['worst_pass']}; "
                  f"median {g['median']:.3f}; {g['below']} of {len(doc['rows'])} below)")
-    lay = [r["fp8_chunked_vs_whole_layout"] for r in doc["rows"]]
-    lines.append(f"against the whole FP8 GEMM with its own layout work (a wgrad's gathered operand transposed): worst "
+    lay = [r["fp8_chunked_vs_whole_own"] for r in doc["rows"]]
+    lines.append(f"against the whole FP8 GEMM with the pass's own work (a wgrad's gathered operand transposed, a ring "
+                 f"reduce-scatter's sum of partials): worst "
                  f"{min(lay):.3f}, median {statistics.median(lay):.3f}, {sum(v < GOAL for v in lay)} "
                  f"of {len(lay)} below {GOAL}")
     lines.append("ms per pass; ch/wh = whole ms / chunked ms (>= 1: chunking costs nothing); "
-                 "fp8 x = bf16 ms / fp8 ms; ch/wh+layout = the same against the whole FP8 GEMM "
-                 "with a wgrad's transposed gathered operand in it (other passes: as ch/wh). FP8 operands quantized "
+                 "fp8 x = bf16 ms / fp8 ms; ch/wh+own = the same against the whole FP8 GEMM "
+                 "with a wgrad's transposed gathered operand, or a ring reduce-scatter's sum, in it (other passes: as ch/wh). FP8 operands quantized "
                  "beforehand (as the layer does once per pass, whole or chunked).")
     return "\n".join(lines)
 

@@ -51,6 +51,14 @@ def test_fp8_compute_cpu(tmp_path):
     assert len(doc["rows"]) == 24 and doc["meta"]["note"] == "CPU: FUNCTIONAL ONLY"
     assert {r["pass"] for r in doc["rows"]} == {"fprop", "dgrad", "wgrad"}
     assert "goal: fp8 chunked >= 0.93 of fp8 whole" in r.stdout
+    # the whole GEMM with the pass's own work: a wgrad's transpose, a ring reduce-scatter's
+    # sum (the row layers' forwards picked as rings); nothing for the other passes
+    for row in doc["rows"]:
+        ring_rs = (row["pass"] == "fprop" and ("proj" in row["shape"] or "fc2" in row["shape"])
+                   and row["pick"].startswith("ring"))
+        own = row["pass"] == "wgrad" or ring_rs
+        assert (row["fp8_whole_own_ms"] is not None) == own, row
+    assert any(row["pass"] == "fprop" and row["fp8_whole_own_ms"] is not None for row in doc["rows"])
 
 
 def test_fp8_layer_cpu(tmp_path):

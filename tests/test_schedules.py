@@ -100,11 +100,15 @@ def test_ring_allgather_starts_next_chunk_before_gemm_and_waits_after(traced):
         assert ev["ag_bulk"] == [("start", 0), ("wait", 0), ("gemm", 0)]
 
 
-def test_ring_reduce_scatter_sends_step_while_next_gemm_runs(traced):
+def test_ring_reduce_scatter_sends_each_partial_under_the_next_gemms(traced):
+    """TE's order: each partial's send starts right after its GEMM and runs under the
+    GEMMs after it; the waits come after the last GEMM (this rank's own block), then the
+    one sum (the schedules' results above are the collective's)."""
     world, per_rank = traced
-    expected = [("gemm", 0)]
+    expected = []
     for s in range(world - 1):
-        expected += [("start", s), ("gemm", s + 1), ("wait", s)]
+        expected += [("gemm", s), ("start", s)]
+    expected += [("gemm", world - 1)] + [("wait", s) for s in range(world - 1)]
     for ev, _ in per_rank:
         assert ev["rs_ring"] == expected
 

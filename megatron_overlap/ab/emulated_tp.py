@@ -23,8 +23,8 @@ layer and ours can be checked against each other: every emulated peer holds
 exactly this rank's tensors. All-gather tiles the input `world` times;
 reduce-scatter returns `world` x this rank's block; all-reduce `world` x the
 input; a ring step receives what it sends (every peer forwards the same block).
-The ring reduce-scatter has no such meaning (its running sums differ per rank);
-it is refused, naming the fix.
+The ring reduce-scatter has no such meaning (what a peer sends is its partial of
+another block than the one this rank sends); it is refused, naming the fix.
 """
 
 from __future__ import annotations
@@ -73,8 +73,9 @@ class MirrorTransport(NullTransport):
         for (t, _, dest), (buf, _) in zip(sends, recvs):
             if dest is not t:
                 raise NotImplementedError(
-                    f"MirrorTransport: '{op}' runs a ring reduce-scatter, whose running sums "
-                    f"differ per rank and so have no mirrored meaning; check it with method "
+                    f"MirrorTransport: '{op}' runs a ring reduce-scatter, whose peers send "
+                    f"partials of other blocks than this rank's and so have no mirrored "
+                    f"meaning; check it with method "
                     f"pipeline (or bulk) for that pass")
             buf.copy_(t)
         return super()._start_exchange(sends, recvs, op, chunk)

@@ -68,31 +68,37 @@ def pipeline(x: torch.Tensor, w: torch.Tensor, tp: Transport, num_splits: int, *
 def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
                   streams: ChunkStreams | None = None, out: torch.Tensor | None = None,
                   gemm: Gemm = matmul) -> torch.Tensor:
-    """Ring reduce-scatter: at step s a rank computes its partial of block
-    (rank - s - 1), adds the running sum that arrived from the left, and sends it
-    right; the last step lands on its own block. The send of step s is in flight
-    while the GEMM of step s+1 runs: gemm(s+1) -> wait(s)."""
+    """Transformer Engine's point-to-point reduce-scatter: at step s < world - 1 a rank
+    computes its partial of block (rank + s + 1) and sends it to that block's owner,
+    the send in flight while the next step's GEMM runs; the last step computes its own
+    block's partial. Then one reduction sums the world partials of its block, landed
+    side by side in one workspace: each element read once, accumulated in fp32 (torch's
+    sum of a bf16 tensor), rounded once, where running sums forwarded round the ring
+    would add world - 1 times, reading twice and rounding each time."""
     world, rank, n = tp.world_size, tp.rank, w.shape[0]
     rows = _check_rows(op, x.shape[0], world, "TP ranks")
     blocks, wt = x.split(rows), w.t()
-    dtype = out_dtype(gemm, x, out)  # the partial sums' (never FP8)
-    incoming = tp.workspace((max(world - 1, 1), rows, n), dtype, x.device).unbind(0)
-    # running sums on the caller's stream (safe to hand back); the last one is the result
-    out = x.new_empty(rows, n, dtype=dtype) if out is None else out
-    accs = [*x.new_empty(world - 1, rows, n, dtype=dtype).unbind(0), out]
-    handle = None
+    dtype = out_dtype(gemm, x, out)  # the partials' (never FP8)
+    # slot s: the partial sent at step s by rank - s - 1; the last: this rank's own
+    parts = tp.workspace((world, rows, n), dtype, x.device)
+    sent = x.new_empty(max(world - 1, 1), rows, n, dtype=dtype).unbind(0)
+    if world == 1:
+        return gemm(x, wt, out, op=op, chunk=0)
+    handles: list[Handle] = []
     with streams or plain() as st:
         for s in range(world):
             with st.chunk(s):
-                acc = accs[s]
-                gemm(blocks[(rank - s - 1) % world], wt, acc, op=op, chunk=s)
-                if handle is not None:
-                    handle.wait()
-                    acc += incoming[s - 1]
-                if s + 1 < world:
-                    handle = tp.exchange([(acc, tp.right, incoming[s])], [(incoming[s], tp.left)],
-                                         op=op, chunk=s)
-    return out
+                if s + 1 == world:
+                    gemm(blocks[rank], wt, parts[s], op=op, chunk=s)
+                    continue
+                owner = (rank + s + 1) % world
+                gemm(blocks[owner], wt, sent[s], op=op, chunk=s)
+                handles.append(tp.exchange([(sent[s], owner, parts[s])],
+                                           [(parts[s], (rank - s - 1) % world)], op=op, chunk=s))
+        for h in handles:
+            h.wait()
+    out = x.new_empty(rows, n, dtype=dtype) if out is None else out
+    return torch.sum(parts, dim=0, out=out)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: str,

@@ -139,9 +139,11 @@ class GemmModel:
             base = self._roof(rows, k, n)
         return base * self._sm_factor(rows, k, n, sms)
 
-    def add_us(self, nbytes: float) -> float:
-        """An elementwise `acc += incoming` of nbytes: two reads and a write."""
-        return 3 * nbytes / (self.hw.hbm_gbs * 1e3) + self.hw.kernel_us
+    def mem_us(self, moved: float) -> float:
+        """A memory-bound kernel that reads and writes `moved` bytes in all (a ring
+        reduce-scatter's `acc += incoming`: two reads and a write of its bytes; its sum
+        of the world partials: world reads and a write)."""
+        return moved / (self.hw.hbm_gbs * 1e3) + self.hw.kernel_us
 
     def source(self, m: int, k: int, n: int, layout: str) -> str:
         return "measured" if (m, k, n, layout) in self._mono else "roofline"

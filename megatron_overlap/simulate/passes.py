@@ -236,9 +236,10 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
     # a schedule timed eagerly already holds its host launch gaps
     eager_timed = gemm.measured_chunks(m, k, n, ops, chunks, kind, "eager")
     step_us = 0.0 if mode == "eager" and eager_timed else _step_us(hw, gemm)
-    # a measured ring reduce-scatter includes its adds: taken out of its chunk GEMMs
-    extra = (tp - 1) * gemm.add_us(spec.block_elems * spec.shape.numerics.params.itemsize) \
-        if run.schedule in ("rs_ring", "rs_hier") else 0.0
+    # a measured ring reduce-scatter includes its reduction (the sum of its tp partials,
+    # as `gemm_rs.ring_exchange` runs it): taken out of its chunk GEMMs
+    block = spec.block_elems * spec.shape.numerics.params.itemsize
+    extra = gemm.mem_us((tp + 1) * block) if run.schedule in ("rs_ring", "rs_hier") else 0.0
     # a measured FP8 pipeline holds its chunks' row copies: fp8_work counts them
     extra += _batched_work(spec, s, layout).us(hw)
     sms = sim.gemm_sms
@@ -254,7 +255,7 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
     # bulk: two launches and no schedule loop, each what a collective launch costs the host
     launch = sim.comm_launch_us if run.schedule == "bulk" else step_us
     play(sim, recorded(run),
-         Costs(gemm_us, launch, gemm.add_us, engine.sms or None))
+         Costs(gemm_us, launch, gemm.mem_us, engine.sms or None))
     return sim.end()
 
 

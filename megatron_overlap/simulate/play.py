@@ -44,7 +44,7 @@ class Costs:
 
     gemm_us: Callable[[int, int, int], float]  # one GEMM of (rows, k, n)
     launch_us: float  # host time to launch one GEMM (eager)
-    add_us: Callable[[float], float]  # an elementwise add of nbytes
+    mem_us: Callable[[float], float]  # a memory-bound kernel moving (reading + writing) bytes
     collective_sms: int | None = None  # SMs a collective's kernels run on (None: NCCL's own)
 
 
@@ -118,8 +118,12 @@ class _Player:
             _, rows, k, n, out = ev
             sim.launch(r, self.costs.launch_us)
             self.ready[r].write(out, sim.compute(r, self.gemm_us(rows, k, n), self.frontier[r]))
-        elif kind == "add":
-            self.ready[r].write(ev[2], sim.compute(r, self.add_us(ev[1]), self.frontier[r]))
+        elif kind == "add":  # out += another of its size: two reads and a write
+            self.ready[r].write(ev[2], sim.compute(r, self.mem_us(3 * ev[1]), self.frontier[r]))
+        elif kind == "reduce":  # out = the sum of the slices of `inp`, once all are written
+            _, moved, out, inp = ev
+            start = max(self.frontier[r], self.ready[r].at(inp))
+            self.ready[r].write(out, sim.compute(r, self.mem_us(moved), start))
         elif kind == "copy":
             self.ready[r].write(ev[1], max(self.ready[r].at(ev[2]), self.frontier[r]))
         elif kind == "exchange":
@@ -186,7 +190,8 @@ class _Player:
             self.times[key] = self.costs.gemm_us(rows, k, n)
         return self.times[key]
 
-    def add_us(self, nbytes: int) -> float:
-        if nbytes not in self.times:
-            self.times[nbytes] = self.costs.add_us(nbytes)
-        return self.times[nbytes]
+    def mem_us(self, moved: int) -> float:
+        key = ("mem", moved)
+        if key not in self.times:
+            self.times[key] = self.costs.mem_us(moved)
+        return self.times[key]

@@ -4,8 +4,10 @@ the real schedules of `overlap` on every rank of the TP group, on meta tensors
 `play` to time on a `Sim`:
 
 - ("gemm", rows, k, n, out): a GEMM through the `gemm=` seam (`modelled_gemm`);
-- ("add", bytes, out) / ("copy", dst, src): the schedule's own elementwise ops
-  (a ring reduce-scatter's `acc += incoming`), seen by the meta tensors it runs on;
+- ("add", bytes, out) / ("copy", dst, src) / ("reduce", bytes read and written, out,
+  inp): the schedule's own elementwise ops (a hierarchical reduce-scatter's
+  `acc += incoming`, a ring reduce-scatter's sum of its partials), seen by the meta
+  tensors they run on;
 - ("exchange", handle, sends, recvs): sends = ((peer, bytes, src), ...),
   recvs = ((peer, dst), ...);
 - ("collective", handle, kind, block bytes, input, output);
@@ -80,6 +82,11 @@ class _Meta(torch.Tensor):
             if name in ("add_", "__iadd__") or (name == "add" and "out" in kwargs):
                 out = kwargs.get("out", args[0])
                 rec.events.append(("add", nbytes(out), rec.region(out)))
+                return out
+            if name == "sum" and "out" in kwargs:
+                out, inp = kwargs["out"], args[0]
+                rec.events.append(("reduce", nbytes(inp) + nbytes(out), rec.region(out),
+                                   rec.region(inp)))
                 return out
             if name == "copy_":
                 rec.events.append(("copy", rec.region(args[0]), rec.region(args[1])))

@@ -20,8 +20,9 @@ from typing import Any
 # (fprop NT, dgrad NN, wgrad TN); version 2's timed every pass's in NT, and shared one timing
 # between passes of the same (m, k, n). 5: `aggregate` runs Transformer Engine's pairs
 # (one GEMM of two adjacent blocks a step after the partner's) where it ran both ring
-# directions (two GEMMs of one block a step).
-KEY_VERSION = 5
+# directions (two GEMMs of one block a step). 6: the ring reduce-scatter sends each
+# partial to its owner and sums them in one kernel, where it forwarded running sums.
+KEY_VERSION = 6
 
 
 def cache_key(job: dict[str, Any], hardware: dict[str, Any]) -> str:
