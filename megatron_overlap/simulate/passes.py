@@ -236,8 +236,9 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
     # a schedule timed eagerly already holds its host launch gaps
     eager_timed = gemm.measured_chunks(m, k, n, ops, chunks, kind, "eager")
     step_us = 0.0 if mode == "eager" and eager_timed else _step_us(hw, gemm)
-    # a measured ring reduce-scatter includes its reduction (the sum of its tp partials,
-    # as `gemm_rs.ring_exchange` runs it): taken out of its chunk GEMMs
+    # a measured ring reduce-scatter (`compute_side.py`: the flat `gemm_rs.ring_exchange`,
+    # whose timing the hierarchical order shares, `_KIND`) includes its one sum of the tp
+    # partials: taken out of its chunk GEMMs (the hierarchical order's own adds are events)
     block = spec.block_elems * spec.shape.numerics.params.itemsize
     extra = gemm.mem_us((tp + 1) * block) if run.schedule in ("rs_ring", "rs_hier") else 0.0
     # a measured FP8 pipeline holds its chunks' row copies: fp8_work counts them
