@@ -93,8 +93,8 @@ def arms(m, n, dt, local, amax_rows, g):
         assert f._run_compiled(("delayed_cast", x.dtype, dt), cast, x.view(-1), st.scale, used3,
                                o3.view(-1))
         compiled_t(o3, ot3)
-    return {"compiled": (lambda: (f._fused_cast(x, scale[0], o), compiled_t(o, ot)), (o, ot)),
-            "cast_only": (lambda: f._fused_cast(x, scale[0], o1), (o1,)),
+    return {"compiled": (lambda: (f._fused_cast(x, f.scale_value(scale), o), compiled_t(o, ot)), (o, ot)),
+            "cast_only": (lambda: f._fused_cast(x, f.scale_value(scale), o1), (o1,)),
             "kernel": (lambda: f.quantize(x, scale, dt, out=o2, out_t=ot2), (o2, ot2)),
             "delayed_compiled": (delayed_compiled, (o3, ot3, a3, used3)),
             "delayed_kernel": (lambda: f.delayed_quantize(x, st, dt, used4, a4, out=o4, out_t=ot4),

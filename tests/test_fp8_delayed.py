@@ -78,17 +78,17 @@ def test_histories_come_back_from_the_checkpoint(tp):
 def test_the_update_follows_transformer_engines_rule(algo, margin):
     """overlap.fp8.update_scale on its own: the window of the last 3 amaxes, 'max'
     against 'most_recent', the margin; the scale to the bit of the rule's."""
-    from megatron_overlap.overlap.fp8 import AmaxHistory, update_scale
+    from megatron_overlap.overlap.fp8 import AmaxHistory, scale_value, update_scale
 
     e5m2 = torch.float8_e5m2
     case = DelayedCase(Fp8Case("column", "ring", True, "bfloat16"), 3, algo, margin)
     st, seen, want = AmaxHistory(3, torch.device("cpu")), [], 1.0
-    assert float(st.scale[0]) == 1.0 and st.history.tolist() == [0.0] * 3
+    assert float(scale_value(st.scale)) == 1.0 and st.history.tolist() == [0.0] * 3
     for a in (2.0, 0.5, 0.3, 7.0, 0.25, 0.125, 0.0625, 3.0):
         update_scale(st, torch.tensor(a), e5m2, margin, algo)
         seen.append(float(torch.tensor(a)))  # the amax as the layer has it: float32
         want = next_scale(seen, want, e5m2, case)
-        assert float(st.scale[0]) == want, (seen, float(st.scale[0]), want)
+        assert float(scale_value(st.scale)) == want, (seen, float(scale_value(st.scale)), want)
         assert st.history.tolist() == pytest.approx(([0.0] * 3 + seen)[-3:])
 
 
@@ -96,27 +96,27 @@ def test_the_update_follows_transformer_engines_rule(algo, margin):
 def test_an_amax_of_zero_inf_or_nan_keeps_the_scale(bad):
     """As TE: the scale stays where the amax (most_recent) is 0, inf or NaN; a tiny one
     gives float32's largest scale, never inf (0 x inf would be NaN in the cast)."""
-    from megatron_overlap.overlap.fp8 import AmaxHistory, update_scale
+    from megatron_overlap.overlap.fp8 import AmaxHistory, scale_value, update_scale
 
     st = AmaxHistory(1, torch.device("cpu"))
     update_scale(st, torch.tensor(4.0), torch.float8_e4m3fn, 0, "most_recent")
-    assert float(st.scale[0]) == 448.0 / 4.0
+    assert float(scale_value(st.scale)) == 448.0 / 4.0
     update_scale(st, torch.tensor(bad), torch.float8_e4m3fn, 0, "most_recent")
-    assert float(st.scale[0]) == 448.0 / 4.0
+    assert float(scale_value(st.scale)) == 448.0 / 4.0
     update_scale(st, torch.tensor(1e-45), torch.float8_e4m3fn, 0, "most_recent")
-    assert float(st.scale[0]) == torch.finfo(torch.float32).max
+    assert float(scale_value(st.scale)) == torch.finfo(torch.float32).max
 
 
 def test_a_nan_amax_leaves_a_windows_max_to_the_others():
     """TE's reductions skip NaN (fmaxf): with 'max' over 4 amaxes, a NaN among them neither
     sticks nor freezes the scale: after 2, NaN, 1, 0.5, 0.25 the window is (NaN, 1, 0.5,
     0.25) and the scale fp8 max / 1."""
-    from megatron_overlap.overlap.fp8 import AmaxHistory, update_scale
+    from megatron_overlap.overlap.fp8 import AmaxHistory, scale_value, update_scale
 
     st = AmaxHistory(4, torch.device("cpu"))
     for a in (2.0, float("nan"), 1.0, 0.5, 0.25):
         update_scale(st, torch.tensor(a), torch.float8_e4m3fn, 0, "max")
-    assert float(st.scale[0]) == 448.0
+    assert float(scale_value(st.scale)) == 448.0
     assert st.history.tolist() == [0.0, 1.0, 0.5, 0.25]
 
 
@@ -126,6 +126,7 @@ def test_a_history_of_another_length_keeps_its_newest_amaxes():
     histories already made, in place (their addresses kept, for replayed passes)."""
     from megatron_overlap.layers.fp8 import DelayedScales
     from megatron_overlap.layers.precision import Precision
+    from megatron_overlap.overlap.fp8 import scale_value
 
     saved = {"fp8_recipe": "delayed", "amax_history": {"input": torch.arange(1.0, 6.0)},
              "scale": {"input": torch.tensor(3.0)}}
@@ -134,9 +135,9 @@ def test_a_history_of_another_length_keeps_its_newest_amaxes():
                                     history=length, algo="max"))
         d.load(saved)  # before first use
         st = d.get("input", torch.device("cpu"))
-        assert st.history.tolist() == want and float(st.scale[0]) == 3.0
+        assert st.history.tolist() == want and float(scale_value(st.scale)) == 3.0
         ptr = st.history.data_ptr()
         d.load({**saved, "scale": {"input": torch.tensor(5.0)}})  # in place
         assert d.get("input", torch.device("cpu")).history.data_ptr() == ptr
-        assert float(st.scale[0]) == 5.0 and st.history.tolist() == want
+        assert float(scale_value(st.scale)) == 5.0 and st.history.tolist() == want
         assert d.state()["amax_history"]["input"].tolist() == want

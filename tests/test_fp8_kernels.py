@@ -36,10 +36,11 @@ class StandIn:
             if FROM_AMAX:  # s: the amaxes; the scale made from their max, written with its inverse
                 a = amax[:na].max().double().clamp(min=1e-12)
                 scale = (FMAX / a).float()
-                used.copy_(torch.stack((scale, (1 / scale.double()).float())))
+                used.copy_(f.pair_of(scale, (1 / scale.double()).float()))
                 s = scale
-            if CAST:
-                q = (x.float() * s.reshape(-1)[0]).clamp(-FMAX, FMAX).to(o.dtype)
+            if CAST:  # s: the scale, a pair's at SCALE_AT (delayed: AMAX), else the value
+                value = s.reshape(-1)[k.SCALE_AT] if AMAX else s.reshape(-1)[0]
+                q = (x.float() * value).clamp(-FMAX, FMAX).to(o.dtype)
                 o.copy_(q)
                 if AMAX:  # s: the pair it copies out
                     amax.copy_(torch.maximum(amax, x.float().abs().max()))
@@ -86,7 +87,7 @@ def test_each_kernel_s_tensors_go_where_its_eager_definition_puts_them(kernel):
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
     # delayed: the scale pair used, the amax (from zero), the cast, with and without the
     # transpose
-    pair = torch.stack((scale, f.inverse(scale)))
+    pair = f.pair_of(scale)
     for name, t in (("delayed_cast_amax", False), ("delayed_cast_amax_t", True)):
         outs = [torch.zeros(2), torch.zeros(()), torch.empty(100, 72, dtype=E4M3)]
         refs = [torch.zeros(2), torch.zeros(()), torch.empty(100, 72, dtype=E4M3)]

@@ -69,7 +69,7 @@ def _cases(rank, world):
                 out_is_ours=y is out, bit_equal=torch.equal(y, y_ref),
                 gathered_fp8=gathered.dtype == ref.E4M3,
                 gathered_equal=torch.equal(gathered.view(torch.uint8), x8_ref.view(torch.uint8)),
-                scale_equal=torch.equal(sx, torch.stack((sx_ref, sx_ref.reciprocal()))),
+                scale_equal=torch.equal(sx, fp8.pair_of(sx_ref, sx_ref.reciprocal())),
                 rel=ref.rel(y, y_ref))
             tp.begin_pass("ag")
             all_gather_matmul(x_local.to(torch.bfloat16), w.to(torch.bfloat16), tp, op="ag", **kw)

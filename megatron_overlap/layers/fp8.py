@@ -39,7 +39,7 @@ import torch
 
 from ..comm.transport import Transport
 from ..overlap.fp8 import (TAIL, AmaxHistory, RowScaledGemm, ScaledGemm, amax,
-                           delayed_quantize, group_amaxes, group_max, inverse, quantize,
+                           delayed_quantize, group_amaxes, group_max, pair_of, quantize,
                            quantize_current, row_scales, rows_dequantized, rows_quantized,
                            scale_pair, scale_value, transposed, update_scale)
 from .precision import Precision
@@ -141,7 +141,7 @@ class DelayedScales:
             if n:
                 st.history[-n:].copy_(h[-n:])
             s = scale_value(s).to(st.scale)
-            st.scale.copy_(torch.stack((s, inverse(s))))
+            st.scale.copy_(pair_of(s))
 
 
 _STALE = object()  # a cache key no weight has

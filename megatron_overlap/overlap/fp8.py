@@ -14,8 +14,8 @@ Transformer Engine's and Megatron's 'tensorwise' recipe; or delayed scaling, the
   (overlap/fp8_kernels.py: inductor compiled the two-layout cast to two kernels each
   reading the wide input, and moved 1-byte transposes at ~1.3 TB/s on an H100).
   `set_fused` turns all of them off.
-- A per-tensor scale is kept as a pair, [scale, 1 / scale] (`scale_pair`): the cast
-  multiplies by the first, the scaled GEMM takes the second, written by the kernel that
+- A per-tensor scale is kept as a pair, [1 / scale, scale] (`scale_pair`): the cast
+  multiplies by the scale, the scaled GEMM takes the inverse, written by the kernel that
   makes the scale (`scale_for`; delayed scaling's `update_scale`), so no GEMM launches
   reciprocals of its own (two a GEMM: 24 kernels a layer's step).
 - Own code, and why:
@@ -112,13 +112,21 @@ def group_max(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     return _gathered(local, tp, op).view(tp.world_size, -1).amax(0)
 
 
-PAIR = fp8_kernels.PAIR  # a scale pair's shape: [scale, 1 / scale]
+PAIR = fp8_kernels.PAIR  # a scale pair's shape (its layout: fp8_kernels.INVERSE_AT, SCALE_AT)
 
 
 def scale_pair(device: torch.device | str) -> torch.Tensor:
-    """An (unwritten) scale pair: [scale, 1 / scale], fp32. The cast multiplies by the
-    first, the scaled GEMM (`ScaledGemm`) by the second."""
+    """An (unwritten) scale pair, fp32, an allocation of its own: the cast multiplies by
+    its scale, the scaled GEMM (`ScaledGemm`) by its inverse, which cuBLASLt needs
+    16-byte aligned (fp8_kernels.PAIR)."""
     return torch.empty(PAIR, dtype=torch.float32, device=device)
+
+
+def pair_of(scale: torch.Tensor, inv: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """A new scale pair of `scale` (0-d) and its inverse (`inverse(scale)` unless given)."""
+    parts = [scale, scale]
+    parts[fp8_kernels.INVERSE_AT] = inverse(scale) if inv is None else inv
+    return torch.stack(parts)
 
 
 def inverse(s: torch.Tensor) -> torch.Tensor:
@@ -129,20 +137,20 @@ def inverse(s: torch.Tensor) -> torch.Tensor:
 
 
 def scale_value(scale: torch.Tensor) -> torch.Tensor:
-    """What a cast multiplies by: a pair's first entry; any other scale (a value, a scale
-    per row) itself."""
-    return scale[0] if scale.shape == PAIR else scale
+    """What a cast multiplies by: a pair's scale; any other scale (a value, a scale per
+    row) itself."""
+    return scale[fp8_kernels.SCALE_AT] if scale.shape == PAIR else scale
 
 
 def scale_inverse(scale: torch.Tensor) -> torch.Tensor:
-    """What a scaled GEMM multiplies by: a pair's second entry (no kernel); a bare value's
+    """What a scaled GEMM multiplies by: a pair's inverse (no kernel); a bare value's
     reciprocal (a kernel)."""
-    return scale[1] if scale.shape == PAIR else scale.reciprocal()
+    return scale[fp8_kernels.INVERSE_AT] if scale.shape == PAIR else scale.reciprocal()
 
 
 def _scale_by(to_scale, dtype: torch.dtype, a: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     s = to_scale(a.amax(), dtype)  # (a vector of amaxes: their max, NaN kept)
-    return out.copy_(torch.stack((s, inverse(s))))
+    return out.copy_(pair_of(s))
 
 
 def scale_for(a: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None
@@ -325,7 +333,7 @@ def _current_cast_by(to_scale, saturate, dtype: torch.dtype, x: torch.Tensor,
     """`scale_for` into `pair`, then `_cast_by` with it (and the values transposed into
     `out_t`): what the 'current_cast' kernels write (overlap/fp8_kernels.py)."""
     _scale_by(to_scale, dtype, amaxes, pair)
-    _cast_by(saturate, x, pair[0], out)
+    _cast_by(saturate, x, scale_value(pair), out)
     return out if out_t is None else out_t.copy_(out.t())
 
 
@@ -372,7 +380,7 @@ def _delayed_cast_by(saturate, x: torch.Tensor, scale: torch.Tensor, used: torch
     """`_cast_by` with the history's scale pair, copied into `used` (which this
     quantization's GEMMs and backward read)."""
     used.copy_(scale)
-    return _cast_by(saturate, x, used[0], out)
+    return _cast_by(saturate, x, scale_value(used), out)
 
 
 def _delayed_cast_amax_by(saturate, x: torch.Tensor, scale: torch.Tensor, used: torch.Tensor,
@@ -432,8 +440,7 @@ def _update_by(use_max: bool, fp8_max: float, margin: int, history: torch.Tensor
     ref = (history.max() if use_max else a).to(torch.float64)
     new = (fp8_max / ref / 2.0 ** margin).clamp(max=torch.finfo(torch.float32).max)
     new = new.to(torch.float32)
-    scale.copy_(torch.where((ref > 0) & torch.isfinite(ref), torch.stack((new, inverse(new))),
-                            scale))
+    scale.copy_(torch.where((ref > 0) & torch.isfinite(ref), pair_of(new), scale))
 
 
 def update_scale(state: AmaxHistory, a: torch.Tensor, dtype: torch.dtype, margin: int,

@@ -63,7 +63,11 @@ def _flat2d(t: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (the tiles across the columns)
-PAIR = (2,)  # a scale pair's shape: [scale, 1 / scale]
+# A scale pair: [1 / scale, scale], the inverse first, at the start of its allocation:
+# cuBLASLt refuses a scale pointer not 16-byte aligned (CUBLAS_STATUS_NOT_SUPPORTED), and
+# the scaled GEMM passes the inverse's address as it is; a cast reads the scale anywhere.
+PAIR = (2,)
+INVERSE_AT, SCALE_AT = 0, 1
 MAX_AMAXES = 1024  # the most amaxes (a TP group's) a current cast reduces for its scale
 
 

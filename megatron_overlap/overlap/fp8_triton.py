@@ -5,6 +5,12 @@ imports Triton, which the runtime does not need."""
 import triton
 import triton.language as tl
 
+from . import fp8_kernels
+
+# where a scale pair keeps its inverse and its scale (fp8_kernels.PAIR)
+INVERSE_AT = tl.constexpr(fp8_kernels.INVERSE_AT)
+SCALE_AT = tl.constexpr(fp8_kernels.SCALE_AT)
+
 
 @triton.jit
 def max_nan(a, b):
@@ -53,7 +59,9 @@ def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, FMAX: tl.c
             if (pm == 0) & (pn == 0):
                 pair = tl.arange(0, 2)
                 inv = (1.0 / s.to(tl.float64)).to(tl.float32)
-                tl.store(used_ptr + pair, tl.where(pair == 0, s, inv))
+                tl.store(used_ptr + pair, tl.where(pair == INVERSE_AT, inv, s))
+        elif AMAX:
+            s = tl.load(s_ptr + SCALE_AT)
         else:
             s = tl.load(s_ptr)
         y = tl.maximum(x * s, -FMAX, propagate_nan=tl.PropagateNan.ALL)

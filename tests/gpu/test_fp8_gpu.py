@@ -104,7 +104,7 @@ def _schedules(rank, world):
             # compared now: the rings gather into the transport's workspace, valid until its
             # next begin_pass (on symm the bf16 pass below writes the same place)
             got = dict(gathered_equal=torch.equal(gathered.view(torch.uint8), x8_ref.view(torch.uint8)),
-                       scale_equal=torch.equal(sx, torch.stack((sx_ref, sx_ref.reciprocal()))))
+                       scale_equal=torch.equal(sx, fp8.pair_of(sx_ref, sx_ref.reciprocal())))
             tp.begin_pass("ag")
             all_gather_matmul(x_local.to(torch.bfloat16), w.to(torch.bfloat16), tp, op="ag", **kw)
             moved_bf16 = stats.snapshot()["ag"]["bytes"]

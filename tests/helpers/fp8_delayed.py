@@ -77,7 +77,9 @@ def _compared(got: dict, want: dict, case: DelayedCase) -> dict:
 
 def _held(layer) -> dict[str, float]:
     """The scales the layer's histories hold now (what its next quantizations use)."""
-    return {r: float(st.scale[0]) for r, st in layer._fp8_delayed._states.items()}
+    from megatron_overlap.overlap.fp8 import scale_value
+
+    return {r: float(scale_value(st.scale)) for r, st in layer._fp8_delayed._states.items()}
 
 
 def run_case(case: DelayedCase, rank: int, tp: int, steps: int = len(FACTORS),
