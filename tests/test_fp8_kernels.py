@@ -256,3 +256,18 @@ def test_quantize_on_cpu_never_reaches_the_kernels(kernel):
     assert torch.equal(pair, s) and not kernel.launches  # the group's max, with its inverse
     assert torch.equal(got.view(torch.uint8), f.quantize(x, s, E4M3).view(torch.uint8))
     assert torch.equal(out_t.view(torch.uint8), got.view(torch.uint8).t())
+
+
+def test_a_scaled_gemm_refuses_an_inverse_cublaslt_cannot_take():
+    """cuBLASLt refuses a scale pointer off a 16-byte boundary (CUBLAS_STATUS_NOT_SUPPORTED,
+    seen on an H100 with the inverse 4 bytes into a pair); a CPU takes any address, so the
+    check runs on every device. A pair keeps its inverse first, at its allocation's start."""
+    pair = f.pair_of(torch.tensor(4.0))
+    assert pair.shape == f.PAIR and pair.data_ptr() % 16 == 0
+    assert f.scale_inverse(pair).data_ptr() == pair.data_ptr()
+    assert float(f.scale_value(pair)) == 4.0 and float(f.scale_inverse(pair)) == 0.25
+    f.ScaledGemm(pair, pair, torch.bfloat16)  # fine
+    off = torch.tensor([0.0, 0.25, 4.0])[1:]  # a pair 4 bytes into its storage
+    with pytest.raises(ValueError, match="ScaledGemm: the inverse of scale b lies 4 bytes .*"
+                                         "cuBLASLt refuses"):
+        f.ScaledGemm(pair, off, torch.bfloat16)

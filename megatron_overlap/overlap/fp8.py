@@ -518,6 +518,12 @@ class ScaledGemm:
 
     def __init__(self, a_scale: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype):
         self.a_inv, self.b_inv = scale_inverse(a_scale), scale_inverse(b_scale)
+        for name, inv in (("a", self.a_inv), ("b", self.b_inv)):
+            if inv.data_ptr() % 16:  # (checked on every device: a CPU takes any address)
+                raise ValueError(
+                    f"ScaledGemm: the inverse of scale {name} lies {inv.data_ptr() % 16} bytes "
+                    f"past a 16-byte boundary, which cuBLASLt refuses (CUBLAS_STATUS_NOT_"
+                    f"SUPPORTED); keep scales in pairs of their own (overlap.fp8.scale_pair)")
         self.out_dtype = out_dtype
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
