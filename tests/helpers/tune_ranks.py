@@ -179,6 +179,7 @@ def fp8_trial_passes_match_reference(rank: int, world: int) -> list[dict]:
     from helpers import fp8_ref as ref
     from helpers.megatron_cpu import init
     from megatron_overlap.layers.precision import Precision
+    from megatron_overlap.overlap import fp8
     from megatron_overlap.simulate import Layout, Shape, trials
     from megatron_overlap.tune import DistributedMeasure
     from megatron_overlap.tune.passes import trial_pass
@@ -193,7 +194,7 @@ def fp8_trial_passes_match_reference(rank: int, world: int) -> list[dict]:
         for trial in trials(shape, layout, rs_dgrad=True):
             timed = trial_pass(trial, tp, "cpu", torch.float32, precision=p8)
             t, p = timed.tensors, trial.spec.pass_name
-            sf, sg = t["scale_fwd"][0], t["scale_grad"][0]  # (scale pairs: the values)
+            sf, sg = fp8.scale_value(t["scale_fwd"]), fp8.scale_value(t["scale_grad"])
             w8 = t["weight"]
             returned = timed.run()
             every = lambda v: [v] if world == 1 else _gather(v[None]).unbind(0)  # noqa: E731
