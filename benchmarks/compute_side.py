@@ -79,7 +79,9 @@ def main() -> None:
         spread = {f"{k}_range": (min(r[i][k] for r in runs), max(r[i][k] for r in runs))
                   for k in ("eager_ratio", "b2b_ratio", "replay_ratio", "graph_ratio")}
         table.append({**row, **med, **spread})
+    # ring_rs: the ring reduce-scatter timed here sums its partials once (simulate.calibration)
     meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, dtype=args.dtype,
+                ring_rs="sum",
                 reps=args.reps, repeat=args.repeat, host=platform.node(),
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

@@ -14,6 +14,7 @@ from megatron_overlap.simulate import (
     REFERENCE, PRESETS, Calibration, GemmModel, Hardware, Layout, candidates, layer_passes,
     parse_shapes, simulate, simulate_pass, trials,
 )
+from megatron_overlap.simulate.calibration import CalibrationError
 from megatron_overlap.simulate.passes import PassSpec
 from megatron_overlap.simulate.runs import Run, recorded, run_schedule
 from megatron_overlap.overlap import ring_steps
@@ -197,6 +198,30 @@ def _calibration_file(tmp_path):
     path = tmp_path / "compute_side.json"
     path.write_text(json.dumps({"meta": {"device": "NVIDIA H200"}, "rows": rows, "runs": [rows]}))
     return path
+
+
+def test_a_ring_reduce_scatter_s_measured_reduction_follows_the_file(tmp_path):
+    """A measured ring reduce-scatter's time holds its reduction, taken out before its GEMMs
+    are shared: the one sum of the TP partials where the file says it timed that ring
+    (compute_side.py's meta `ring_rs: sum`, and the tuner's own measurements), TP - 1
+    running-sum adds in a file from before it (no `ring_rs`); a value it does not know is
+    an error naming the file."""
+    path = _calibration_file(tmp_path)
+    legacy = Calibration.load(path)
+    doc = json.loads(path.read_text())
+    doc["meta"]["ring_rs"] = "sum"
+    path.write_text(json.dumps(doc))
+    new = Calibration.load(path)
+    assert (legacy.ring_rs, new.ring_rs, Calibration().ring_rs) == ("adds", "sum", "sum")
+    block = 1024 * 8192 * 2
+    old_g, new_g = GemmModel(HW, legacy), GemmModel(HW, new)
+    assert old_g.ring_rs_extra_us(8, block) == pytest.approx(7 * old_g.mem_us(3 * block))
+    assert new_g.ring_rs_extra_us(8, block) == pytest.approx(new_g.mem_us(9 * block))
+    assert old_g.ring_rs_extra_us(8, block) > 2 * new_g.ring_rs_extra_us(8, block)
+    doc["meta"]["ring_rs"] = "tree"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(CalibrationError, match="compute_side.json.*'ring_rs' is 'tree'"):
+        Calibration.load(path)
 
 
 def test_calibration_drives_gemm_times(tmp_path):

@@ -78,12 +78,12 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     world, rank, n = tp.world_size, tp.rank, w.shape[0]
     rows = _check_rows(op, x.shape[0], world, "TP ranks")
     blocks, wt = x.split(rows), w.t()
+    if world == 1:
+        return gemm(x, wt, out, op=op, chunk=0)
     dtype = out_dtype(gemm, x, out)  # the partials' (never FP8)
     # slot s: the partial sent at step s by rank - s - 1; the last: this rank's own
     parts = tp.workspace((world, rows, n), dtype, x.device)
-    sent = x.new_empty(max(world - 1, 1), rows, n, dtype=dtype).unbind(0)
-    if world == 1:
-        return gemm(x, wt, out, op=op, chunk=0)
+    sent = x.new_empty(world - 1, rows, n, dtype=dtype).unbind(0)
     handles: list[Handle] = []
     with streams or plain() as st:
         for s in range(world):

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 Dims = tuple[int, int, int, str]  # a GEMM [m, k] x [k, n] and its operand layout
 
+# what compute_side.py writes into its meta: the ring reduce-scatter it timed (Calibration.ring_rs)
+RING_RS = ("sum", "adds")
+
 # compute_side.py's (op, schedule label) -> the cost model's schedule kind
 _KINDS = {("ag", "ring"): "ag_ring", ("rs", "ring"): "rs_ring", ("rs", "pipeline4"): "rs_pipeline"}
 
@@ -123,6 +126,10 @@ class Calibration:
     host_step_us: list[float] = field(default_factory=list)
     source: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    # what a measured ring reduce-scatter holds besides its GEMMs (RING_RS): "sum", the one
+    # sum of its TP partials `overlap.gemm_rs.ring_exchange` runs; "adds", the TP - 1
+    # running-sum adds of the ring before it, in files that do not say (meta "ring_rs")
+    ring_rs: str = "sum"
     host: "HostTime | None" = None  # measured host time per layer pass call (host.py)
 
     @classmethod
@@ -138,7 +145,11 @@ class Calibration:
                                    "object with 'rows' (what benchmarks/compute_side.py --out "
                                    "writes)")
         meta = data.get("meta", {}) if isinstance(data, dict) else {}
-        cal = cls(source=where, meta=dict(meta) if isinstance(meta, dict) else {})
+        meta = dict(meta) if isinstance(meta, dict) else {}
+        cal = cls(source=where, meta=meta, ring_rs=meta.get("ring_rs", "adds"))
+        if cal.ring_rs not in RING_RS:
+            raise CalibrationError(f"calibration file {where!r}: meta 'ring_rs' is "
+                                   f"{cal.ring_rs!r}, not one of {sorted(RING_RS)}")
         for i, r in enumerate(rows):
             field = _Row(where, i, r)
             if field.integer("gemm_streams", 1) != 1:

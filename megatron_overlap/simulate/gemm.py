@@ -139,6 +139,14 @@ class GemmModel:
             base = self._roof(rows, k, n)
         return base * self._sm_factor(rows, k, n, sms)
 
+    def ring_rs_extra_us(self, tp: int, block_bytes: float) -> float:
+        """What a measured ring reduce-scatter's time holds besides its chunk GEMMs, as
+        its calibration measured the schedule (`Calibration.ring_rs`): the one sum of the
+        tp partials of a block, or, measured before that, tp - 1 running-sum adds."""
+        if self.calibration.ring_rs == "adds":
+            return (tp - 1) * self.mem_us(3 * block_bytes)
+        return self.mem_us((tp + 1) * block_bytes)
+
     def mem_us(self, moved: float) -> float:
         """A memory-bound kernel that reads and writes `moved` bytes in all (a ring
         reduce-scatter's `acc += incoming`: two reads and a write of its bytes; its sum

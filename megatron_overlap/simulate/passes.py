@@ -237,10 +237,10 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
     eager_timed = gemm.measured_chunks(m, k, n, ops, chunks, kind, "eager")
     step_us = 0.0 if mode == "eager" and eager_timed else _step_us(hw, gemm)
     # a measured ring reduce-scatter (`compute_side.py`: the flat `gemm_rs.ring_exchange`,
-    # whose timing the hierarchical order shares, `_KIND`) includes its one sum of the tp
-    # partials: taken out of its chunk GEMMs (the hierarchical order's own adds are events)
+    # whose timing the hierarchical order shares, `_KIND`) includes its reduction: taken
+    # out of its chunk GEMMs (the hierarchical order's own adds are events)
     block = spec.block_elems * spec.shape.numerics.params.itemsize
-    extra = gemm.mem_us((tp + 1) * block) if run.schedule in ("rs_ring", "rs_hier") else 0.0
+    extra = gemm.ring_rs_extra_us(tp, block) if run.schedule in ("rs_ring", "rs_hier") else 0.0
     # a measured FP8 pipeline holds its chunks' row copies: fp8_work counts them
     extra += _batched_work(spec, s, layout).us(hw)
     sms = sim.gemm_sms
