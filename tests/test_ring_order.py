@@ -214,3 +214,13 @@ def test_per_peer_transport_orders_a_send_after_an_arrival_through_the_other_tra
     tp.begin_pass("next")  # a new pass forwards nothing of the last
     tp.exchange([(t, 0)], [(t, 0)], op="next", chunk=1)
     assert order == [("start", "torch_p2p", 1)]
+    # a send of bytes that did not arrive (a reduce-scatter's partial) waits for nothing;
+    # a view of what arrived through the other transport waits for it
+    order.clear()
+    tp.begin_pass("rs")
+    part, slot, slot2 = torch.zeros(2), torch.zeros(2), torch.zeros(4)
+    tp.exchange([(part, 2)], [(slot, 3)], op="rs", chunk=1)  # sends via inter, receives via intra
+    tp.exchange([(torch.zeros(2), 0)], [(slot2, 0)], op="rs", chunk=2)  # other bytes: no wait
+    tp.exchange([(slot2[2:], 3)], [], op="rs", chunk=3)  # forwards inter's arrival via intra
+    assert order == [("start", "torch_p2p", 1), ("start", "symm", 1), ("start", "torch_p2p", 2),
+                     ("wait", "torch_p2p2"), ("start", "symm", 3)], order

@@ -75,6 +75,18 @@ class _All(Handle):
             h.wait()
 
 
+def _shares_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' spans of memory intersect (views of one buffer may)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((d - 1) * st for d, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
 class PerPeerTransport(Transport):
     """Routes each peer to the transport its place in the topology calls for.
 
@@ -88,7 +100,8 @@ class PerPeerTransport(Transport):
                  inter: Transport):
         super().__init__(topo.rank, topo.world_size, inter.timeout)
         self.topology, self.intra, self.inter = topo, intra, inter
-        self._received: dict[str, Handle] = {}  # role -> the last exchange's, where it received
+        # role -> the last exchange's handle and receive buffers, where it received
+        self._received: dict[str, tuple[Handle, list[torch.Tensor]]] = {}
         domain = set(topo.domains[topo.domain[topo.rank]]) if intra is not None else set()
         # peer -> (role, transport, the peer's rank in that transport)
         local = {p: i for i, p in enumerate(intra_peers)}
@@ -155,17 +168,19 @@ class PerPeerTransport(Transport):
         for t, p in recvs:
             role, tp, local = self._route[p]
             parts.setdefault(role, (tp, [], []))[2].append((t, local))
-        # A send may forward what the previous exchange received (a ring's step). Each
-        # transport orders its own exchanges, not the other's: where this one sends through
-        # one transport what may have arrived through the other, the current stream (whose
-        # order the sending transport follows) waits for that arrival first.
+        # A send may forward what the previous exchange received (a ring all-gather's step).
+        # Each transport orders its own exchanges, not the other's: where this one sends
+        # through one transport bytes that arrived through the other, the current stream
+        # (whose order the sending transport follows) waits for that arrival first. A send
+        # of other bytes (a reduce-scatter's partial) waits for nothing.
         for role, (_, s, _) in parts.items():
-            for other, h in self._received.items():
-                if s and other != role:
+            for other, (h, into) in self._received.items():
+                if other != role and any(_shares_bytes(t, r) for t, _, _ in s for r in into):
                     h.wait()
         handles = {role: tp.start_untraced("exchange", s, r, op, chunk)
                    for role, (tp, s, r) in parts.items()}
-        self._received = {role: h for role, h in handles.items() if parts[role][2]}
+        self._received = {role: (h, [t for t, _ in parts[role][2]])
+                          for role, h in handles.items() if parts[role][2]}
         out = list(handles.values())
         return out[0] if len(out) == 1 else _All(out)
 
