@@ -38,7 +38,7 @@ E4M3 = torch.float8_e4m3fn
 def _fused_amax(saturate, x, scale, used, amax_out, out):
     used.copy_(scale)
     f._amax_into(x, amax_out)
-    return f._cast_by(saturate, x, used[0], out)
+    return f._cast_by(saturate, x, f.scale_value(used), out)
 
 
 def variants(x: torch.Tensor) -> dict:

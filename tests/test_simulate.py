@@ -218,6 +218,16 @@ def test_a_ring_reduce_scatter_s_measured_reduction_follows_the_file(tmp_path):
     assert old_g.ring_rs_extra_us(8, block) == pytest.approx(7 * old_g.mem_us(3 * block))
     assert new_g.ring_rs_extra_us(8, block) == pytest.approx(new_g.mem_us(9 * block))
     assert old_g.ring_rs_extra_us(8, block) > 2 * new_g.ring_rs_extra_us(8, block)
+    # the tuner's cache keys on it (a file re-measured at the same path predicts anew), the
+    # model for another dtype keeps it, the report says it
+    from megatron_overlap.tune.hooks import ModelMeasure
+    keys = [ModelMeasure(HW, Layout(tp=8), c).hardware for c in (legacy, new)]
+    assert keys[0]["calibration"] == keys[1]["calibration"] and keys[0] != keys[1]
+    import torch
+    assert old_g.for_dtype(torch.float8_e4m3fn).calibration.ring_rs == "adds"
+    report = simulate(parse_shapes("70b", 8), HW, Layout(tp=8), calibration=legacy)
+    from megatron_overlap.simulate.report import to_json
+    assert to_json(report, "x")["meta"]["calibration_ring_rs"] == "adds"
     doc["meta"]["ring_rs"] = "tree"
     path.write_text(json.dumps(doc))
     with pytest.raises(CalibrationError, match="compute_side.json.*'ring_rs' is 'tree'"):

@@ -311,7 +311,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
              out: Optional[torch.Tensor] = None, out_t: Optional[torch.Tensor] = None
              ) -> torch.Tensor:
     """saturate(x * scale) in `dtype` (x upcast to fp32 first), into `out` when given;
-    `scale`: a scale pair (its first entry), a value or a scale per row. `out_t` (2-D
+    `scale`: a scale pair (its scale, `scale_value`), a value or a scale per row. `out_t` (2-D
     `x`, a contiguous tensor of the transposed shape): the same values transposed written
     there too (the FP8 GEMMs' other layout), by the cast's own kernel on a GPU
     ('cast_transpose'), else `transposed` from the FP8 values."""

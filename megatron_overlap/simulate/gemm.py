@@ -91,7 +91,8 @@ class GemmModel:
             return self
         if dtype not in self._others:
             cal = self.calibration
-            host = Calibration(host_step_us=list(cal.host_step_us), host=cal.host)
+            host = Calibration(host_step_us=list(cal.host_step_us), host=cal.host,
+                               ring_rs=cal.ring_rs)
             self._others[dtype] = GemmModel(self.fitted, host, dtype)
         return self._others[dtype]
 

@@ -145,6 +145,7 @@ def to_json(report: Report, command: str) -> dict[str, Any]:
                      "layout": {**dataclasses.asdict(report.layout), "nodes": report.layout.nodes,
                                 "local": report.layout.local},
                      "calibration": cal.source or None, "calibration_meta": cal.meta,
+                     "calibration_ring_rs": cal.ring_rs,
                      "host_time": cal.host_source(report.layout.mode, report.hw.eager_step_us,
                                                   megatron_modelled_host_us(report.hw)),
                      "host_time_file": cal.host.source if cal.host is not None else None,

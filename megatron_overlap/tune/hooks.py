@@ -56,7 +56,8 @@ class ModelMeasure:
         self.hw, self.layout = hw, layout
         self.gemm = GemmModel(hw, calibration)
         self.hardware = {"kind": "cost-model", **_machine(hw, layout, self.gemm.calibration.host),
-                         "calibration": self.gemm.calibration.source or None}
+                         "calibration": self.gemm.calibration.source or None,
+                         "ring_rs": self.gemm.calibration.ring_rs}
 
     def __call__(self, trial: Trial) -> dict[str, Any]:
         c = trial.candidate
