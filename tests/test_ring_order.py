@@ -201,12 +201,13 @@ def test_per_peer_transport_orders_a_send_after_an_arrival_through_the_other_tra
     topo = from_peers(1, [("a", None), ("b", None), ("a", None), ("b", None)])  # rank 1: node b
     intra, inter = Rec("symm", 2, 0), Rec("torch_p2p", 4, 1)
     tp = PerPeerTransport(topo, intra, (1, 3), inter)
-    t = torch.zeros(2)
+    a, b, c, d, e = (torch.zeros(2) for _ in range(5))  # each step forwards what arrived
     tp.begin_pass("ring")
-    tp.exchange([(t, 2)], [(t, 3)], op="ring", chunk=1)  # sends via inter, receives via intra
-    tp.exchange([(t, 0)], [(t, 0)], op="ring", chunk=2)  # sends via inter: waits intra's 1 first
-    tp.exchange([(t, 0)], [(t, 2)], op="ring", chunk=3)  # inter only, after inter: no wait
-    tp.exchange([(t, 3)], [(t, 3)], op="ring", chunk=4)  # sends via intra: waits inter's 3 first
+    tp.exchange([(a, 2)], [(b, 3)], op="ring", chunk=1)  # sends via inter, receives via intra
+    tp.exchange([(b, 0)], [(c, 0)], op="ring", chunk=2)  # forwards via inter: waits intra's 1 first
+    tp.exchange([(c, 0)], [(d, 2)], op="ring", chunk=3)  # inter only, after inter: no wait
+    tp.exchange([(d, 3)], [(e, 3)], op="ring", chunk=4)  # forwards via intra: waits inter's 3 first
+    t = e
     assert order == [("start", "torch_p2p", 1), ("start", "symm", 1), ("wait", "symm1"),
                      ("start", "torch_p2p", 2), ("start", "torch_p2p", 3), ("wait", "torch_p2p3"),
                      ("start", "symm", 4)], order
@@ -222,5 +223,8 @@ def test_per_peer_transport_orders_a_send_after_an_arrival_through_the_other_tra
     tp.exchange([(part, 2)], [(slot, 3)], op="rs", chunk=1)  # sends via inter, receives via intra
     tp.exchange([(torch.zeros(2), 0)], [(slot2, 0)], op="rs", chunk=2)  # other bytes: no wait
     tp.exchange([(slot2[2:], 3)], [], op="rs", chunk=3)  # forwards inter's arrival via intra
+    tp.exchange([(torch.zeros(2), 3)], [], op="rs", chunk=4)  # intra: nothing of inter's
+    tp.exchange([(slot, 0)], [], op="rs", chunk=5)  # intra's arrival of 3 exchanges ago, via inter
     assert order == [("start", "torch_p2p", 1), ("start", "symm", 1), ("start", "torch_p2p", 2),
-                     ("wait", "torch_p2p2"), ("start", "symm", 3)], order
+                     ("wait", "torch_p2p2"), ("start", "symm", 3), ("start", "symm", 4),
+                     ("wait", "symm1"), ("start", "torch_p2p", 5)], order

@@ -100,8 +100,8 @@ class PerPeerTransport(Transport):
                  inter: Transport):
         super().__init__(topo.rank, topo.world_size, inter.timeout)
         self.topology, self.intra, self.inter = topo, intra, inter
-        # role -> the last exchange's handle and receive buffers, where it received
-        self._received: dict[str, tuple[Handle, list[torch.Tensor]]] = {}
+        # this pass's arrivals: (role, the exchange's handle, its receive buffers)
+        self._received: list[tuple[str, Handle, list[torch.Tensor]]] = []
         domain = set(topo.domains[topo.domain[topo.rank]]) if intra is not None else set()
         # peer -> (role, transport, the peer's rank in that transport)
         local = {p: i for i, p in enumerate(intra_peers)}
@@ -151,7 +151,7 @@ class PerPeerTransport(Transport):
 
     def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
         self.check()
-        self._received = {}
+        self._received = []
         for t in self._parts():
             t.begin_pass(name, comm_priority)
 
@@ -171,16 +171,17 @@ class PerPeerTransport(Transport):
         # A send may forward what the previous exchange received (a ring all-gather's step).
         # Each transport orders its own exchanges, not the other's: where this one sends
         # through one transport bytes that arrived through the other, the current stream
-        # (whose order the sending transport follows) waits for that arrival first. A send
-        # of other bytes (a reduce-scatter's partial) waits for nothing.
+        # (whose order the sending transport follows) waits for that arrival first, however
+        # many exchanges ago in this pass it came. A send of other bytes (a reduce-scatter's
+        # partial) waits for nothing.
         for role, (_, s, _) in parts.items():
-            for other, (h, into) in self._received.items():
+            for other, h, into in self._received:
                 if other != role and any(_shares_bytes(t, r) for t, _, _ in s for r in into):
                     h.wait()
         handles = {role: tp.start_untraced("exchange", s, r, op, chunk)
                    for role, (tp, s, r) in parts.items()}
-        self._received = {role: (h, [t for t, _ in parts[role][2]])
-                          for role, h in handles.items() if parts[role][2]}
+        self._received += [(role, h, [t for t, _ in parts[role][2]])
+                           for role, h in handles.items() if parts[role][2]]
         out = list(handles.values())
         return out[0] if len(out) == 1 else _All(out)
 
