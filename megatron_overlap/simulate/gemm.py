@@ -124,7 +124,7 @@ class GemmModel:
         chunks: one chunk; an aggregate ring's pairs are two) of [m, k] x [k, n]. `kind`
         names the measured schedule (ag_ring, rs_ring, rs_pipeline) whose time, in launch
         `mode`, applies, shared by rows; `extra_us`: device time that schedule's
-        measurement holds besides its GEMMs (the ring reduce-scatter's adds), taken out
+        measurement holds besides its GEMMs (a ring reduce-scatter's reduction), taken out
         before sharing."""
         rows, dims = m // chunks if rows is None else rows, (m, k, n, layout)
         if chunks == 1:
