@@ -155,11 +155,11 @@ def table(doc: dict) -> str:
     lines.append(f"goal: fp8 chunked >= {GOAL} of fp8 whole at every pick: "
                  f"{'met' if g['met'] else 'NOT MET'} (worst {g['worst']:.3f}, {g['worst_pass']}; "
                  f"median {g['median']:.3f}; {g['below']} of {len(doc['rows'])} below)")
-    lay = [r["fp8_chunked_vs_whole_own"] for r in doc["rows"]]
+    own = [r["fp8_chunked_vs_whole_own"] for r in doc["rows"]]
     lines.append(f"against the whole FP8 GEMM with the pass's own work (a wgrad's gathered operand transposed, a ring "
                  f"reduce-scatter's sum of partials): worst "
-                 f"{min(lay):.3f}, median {statistics.median(lay):.3f}, {sum(v < GOAL for v in lay)} "
-                 f"of {len(lay)} below {GOAL}")
+                 f"{min(own):.3f}, median {statistics.median(own):.3f}, {sum(v < GOAL for v in own)} "
+                 f"of {len(own)} below {GOAL}")
     lines.append("ms per pass; ch/wh = whole ms / chunked ms (>= 1: chunking costs nothing); "
                  "fp8 x = bf16 ms / fp8 ms; ch/wh+own = the same against the whole FP8 GEMM "
                  "with a wgrad's transposed gathered operand, or a ring reduce-scatter's sum, in it (other passes: as ch/wh). FP8 operands quantized "

@@ -24,9 +24,9 @@ Transformer Engine's and Megatron's 'tensorwise' recipe; or delayed scaling, the
     replay keeps), which torchao's `addmm_float8_unwrapped` does not offer; and it checks
     cuBLAS's layout rules on every device (CPU runs any layout, the GPU does not), so a
     CPU test catches an operand a GPU would refuse.
-  - `shared_amax`: the amax of a tensor that will be gathered is the maximum over the TP
-    group (as TE's current scaling reduces it), so the gathered tensor has one scale and
-    equals one whole-tensor quantization. The reduction is an all-gather of one float per
+  - `group_amaxes` (`shared_amax`, their max): the amax of a tensor that will be
+    gathered is the maximum over the TP group (as TE's current scaling reduces it), so
+    the gathered tensor has one scale and equals one whole-tensor quantization. The reduction is an all-gather of one float per
     rank through the transport (bounded, named, traced like every wait here); torchao's
     `reduce_amax` is an unbounded functional collective over a device mesh.
   - Delayed scaling: torchao's float8 scales dynamically only (no amax history);
