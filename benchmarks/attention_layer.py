@@ -192,10 +192,12 @@ def memory(emu, arms, e, kind: str) -> dict:
 
 def attention_alone(shape: lc.LayerShape, arms, dtype, device, reps: int) -> dict:
     """Each arm's core attention alone, fwd+bwd graphed, ms; and ours on DOCS packed
-    documents per sequence (THD) against ours causal over the whole sequence."""
+    documents per sequence (THD) against ours causal over the whole sequence. The replays
+    alternate (`time_interleaved`): timed one after the other, two arms running the same
+    kernels differed by up to 8% (clock drift)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_overlap.tune.measure import graphed, time_ms
+    from megatron_overlap.tune.measure import graphed, time_interleaved
 
     d = shape.dims
     heads, groups, hd = d.heads // shape.tp, d.query_groups // shape.tp, d.hidden // d.heads
@@ -212,11 +214,10 @@ def attention_alone(shape: lc.LayerShape, arms, dtype, device, reps: int) -> dic
             out = fn()
             out.backward(dy.reshape(out.shape))
         return step
-    out = {}
+    replays = {}
     for arm in arms:
         core = arm.layer.self_attention.core_attention
-        step = fwd_bwd(lambda core=core: core(q, k, v, None), q, k, v)
-        out[arm.name] = time_ms(graphed(step), reps, warmup=2)
+        replays[arm.name] = graphed(fwd_bwd(lambda core=core: core(q, k, v, None), q, k, v))
     ours = arms[-1].layer.self_attention.core_attention
     t = s * b  # the batch's sequences back to back: b * DOCS documents in one pack
     qt, kt, vt = mk(t, heads, hd), mk(t, groups, hd), mk(t, groups, hd)
@@ -224,7 +225,8 @@ def attention_alone(shape: lc.LayerShape, arms, dtype, device, reps: int) -> dic
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=s // DOCS, max_seqlen_kv=s // DOCS)
     step = fwd_bwd(lambda: ours(qt, kt, vt, None, packed_seq_params=params), qt, kt, vt)
-    out[f"ours_packed_{DOCS}_docs"] = time_ms(graphed(step), reps, warmup=2)
+    replays[f"ours_packed_{DOCS}_docs"] = graphed(step)
+    out = time_interleaved(replays, reps)
     out["packed_ran"] = ", ".join(sorted(ours.ran))
     return out
 

@@ -6,13 +6,14 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 
 from megatron_overlap.ab.launch import Layout
 from megatron_overlap.ab.layer_arms import Method, parse_methods
 from megatron_overlap.ab.shapes import BY_NAME, parse, scaled
-from megatron_overlap.ab.timing import hidden_fraction, rotated, summary
+from megatron_overlap.ab.timing import balanced_orders, hidden_fraction, rotated, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -115,6 +116,21 @@ def test_rotation_gives_every_arm_every_position():
     names = ["a", "b", "c"]
     firsts = {rotated(names, r)[0] for r in range(3)}
     assert firsts == set(names) and all(sorted(rotated(names, r)) == names for r in range(5))
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_balanced_orders_put_each_arm_after_each_other_equally(n):
+    """A plain rotation keeps every arm's predecessor fixed (the GPU state an arm starts
+    in); the design varies it: over one design, every arm in every position equally, and
+    every ordered pair of arms adjacent equally (once for even n, twice for odd)."""
+    rounds = balanced_orders(n)
+    assert len(rounds) == (n if n % 2 == 0 else 2 * n)
+    assert all(sorted(r) == list(range(n)) for r in rounds)
+    for pos in range(n):
+        assert Counter(r[pos] for r in rounds) == Counter({a: len(rounds) // n for a in range(n)})
+    pairs = Counter((r[i], r[i + 1]) for r in rounds for i in range(n - 1))
+    assert set(pairs) == {(a, b) for a in range(n) for b in range(n) if a != b}
+    assert set(pairs.values()) == {1 if n % 2 == 0 else 2}
 
 
 def test_methods_and_shapes():

@@ -38,11 +38,29 @@ def sample(fn: Callable[[], object], device: torch.device, inner: int = 1) -> tu
     return start.elapsed_time(end) / 1e3 / inner, host
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """The rounds of a Williams design over `n` arms: a Latin square (each arm takes each
+    position once) in which each arm also runs right after each other arm equally often
+    (once for even n; for odd n the square and its mirror, 2n rounds, twice). An arm's
+    time depends on what ran before it (the GPU's clock and power state: after a
+    memory-bound arm it can boost), which a plain rotation keeps fixed: there the same
+    arm always precedes it."""
+    if n <= 1:
+        return [[0]] if n == 1 else [[]]
+    first, lo, hi = [0], 1, n - 1
+    for i in range(1, n):
+        first.append(lo if i % 2 else hi)
+        lo, hi = (lo + 1, hi) if i % 2 else (lo, hi - 1)
+    rounds = [[(x + r) % n for x in first] for r in range(n)]
+    return rounds + [row[::-1] for row in rounds] if n % 2 else rounds
+
+
 def rotated(names: Sequence[str], rep: int) -> list[str]:
-    """The arm order of repetition `rep`: each arm takes each position in turn, so none
-    always runs right after a slow one (or first, on a cold cache)."""
-    k = rep % max(len(names), 1)
-    return list(names[k:]) + list(names[:k])
+    """The arm order of repetition `rep` (`balanced_orders`): each arm takes each position
+    in turn, and follows each other arm equally often, so none always runs right after a
+    slow one (or first, on a cold cache)."""
+    rounds = balanced_orders(len(names))
+    return [names[i] for i in rounds[rep % len(rounds)]]
 
 
 def gather_max(per_rank: dict[str, list[float]]) -> tuple[dict[str, list[float]], list[dict[str, list[float]]]]:

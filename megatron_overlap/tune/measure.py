@@ -41,17 +41,21 @@ def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 5) -> float:
 def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2
                      ) -> dict[str, float]:
     """Per name, the median of per-call device times (CUDA events), the calls of all
-    `fns` alternating one by one (the order rotating each round), so that the GPU's
-    clock and power drift, which moves one GEMM by up to ~10% within seconds on an H200,
-    hits every one alike: the way to compare arms a few percent apart."""
+    `fns` alternating one by one in the rounds of a balanced design (`ab.timing.rotated`:
+    each name in each position, and after each other name, equally often; `reps` is
+    rounded up to whole designs), so that the GPU's clock and power drift, which moves
+    one GEMM by up to ~10% within seconds on an H200, and what the previous call left
+    it at hit every one alike: the way to compare arms a few percent apart."""
+    from ..ab.timing import balanced_orders, rotated
+
     names = list(fns)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+    design = len(balanced_orders(len(names)))
     times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(reps):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:
+    for r in range(-(-reps // design) * design):
+        for n in rotated(names, r):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fns[n]()
