@@ -24,7 +24,8 @@ give the same output, input grad and parameter grads (max |diff| / max |megatron
 per tensor: 1e-5 in float32, 2e-2 in bfloat16). `--timing null` times on `null`
 instead (nothing moved or written), which compares unlike data (timing_transport).
 
-Timed, arms interleaved (order rotated each repeat), medians over --repeat:
+Timed, arms interleaved (each repeat an order of a balanced design: every arm first, and
+right after every other arm, equally often), medians over --repeat:
 - eager, back to back: --reps fwd+bwd calls queued, one sync at the end
   (device ms per call; host us to issue one);
 - graphed: fwd+bwd of the layer captured in one CUDA graph, replayed (device ms
