@@ -87,7 +87,7 @@ class SDPAReference(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
-def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.device):
+def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.device, fusions: str):
     """One arm's layer: built under install() (torch norms take SP in every arm), with
     Megatron's attention for megatron and sdpa_ref, ours for ours."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -100,7 +100,7 @@ def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.devi
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         if arm == "sdpa_ref":
             spec.submodules.self_attention.submodules.core_attention = SDPAReference
-        config = lc.layer_config(shape, arm == "ours", dtype, device, args.fusions)
+        config = lc.layer_config(shape, arm == "ours", dtype, device, fusions)
         layer = build_module(spec, config=config, layer_number=1)
     finally:
         mo.uninstall()
@@ -111,7 +111,7 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     d = shape.dims
-    layers = {a: build(shape, a, dtype, device) for a in ARMS}
+    layers = {a: build(shape, a, dtype, device, args.fusions) for a in ARMS}
     for a in ARMS[1:]:
         got = layers[a].load_state_dict(layers["megatron"].state_dict(), strict=True)
         assert not got.missing_keys and not got.unexpected_keys, got

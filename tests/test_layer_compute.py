@@ -173,3 +173,29 @@ def test_megatron_lm_fusions_run_megatrons_fused_swiglu_with_the_same_result():
     assert res["megatron_lm"] == (True, True, False)
     assert res["off_swiglu_calls"] == 0 and res["megatron_lm_swiglu_calls"] == 1
     assert res["diff"] <= 1e-5
+
+
+def _attention_layer(rank: int, world: int, out: str) -> dict:
+    import json
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import attention_layer
+
+    res: dict = {"rc": attention_layer.main(["--shapes", "tiny", "--device", "cpu", "--out", out,
+                                             "--fusions", "megatron_lm"])}
+    with open(os.path.join(out, "attention_layer_cpu.json")) as f:
+        res["doc"] = json.load(f)
+    return res
+
+
+def test_attention_layer_cpu_builds_its_arms_and_checks_them(tmp_path):
+    """benchmarks/attention_layer.py on CPU at the tiny shape: its four arms built (with
+    Megatron-LM's fusions), each running the core attention it names, every arm within
+    fp32's bound of Megatron's layer (timing and memory need a GPU)."""
+    res = run(_attention_layer, 1, str(tmp_path), timeout=300)[0]
+    assert res["rc"] == 0
+    (row,) = res["doc"]["rows"]
+    assert row["attention"] == {"megatron": "DotProductAttention", "sdpa_ref": "SDPAReference",
+                                "ours_attention": "TorchDotProductAttention",
+                                "ours": "TorchDotProductAttention"}
+    assert res["doc"]["checks_passed"] and "GPU" in row["skipped"]
