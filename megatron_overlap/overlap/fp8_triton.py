@@ -12,10 +12,20 @@ INVERSE_AT = tl.constexpr(fp8_kernels.INVERSE_AT)
 SCALE_AT = tl.constexpr(fp8_kernels.SCALE_AT)
 
 
+# NaN-keeping max and clamp as selects, not tl.maximum / tl.minimum with
+# propagate_nan=ALL: on sm90 a value made by those (PTX max.NaN / min.NaN) and stored
+# transposed comes out corrupted (triton-lang/triton#11111; seen on an H100 here: cast_t's
+# transposed copy of a float32 [1024, 8192] held NaN bytes where its other copy was right).
 @triton.jit
 def max_nan(a, b):
     """max that keeps a NaN (tl.maximum's default drops it)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def clamp_nan(y, lo, hi):
+    """y clamped to [lo, hi], a NaN kept (comparisons with it are false)."""
+    return tl.where(y < lo, lo, tl.where(y > hi, hi, y))
 
 
 @triton.jit
@@ -30,11 +40,11 @@ def amax_into(x, amax_ptr):
 def scale_from(amax_ptr, na, FMAX: tl.constexpr, NA: tl.constexpr):
     """torchao's amax_to_scale of the max of the `na` amaxes at amax_ptr (NaN kept):
     fp8 max / max(amax, 1e-12), divided in fp64, rounded to fp32. (The clamp is taken in
-    fp32, at fp32(1e-12), where PTX has a NaN-keeping max: no fp32 amax lies between the
-    two bounds, and fp8 max over either rounds to the same fp32 scale.)"""
+    fp32, at fp32(1e-12): no fp32 amax lies between the two bounds, and fp8 max over
+    either rounds to the same fp32 scale.)"""
     i = tl.arange(0, NA)
     a = tl.reduce(tl.load(amax_ptr + i, mask=i < na, other=0.0), 0, max_nan)
-    a = tl.maximum(a, 1e-12, propagate_nan=tl.PropagateNan.ALL).to(tl.float64)
+    a = tl.where(a < 1e-12, 1e-12, a).to(tl.float64)
     return (FMAX / a).to(tl.float32)
 
 
@@ -64,8 +74,7 @@ def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, FMAX: tl.c
             s = tl.load(s_ptr + SCALE_AT)
         else:
             s = tl.load(s_ptr)
-        y = tl.maximum(x * s, -FMAX, propagate_nan=tl.PropagateNan.ALL)
-        q = tl.minimum(y, FMAX, propagate_nan=tl.PropagateNan.ALL).to(o_ptr.dtype.element_ty)
+        q = clamp_nan(x * s, -FMAX, FMAX).to(o_ptr.dtype.element_ty)
         tl.store(o_ptr + offs, q, mask=mask)
         if AMAX:
             amax_into(x, amax_ptr)
