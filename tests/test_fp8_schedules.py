@@ -196,39 +196,6 @@ def test_a_pipeline_chunk_is_one_fp8_gemm_over_every_ranks_rows(monkeypatch, row
     assert len(calls) == 2 and torch.equal(got2, got[:2])
 
 
-@pytest.mark.parametrize("offset", [0, 1])
-def test_a_chunks_strided_fp8_rows_are_copied_as_words(offset):
-    """`rows_together` gives a strided [TP, rows, k] FP8 chunk's bytes as one matrix, with
-    the copy made of 8-byte words where the rows lie on 8-byte boundaries (torch's 1-byte
-    float8 copy of strided rows is slow on a GPU), and as torch's copy where they do not."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from megatron_overlap.overlap import fp8
-
-    class Copies(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.dtypes = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.clone.default, torch.ops.aten.copy_.default,
-                        torch.ops.aten._unsafe_view.default) or "copy" in str(func):
-                self.dtypes.append(out.dtype)
-            return out
-
-    x = torch.randn(4, 3, 16, 72).to(torch.float8_e4m3fn)  # rows 72 bytes apart
-    chunk = x[:, 1, :, offset:offset + 64]  # rank entries of the pipeline's chunk 1
-    with Copies() as seen:
-        got = fp8.rows_together(chunk)
-    assert got.dtype == chunk.dtype and got.is_contiguous() and got.shape == (64, 64)
-    assert torch.equal(got.view(torch.uint8), chunk.reshape(-1, 64).view(torch.uint8))
-    assert seen.dtypes and set(seen.dtypes) == ({torch.int64} if offset == 0 else {chunk.dtype})
-    whole = x[:, 1, :, :64].contiguous()
-    assert fp8.rows_together(whole).data_ptr() == whole.data_ptr()  # nothing to copy
-
-
 def test_transposed_copies_are_exact_and_the_compiled_kernels_can_be_switched_off():
     """`transposed` (the FP8 GEMMs' layouts; a compiled kernel on a GPU, torch's copy
     here) equals t.t() for FP8 and other dtypes; set_fused returns the previous setting."""

@@ -550,26 +550,11 @@ def batched(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, mm) -> torch.Te
     far less than a launch and a wave tail per entry (TP of them per chunk). Otherwise one
     GEMM per entry."""
     if b.stride(0) == 0 and out.is_contiguous():
-        mm(rows_together(a), b[0], out.view(-1, out.shape[-1]))
+        mm(a.reshape(-1, a.shape[-1]), b[0], out.view(-1, out.shape[-1]))
         return out
     for i in range(a.shape[0]):
         mm(a[i], b[i], out[i])
     return out
-
-
-def rows_together(a: torch.Tensor) -> torch.Tensor:
-    """`a` ([entries, rows, k]) as one [entries * rows, k] matrix, copied where its entries
-    are strided. FP8 rows are copied as 8-byte words: torch's copy of 1-byte float8
-    elements in a strided layout is an unvectorized kernel at a fraction of the memory's
-    bandwidth, and the bytes are the same."""
-    k = a.shape[-1]
-    if a.is_contiguous() or a.element_size() != 1 or a.stride(-1) != 1 or k % 8:
-        return a.reshape(-1, k)
-    try:
-        words = a.view(torch.int64)  # needs the rows and the offset on 8-byte boundaries
-    except RuntimeError:
-        return a.reshape(-1, k)
-    return words.reshape(-1, k // 8).view(a.dtype)
 
 
 def _check_rowwise(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, op: str) -> None:
