@@ -13,7 +13,8 @@ Bounds, and why:
   (same FP8 operands, same GEMM); only the sum over ranks runs in another order: at most
   world - 1 fp32 roundings (2^-24 each), so 1e-6 relative (norm) is generous.
 - GEMM->RS, bf16 output: the partials are rounded to bf16 as the reference's are, and
-  the reference sums them in fp64; ours adds them in bf16 (gloo, the ring) or fp32 (the
+  the reference sums them in fp64; ours adds them in bf16 (gloo's reduce-scatter, in the
+  pipeline and bulk) or fp32 (the ring's and the hierarchical order's sums, the
   symmetric-memory transports) and rounds the result to bf16: at most world roundings
   (world - 1 additions, the last rounding) of 2^-9 each, so world * 2^-9 relative (norm).
 - Bytes: an FP8 gather moves exactly half the bytes of the same gather in bf16.

@@ -135,6 +135,45 @@ def test_ring_reduce_scatter_accumulates_in_fp32_and_rounds_once(traced):
         assert not all(ev["rs_ring_bf16"]["once_is_running"] for ev, _ in per_rank)
 
 
+def _hierarchical_bf16(rank, world):
+    """Per layout of emulated nodes: does the hierarchical reduce-scatter's bf16 result
+    equal each node's partials summed in fp32 and rounded once, then the node partials
+    likewise; and would bf16 running sums have given those bits."""
+    import torch
+    import torch.distributed as tdist
+
+    from megatron_overlap.overlap import matmul_reduce_scatter
+
+    tp = _setup(rank, world)
+    wb = torch.randn(12, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+    xs = [torch.randn(world * 8, 16, generator=torch.Generator().manual_seed(10 + r)).bfloat16()
+          for r in range(world)]
+    blocks = [x[rank * 8:(rank + 1) * 8] @ wb.t() for x in xs]
+    res = {}
+    for nodes in (((0, 1), (2, 3)), ((0,), (1,), (2,), (3,))):
+        node_parts = [torch.stack([blocks[r] for r in m]).float().sum(0).bfloat16() for m in nodes]
+        twice = torch.stack(node_parts).float().sum(0).bfloat16()
+        running = node_parts[0].clone()
+        for p in node_parts[1:]:
+            running += p
+        y = matmul_reduce_scatter(xs[rank], wb, tp, op="rs", method="ring_exchange",
+                                  num_splits=1, nodes=nodes)
+        res[len(nodes)] = (torch.equal(y, twice), torch.equal(twice, running))
+    tdist.destroy_process_group()
+    return res
+
+
+def test_hierarchical_reduce_scatter_sums_each_level_in_fp32():
+    """Across nodes (TP=4 as 2 nodes x 2 and 4 nodes x 1): each node's partials in one fp32
+    sum, rounded once, then the node partials likewise. At 4 nodes of one rank that is the
+    whole sum rounded once, where node partials added in bf16 one after the other, as the
+    order did before, round at each add (the test tells them apart on some rank)."""
+    per_rank = dist.run(_hierarchical_bf16, 4)
+    for res in per_rank:
+        assert res[2][0] and res[4][0], res
+    assert not all(res[4][1] for res in per_rank)
+
+
 def test_pipeline_reduces_each_chunk_under_the_next_gemm(traced):
     _, per_rank = traced
     for ev, _ in per_rank:

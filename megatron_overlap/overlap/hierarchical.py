@@ -7,10 +7,11 @@ transfers first and keep them in flight under the most compute:
 - AG->GEMM: send the own block to its counterparts (same local index) on the other
   nodes; ring the node's own L blocks (GEMM each as it arrives); only then wait for
   the remote blocks, and ring those among the L local ranks (GEMM as they arrive).
-- GEMM->RS: for each other node, ring-reduce-scatter its L blocks' partials among
-  the local ranks and send the node-partial to the counterpart at once; then the
-  own node's ring (hiding those sends); finally add the incoming node-partials in
-  node order (the same order on every rank).
+- GEMM->RS: for each other node, reduce-scatter its L blocks' partials among the
+  local ranks (point to point, each partial straight to the rank that sums it) and
+  send the node-partial to the counterpart at once; then the own node's blocks
+  (hiding those sends); finally sum the node-partials of the own block. Every sum is
+  one reduction (fp32 accumulation, one rounding), as in the flat ring.
 
 `nodes` is the ring layout: group ranks per node (per P2P domain), node-major, all
 of one size. Results are in group-rank order, exactly as the flat ring returns them.
@@ -159,33 +160,39 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes: La
     return out, gathered
 
 
-def _reduce_ring(tp: Transport, blocks, wt, members: Sequence[int], slots, accs, *, me_l: int,
-                 right: int, left: int, chunk: int, st: ChunkStreams, op: str, gemm: Gemm):
-    """Ring-reduce the partials of `members`' row blocks (one node's ranks) among this
-    node's ranks: step s computes the partial of block (me_l - s - 1), adds the running
-    sum that came from the left, and sends it right; the send of step s is in flight
-    under the GEMM of step s+1. Returns the last running sum: the node's partial of
-    block `members[me_l]`. `slots`: the receive workspaces, `accs`: the running sums."""
-    handle, size = None, len(members)
+def _reduce_node(tp: Transport, blocks, wt, members: Sequence[int], mine: Sequence[int], slots,
+                 sent, *, me_l: int, chunk: int, st: ChunkStreams, op: str, gemm: Gemm
+                 ) -> list[Handle]:
+    """Reduce-scatter the partials of `members`' row blocks (one node's ranks) among this
+    node's ranks `mine`, point to point (`gemm_rs.ring_exchange`'s order): step s < size
+    - 1 computes the partial of block (me_l + s + 1) into `sent[s]` and sends it to the
+    local rank that reduces it, into that rank's `slots[s]`, in flight under the next
+    step's GEMM; the last step computes the partial of block `members[me_l]` into
+    `slots[-1]`. Returns the transfers into `slots` (the caller sums them once all have
+    arrived)."""
+    size, handles = len(members), []
     for s in range(size):
         with st.chunk(chunk + s):
-            acc = accs[s]
-            gemm(blocks[members[(me_l - s - 1) % size]], wt, acc, op=op, chunk=chunk + s)
-            if handle is not None:
-                handle.wait()
-                acc += slots[s - 1]
-            if s + 1 < size:
-                handle = tp.exchange([(acc, right, slots[s])], [(slots[s], left)], op=op,
-                                     chunk=chunk + s)
-    return accs[size - 1]
+            if s + 1 == size:
+                gemm(blocks[members[me_l]], wt, slots[s], op=op, chunk=chunk + s)
+                continue
+            to = (me_l + s + 1) % size
+            gemm(blocks[members[to]], wt, sent[s], op=op, chunk=chunk + s)
+            handles.append(tp.exchange([(sent[s], mine[to], slots[s])],
+                                       [(slots[s], mine[(me_l - s - 1) % size])], op=op,
+                                       chunk=chunk + s))
+    return handles
 
 
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes: Layout, *,
                           op: str, streams: ChunkStreams | None = None,
                           out: torch.Tensor | None = None, gemm: Gemm = matmul) -> torch.Tensor:
     """reduce_scatter(x @ w.T) over row blocks in the hierarchical order: returns this
-    rank's [rows, n] block summed over ranks. GEMM chunk ids count GEMMs in order; a
-    transfer's chunk id is that of the GEMM whose (partial) sum it carries."""
+    rank's [rows, n] block summed over ranks. Each node's partials are summed in one
+    reduction (fp32 accumulation, one rounding: torch's sum), and the node partials in
+    another, so a bf16 result is rounded twice, whatever the sizes. GEMM chunk ids count
+    GEMMs in order; a transfer's chunk id is that of the GEMM whose partial it carries
+    (a node partial: the last GEMM of its round)."""
     world, rank, n = tp.world_size, tp.rank, w.shape[0]
     _check_layout(nodes, world, op)
     if x.shape[0] % world:
@@ -195,38 +202,36 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes
     me_n, me_l = _position(nodes, rank)
     mine, size = nodes[me_n], len(nodes[me_n])
     blocks, wt = x.split(rows), w.t()
-    dtype = out_dtype(gemm, x, out)  # the partial sums' (never FP8)
-    ring_in = tp.workspace((n_nodes, max(size - 1, 1), rows, n), dtype, x.device)
-    node_in = tp.workspace((n_nodes, rows, n), dtype, x.device).unbind(0)  # by sending node
-    accs = x.new_empty(n_nodes, size, rows, n, dtype=dtype)  # running sums, caller's stream
+    dtype = out_dtype(gemm, x, out)  # the partials' (never FP8)
+    # per round k, slot s < size - 1: the partial local rank me_l - s - 1 sent; the last:
+    # this rank's own; node_in[m]: node m's partial of this rank's block (its own: here)
+    node_slots = tp.workspace((n_nodes, size, rows, n), dtype, x.device)
+    node_in = tp.workspace((n_nodes, rows, n), dtype, x.device)
+    sent = x.new_empty(n_nodes, max(size - 1, 1), rows, n, dtype=dtype)  # caller's stream
+    node_out = x.new_empty(max(n_nodes - 1, 1), rows, n, dtype=dtype)
     out = x.new_empty(rows, n, dtype=dtype) if out is None else out
-    ring = dict(me_l=me_l, right=mine[(me_l + 1) % size], left=mine[(me_l - 1) % size], op=op,
-                gemm=gemm)
     inter: list[Handle] = []
     with streams or plain() as st:
-        # 1. Every other node's blocks, in pairing order: reduce them in this node's ring,
-        #    then send the node's partial to its owner (the same local index there) at once.
-        for k, m in enumerate(partners(me_n, n_nodes)):
-            part = _reduce_ring(tp, blocks, wt, nodes[m], ring_in[k], accs[k], chunk=k * size,
-                                st=st, **ring)
-            with st.chunk((k + 1) * size - 1):  # the stream that wrote `part` sends it
-                inter.append(tp.exchange([(part, nodes[m][me_l], node_in[me_n])],
-                                         [(node_in[m], nodes[m][me_l])], op=op,
-                                         chunk=(k + 1) * size - 1))
-        # 2. The own node's blocks, hiding those sends.
-        last = (n_nodes - 1) * size
-        own = _reduce_ring(tp, blocks, wt, mine, ring_in[n_nodes - 1], accs[n_nodes - 1],
-                           chunk=last, st=st, **ring)
-        # 3. The other nodes' partials of the own block, added in node order (the same
-        #    order on every rank).
-        with st.chunk(last + size - 1):
+        # 1. Every other node's blocks, in pairing order: reduce-scatter them in this
+        #    node, then send the node's partial to its owner (the same local index there).
+        # 2. The own node's blocks last, hiding those sends.
+        order = partners(me_n, n_nodes) + [me_n]
+        for k, m in enumerate(order):
+            last = k * size + size - 1
+            arriving = _reduce_node(tp, blocks, wt, nodes[m], mine, node_slots[k], sent[k],
+                                    me_l=me_l, chunk=k * size, st=st, op=op, gemm=gemm)
+            with st.chunk(last):  # the stream of the round's last GEMM sums and sends
+                for h in arriving:
+                    h.wait()
+                if m == me_n:
+                    torch.sum(node_slots[k], dim=0, out=node_in[me_n])
+                    continue
+                torch.sum(node_slots[k], dim=0, out=node_out[k])
+                inter.append(tp.exchange([(node_out[k], nodes[m][me_l], node_in[me_n])],
+                                         [(node_in[m], nodes[m][me_l])], op=op, chunk=last))
+        # 3. The node partials of the own block, summed in one reduction.
+        with st.chunk(n_nodes * size - 1):
             for h in inter:
                 h.wait()
-            parts = [own if m == me_n else node_in[m] for m in range(n_nodes)]
-            if len(parts) == 1:  # one node: the ring's sum is the result
-                out.copy_(parts[0])
-            else:
-                torch.add(parts[0], parts[1], out=out)
-                for p in parts[2:]:
-                    out.add_(p)
+            torch.sum(node_in, dim=0, out=out)
     return out

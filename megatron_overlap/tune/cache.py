@@ -21,8 +21,10 @@ from typing import Any
 # between passes of the same (m, k, n). 5: `aggregate` runs Transformer Engine's pairs
 # (one GEMM of two adjacent blocks a step after the partner's) where it ran both ring
 # directions (two GEMMs of one block a step). 6: the ring reduce-scatter sends each
-# partial to its owner and sums them in one kernel, where it forwarded running sums.
-KEY_VERSION = 6
+# partial to its owner and sums them in one kernel, where it forwarded running sums. 7: the
+# hierarchical reduce-scatter does the same inside each node and sums the node partials in
+# one kernel, where it forwarded running sums and added the node partials one by one.
+KEY_VERSION = 7
 
 
 def cache_key(job: dict[str, Any], hardware: dict[str, Any]) -> str:

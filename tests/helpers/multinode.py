@@ -56,21 +56,21 @@ def expected_ag(nodes, rank: int, inter: str = INTER, intra: str = INTRA) -> lis
 
 
 def expected_rs(nodes, rank: int, inter: str = INTER, intra: str = INTRA) -> list[tuple]:
-    """Per round (other nodes first, the own node last) the flat ring reduce-scatter
-    over the local ranks; a round for another node ends by sending its partial over
-    the inter link; the node-partials are waited on at the end."""
+    """Per round (other nodes first, the own node last) the point-to-point reduce-scatter
+    over the local ranks: each step's GEMM, its partial sent at once (all but the last),
+    the round's arrivals waited on after its last GEMM; a round for another node ends by
+    sending its node partial over the inter link; those are waited on at the end."""
     n_nodes, size = len(nodes), len(nodes[0])
     ev, t = [], 0
     for k in range(n_nodes):
         for s in range(size):
             ev.append(("gemm", t, ""))
-            if s:
-                ev.append(("wait", t - 1, intra))
             if s + 1 < size:
                 ev.append(("start", t, intra))
-            elif k + 1 < n_nodes:
-                ev.append(("start", t, inter))
             t += 1
+        ev += [("wait", k * size + s, intra) for s in range(size - 1)]
+        if k + 1 < n_nodes:
+            ev.append(("start", t - 1, inter))
     return ev + [("wait", k * size + size - 1, inter) for k in range(n_nodes - 1)]
 
 
