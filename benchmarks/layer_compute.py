@@ -24,12 +24,13 @@ give the same output, input grad and parameter grads (max |diff| / max |megatron
 per tensor: 1e-5 in float32, 2e-2 in bfloat16). `--timing null` times on `null`
 instead (nothing moved or written), which compares unlike data (timing_transport).
 
-Timed, arms interleaved (each repeat an order of a balanced design: every arm first, and
-right after every other arm, equally often), medians over --repeat:
+Timed, arms interleaved (each repeat one round of a balanced design, `ab.timing.rotated`),
+medians over --repeat:
 - eager, back to back: --reps fwd+bwd calls queued, one sync at the end
   (device ms per call; host us to issue one);
 - graphed: fwd+bwd of the layer captured in one CUDA graph, replayed (device ms
-  per replay; the arms' replays alternate call by call: time_interleaved). Not on
+  per replay; the arms' replays alternate call by call, each right after each other
+  equally often, --reps rounded up to whole cycles of that order: time_interleaved). Not on
   CPU: CUDA graphs need a GPU.
 ratio = megatron ms / ours ms (>1: ours faster).
 

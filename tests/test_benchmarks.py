@@ -13,7 +13,7 @@ import pytest
 from megatron_overlap.ab.launch import Layout
 from megatron_overlap.ab.layer_arms import Method, parse_methods
 from megatron_overlap.ab.shapes import BY_NAME, parse, scaled
-from megatron_overlap.ab.timing import balanced_orders, hidden_fraction, rotated, summary
+from megatron_overlap.ab.timing import balanced_orders, hidden_fraction, rotated, serial_order, summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -131,6 +131,18 @@ def test_balanced_orders_put_each_arm_after_each_other_equally(n):
     pairs = Counter((r[i], r[i + 1]) for r in rounds for i in range(n - 1))
     assert set(pairs) == {(a, b) for a in range(n) for b in range(n) if a != b}
     assert set(pairs.values()) == {1 if n % 2 == 0 else 2}
+
+
+@pytest.mark.parametrize("n", range(0, 9))
+def test_serial_order_puts_each_arm_right_after_each_other_once(n):
+    """time_interleaved's calls: read as a cycle (it is repeated), every ordered pair of
+    distinct arms adjacent exactly once, no arm right after itself, each arm n - 1 times."""
+    seq = serial_order(n)
+    assert len(seq) == n * (n - 1) if n > 1 else seq == [0] * n
+    if n > 1:
+        pairs = Counter(zip(seq, seq[1:] + seq[:1]))
+        assert pairs == Counter({(a, b): 1 for a in range(n) for b in range(n) if a != b})
+        assert Counter(seq) == Counter({a: n - 1 for a in range(n)})
 
 
 def test_methods_and_shapes():

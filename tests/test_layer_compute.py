@@ -185,15 +185,23 @@ def _attention_layer(rank: int, world: int, out: str) -> dict:
                                              "--fusions", "megatron_lm"])}
     with open(os.path.join(out, "attention_layer_cpu.json")) as f:
         res["doc"] = json.load(f)
+    import torch
+
+    shape = attention_layer.shape_of("tiny")
+    for fusions in ("off", "megatron_lm"):
+        c = attention_layer.build(shape, "ours", torch.float32, torch.device("cpu"), fusions).config
+        res[fusions] = (c.bias_activation_fusion, c.bias_dropout_fusion)
     return res
 
 
 def test_attention_layer_cpu_builds_its_arms_and_checks_them(tmp_path):
     """benchmarks/attention_layer.py on CPU at the tiny shape: its four arms built (with
-    Megatron-LM's fusions), each running the core attention it names, every arm within
-    fp32's bound of Megatron's layer (timing and memory need a GPU)."""
+    Megatron-LM's fusions), each with the core attention class it names, every arm within
+    fp32's bound of Megatron's layer (timing and memory need a GPU); --fusions reaches the
+    layers' config."""
     res = run(_attention_layer, 1, str(tmp_path), timeout=300)[0]
     assert res["rc"] == 0
+    assert res["off"] == (False, False) and res["megatron_lm"] == (True, True)
     (row,) = res["doc"]["rows"]
     assert row["attention"] == {"megatron": "DotProductAttention", "sdpa_ref": "SDPAReference",
                                 "ours_attention": "TorchDotProductAttention",

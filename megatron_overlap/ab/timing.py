@@ -40,11 +40,11 @@ def sample(fn: Callable[[], object], device: torch.device, inner: int = 1) -> tu
 
 def balanced_orders(n: int) -> list[list[int]]:
     """The rounds of a Williams design over `n` arms: a Latin square (each arm takes each
-    position once) in which each arm also runs right after each other arm equally often
-    (once for even n; for odd n the square and its mirror, 2n rounds, twice). An arm's
-    time depends on what ran before it (the GPU's clock and power state: after a
-    memory-bound arm it can boost), which a plain rotation keeps fixed: there the same
-    arm always precedes it."""
+    position once) in which, within the rounds, each arm also runs right after each other
+    arm equally often (once for even n; for odd n the square and its mirror, 2n rounds,
+    twice). An arm's time depends on what ran before it (the GPU's clock and power state:
+    after a memory-bound arm it can boost), which a plain rotation keeps fixed: there the
+    same arm almost always precedes it."""
     if n <= 1:
         return [[0]] if n == 1 else [[]]
     first, lo, hi = [0], 1, n - 1
@@ -56,11 +56,31 @@ def balanced_orders(n: int) -> list[list[int]]:
 
 
 def rotated(names: Sequence[str], rep: int) -> list[str]:
-    """The arm order of repetition `rep` (`balanced_orders`): each arm takes each position
-    in turn, and follows each other arm equally often, so none always runs right after a
-    slow one (or first, on a cold cache)."""
+    """The arm order of repetition `rep`, a round of `balanced_orders`: over whole designs
+    each arm takes each position equally often and, within the rounds, follows each other
+    arm equally often, so none always runs right after a slow one (or first, on a cold
+    cache). Rounds run back to back add one pair at each boundary."""
     rounds = balanced_orders(len(names))
     return [names[i] for i in rounds[rep % len(rounds)]]
+
+
+def serial_order(n: int) -> list[int]:
+    """`n` arms in a sequence of n * (n - 1) calls, each arm n - 1 times, in which, read
+    as a cycle (so repeating it keeps the property), each arm runs right after each other
+    arm exactly once and never right after itself: an Eulerian circuit of the complete
+    directed graph on the arms (Hierholzer's algorithm). For calls that alternate one by
+    one (`tune.measure.time_interleaved`), where rounds run back to back would repeat
+    pairs at their boundaries (for two arms: 0 1 | 1 0 | 0 1 runs each twice in a row)."""
+    if n <= 1:
+        return [0] * n
+    left = {a: [b for b in range(n - 1, -1, -1) if b != a] for a in range(n)}  # edges to take
+    stack, circuit = [0], []
+    while stack:
+        if left[stack[-1]]:
+            stack.append(left[stack[-1]].pop())
+        else:
+            circuit.append(stack.pop())
+    return circuit[::-1][:-1]  # the circuit returns to 0: its last call is the first again
 
 
 def gather_max(per_rank: dict[str, list[float]]) -> tuple[dict[str, list[float]], list[dict[str, list[float]]]]:

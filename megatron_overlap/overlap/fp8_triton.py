@@ -15,7 +15,7 @@ SCALE_AT = tl.constexpr(fp8_kernels.SCALE_AT)
 # NaN-keeping max and clamp as selects, not tl.maximum / tl.minimum with
 # propagate_nan=ALL: on sm90 a value made by those (PTX max.NaN / min.NaN) and stored
 # transposed can come out corrupted (triton-lang/triton#11111). On an H100, cast_t's
-# transposed copy of a float32 [1024, 8192] held NaN bytes where its other copy was right.
+# transposed copy of a float32 [1024, 8192] held wrong bytes where its other copy was right.
 @triton.jit
 def max_nan(a, b):
     """max that keeps a NaN (tl.maximum's default drops it)."""

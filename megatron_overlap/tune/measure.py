@@ -41,21 +41,22 @@ def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 5) -> float:
 def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2
                      ) -> dict[str, float]:
     """Per name, the median of per-call device times (CUDA events), the calls of all
-    `fns` alternating one by one in the rounds of a balanced design (`ab.timing.rotated`:
-    each name in each position, and after each other name, equally often; `reps` is
-    rounded up to whole designs), so that the GPU's clock and power drift, which moves
-    one GEMM by up to ~10% within seconds on an H200, and what the previous call left
-    it at hit every one alike: the way to compare arms a few percent apart."""
-    from ..ab.timing import balanced_orders, rotated
+    `fns` alternating one by one in a serially balanced order (`ab.timing.serial_order`:
+    each name right after each other name equally often, never after itself; `reps`
+    rounded up to whole cycles of it), so that the GPU's clock and power drift, which moves
+    one GEMM by up to ~10% within seconds on an H200, and the state the previous call left
+    it in hit every one alike: the way to compare arms a few percent apart."""
+    from ..ab.timing import serial_order
 
     names = list(fns)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    design = len(balanced_orders(len(names)))
+    cycle = [names[i] for i in serial_order(len(names))] or names
+    per_cycle = max(len(names) - 1, 1)
     times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(-(-reps // design) * design):
-        for n in rotated(names, r):
+    for _ in range(-(-reps // per_cycle)):
+        for n in cycle:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
             fns[n]()
