@@ -228,3 +228,56 @@ def test_per_peer_transport_orders_a_send_after_an_arrival_through_the_other_tra
     assert order == [("start", "torch_p2p", 1), ("start", "symm", 1), ("start", "torch_p2p", 2),
                      ("wait", "torch_p2p2"), ("start", "symm", 3), ("start", "symm", 4),
                      ("wait", "symm1"), ("start", "torch_p2p", 5)], order
+
+
+def test_a_torch_p2p_transfer_waited_on_twice_orders_both_waiters(monkeypatch):
+    """The per-peer transport waits for an arrival on the forwarding send's stream and the
+    schedule waits for it again on its GEMM's stream. torch's works are waited on once (a
+    gloo receive waited on again waits for another message); on a GPU the first wait
+    orders its stream and records an event there, which every later wait's stream waits
+    for (a handle that did nothing on its second wait left the GEMM's stream unordered).
+    CUDA's event and streams stood in for on CPU."""
+    import torch
+
+    from megatron_overlap.comm.torch_p2p import _Works
+
+    class Work:
+        def __init__(self):
+            self.waits = 0
+
+        def wait(self, timeout=None):
+            self.waits += 1
+            return True
+
+    log = []
+
+    class Event:
+        def record(self):
+            log.append(("record", stream[0]))
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_event(self, event):
+            log.append(("wait_event", self.name, isinstance(event, Event)))
+
+    stream = ["s1"]
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: Stream(stream[0]))
+    for cuda in (False, True):
+        works, log[:] = [Work(), Work()], []
+        handle = _Works(works, timeout=None, cuda=cuda)
+        stream[0] = "s1"
+        handle.wait()
+        stream[0] = "s2"
+        handle.wait()
+        assert [w.waits for w in works] == [1, 1]
+        assert log == ([("record", "s1"), ("wait_event", "s2", True)] if cuda else [])
+
+    class Silent(Work):
+        def wait(self, timeout=None):
+            return False  # torch's answer when the timeout passed
+
+    with pytest.raises(TimeoutError):
+        _Works([Silent()], timeout=1.0).wait()

@@ -14,14 +14,31 @@ from .transport import Handle, SendRecv, Transport, as_bytes
 
 
 class _Works(Handle):
-    def __init__(self, works: Sequence[dist.Work], timeout):
-        self._works, self._timeout = list(works), timeout
+    """torch's works of one transfer. A transfer may be waited on from more than one
+    stream (the per-peer transport orders a forwarding send after an arrival, then the
+    GEMM's stream waits for the same arrival), and each waiter's stream must be ordered
+    after it. The works are waited on once (a second wait of a gloo send or receive
+    waits for another message); on a GPU that wait orders the current stream, and an
+    event recorded there right after orders every later waiter's stream."""
+
+    def __init__(self, works: Sequence[dist.Work], timeout, cuda: bool = False):
+        self._works, self._timeout, self._cuda = list(works), timeout, cuda
+        self._done: torch.cuda.Event | bool = False
 
     def wait(self) -> None:
+        if isinstance(self._done, torch.cuda.Event):
+            torch.cuda.current_stream().wait_event(self._done)
+            return
+        if self._done:
+            return
         for work in self._works:
             if not work.wait(self._timeout):
                 raise TimeoutError(f"no completion within {self._timeout}")
         self._works.clear()
+        self._done = True
+        if self._cuda:
+            self._done = torch.cuda.Event()
+            self._done.record()
 
 
 class _ReduceScatterByAllReduce(Handle):
@@ -52,11 +69,13 @@ class TorchP2PTransport(Transport):
     def _start_exchange(self, sends, recvs: Sequence[SendRecv], op: str, chunk: int) -> Handle:
         ops = [dist.P2POp(dist.isend, as_bytes(t), self._global[p], self.group) for t, p, _ in sends]
         ops += [dist.P2POp(dist.irecv, as_bytes(t), self._global[p], self.group) for t, p in recvs]
-        return _Works(dist.batch_isend_irecv(ops) if ops else [], self.timeout)
+        cuda = any(t.is_cuda for t, *_ in (*sends, *recvs))
+        return _Works(dist.batch_isend_irecv(ops) if ops else [], self.timeout, cuda)
 
     def _start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int) -> Handle:
         return _Works([dist.all_gather_into_tensor(as_bytes(out), as_bytes(inp.contiguous()),
-                                                   group=self.group, async_op=True)], self.timeout)
+                                                   group=self.group, async_op=True)], self.timeout,
+                      out.is_cuda)
 
     def _start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int
                               ) -> Handle:
@@ -64,10 +83,11 @@ class TorchP2PTransport(Transport):
             return _ReduceScatterByAllReduce(out, inp, self.rank, self.world_size, self.group,
                                              self.timeout)
         return _Works([dist.reduce_scatter_tensor(out, inp.contiguous(), group=self.group,
-                                                  async_op=True)], self.timeout)
+                                                  async_op=True)], self.timeout, out.is_cuda)
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: str, chunk: int) -> Handle:
-        return _Works([dist.all_reduce(tensor, group=self.group, async_op=True)], self.timeout)
+        return _Works([dist.all_reduce(tensor, group=self.group, async_op=True)], self.timeout,
+                      tensor.is_cuda)
 
     def describe(self) -> dict[str, object]:
         return {**super().describe(), "dist_backend": str(dist.get_backend(self.group))}
