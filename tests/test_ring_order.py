@@ -231,12 +231,12 @@ def test_per_peer_transport_orders_a_send_after_an_arrival_through_the_other_tra
 
 
 def test_a_torch_p2p_transfer_waited_on_twice_orders_both_waiters(monkeypatch):
-    """The per-peer transport waits for an arrival on the forwarding send's stream and the
-    schedule waits for it again on its GEMM's stream. torch's works are waited on once (a
-    gloo receive waited on again waits for another message); on a GPU the first wait
-    orders its stream and records an event there, which every later wait's stream waits
-    for (a handle that did nothing on its second wait left the GEMM's stream unordered).
-    CUDA's event and streams stood in for on CPU."""
+    """A ring's GEMM stream waits for an arrival, and the per-peer transport waits for it
+    again before forwarding it through its other transport. torch's works are waited on
+    once (a gloo receive waited on again waits for another message); on a GPU the first
+    wait orders its stream and records an event there, which every later wait's stream
+    waits for (a handle that did nothing on its second wait left that stream, and so the
+    forwarding send, unordered). CUDA's event and streams stood in for on CPU."""
     import torch
 
     from megatron_overlap.comm.torch_p2p import _Works

@@ -15,9 +15,9 @@ from .transport import Handle, SendRecv, Transport, as_bytes
 
 class _Works(Handle):
     """torch's works of one transfer. A transfer may be waited on from more than one
-    stream (the per-peer transport orders a forwarding send after an arrival, then the
-    GEMM's stream waits for the same arrival), and each waiter's stream must be ordered
-    after it. The works are waited on once (a second wait of a gloo send or receive
+    stream (a ring's GEMM stream waits for an arrival, and the per-peer transport waits
+    for it again before forwarding it through its other transport), and each waiter's
+    stream must be ordered after it. The works are waited on once (a second wait of a gloo send or receive
     waits for another message); on a GPU that wait orders the current stream, and an
     event recorded there right after orders every later waiter's stream."""
 
