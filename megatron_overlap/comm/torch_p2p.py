@@ -17,9 +17,10 @@ class _Works(Handle):
     """torch's works of one transfer. A transfer may be waited on from more than one
     stream (a ring's GEMM stream waits for an arrival, and the per-peer transport waits
     for it again before forwarding it through its other transport), and each waiter's
-    stream must be ordered after it. The works are waited on once (a second wait of a gloo send or receive
-    waits for another message); on a GPU that wait orders the current stream, and an
-    event recorded there right after orders every later waiter's stream."""
+    stream must be ordered after it. The works are waited on once (a second wait of a
+    gloo send or receive waits for another message); on a GPU that wait orders the
+    current stream, and an event recorded there right after orders every later waiter's
+    stream."""
 
     def __init__(self, works: Sequence[dist.Work], timeout, cuda: bool = False):
         self._works, self._timeout, self._cuda = list(works), timeout, cuda
