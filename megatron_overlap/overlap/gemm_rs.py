@@ -65,6 +65,30 @@ def pipeline(x: torch.Tensor, w: torch.Tensor, tp: Transport, num_splits: int, *
     return out
 
 
+def send_partials(tp: Transport, blocks: Sequence[torch.Tensor], wt: torch.Tensor,
+                  peers: Sequence[int], me: int, slots: torch.Tensor, sent: torch.Tensor, *,
+                  chunk: int, st: ChunkStreams, op: str, gemm: Gemm) -> list[Handle]:
+    """The steps of Transformer Engine's point-to-point reduce-scatter among `peers`
+    (transport ranks; `blocks[j]`: the rows `peers[j]` reduces; this rank is `peers[me]`):
+    step s < len(peers) - 1 computes the partial of block (me + s + 1) into `sent[s]` and
+    sends it to that block's peer, into its `slots[s]`, in flight while the next step's
+    GEMM runs; the last step computes this rank's own block's partial into `slots[-1]`.
+    Returns the transfers into `slots` (the caller sums `slots` once all have arrived).
+    GEMM and transfer chunk ids count from `chunk`."""
+    size, handles = len(peers), []
+    for s in range(size):
+        with st.chunk(chunk + s):
+            if s + 1 == size:
+                gemm(blocks[me], wt, slots[s], op=op, chunk=chunk + s)
+                continue
+            to = (me + s + 1) % size
+            gemm(blocks[to], wt, sent[s], op=op, chunk=chunk + s)
+            handles.append(tp.exchange([(sent[s], peers[to], slots[s])],
+                                       [(slots[s], peers[(me - s - 1) % size])], op=op,
+                                       chunk=chunk + s))
+    return handles
+
+
 def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
                   streams: ChunkStreams | None = None, out: torch.Tensor | None = None,
                   gemm: Gemm = matmul) -> torch.Tensor:
@@ -83,18 +107,10 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     dtype = out_dtype(gemm, x, out)  # the partials' (never FP8)
     # slot s: the partial sent at step s by rank - s - 1; the last: this rank's own
     parts = tp.workspace((world, rows, n), dtype, x.device)
-    sent = x.new_empty(world - 1, rows, n, dtype=dtype).unbind(0)
-    handles: list[Handle] = []
+    sent = x.new_empty(world - 1, rows, n, dtype=dtype)
     with streams or plain() as st:
-        for s in range(world):
-            with st.chunk(s):
-                if s + 1 == world:
-                    gemm(blocks[rank], wt, parts[s], op=op, chunk=s)
-                    continue
-                owner = (rank + s + 1) % world
-                gemm(blocks[owner], wt, sent[s], op=op, chunk=s)
-                handles.append(tp.exchange([(sent[s], owner, parts[s])],
-                                           [(parts[s], (rank - s - 1) % world)], op=op, chunk=s))
+        handles = send_partials(tp, blocks, wt, range(world), rank, parts, sent, chunk=0,
+                                st=st, op=op, gemm=gemm)
         for h in handles:
             h.wait()
     out = x.new_empty(rows, n, dtype=dtype) if out is None else out

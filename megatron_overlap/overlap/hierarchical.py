@@ -30,6 +30,7 @@ import torch
 from ..comm.topology import Topology
 from ..comm.transport import Handle, Transport
 from .gemm import Gemm, matmul, out_dtype
+from .gemm_rs import send_partials
 from .streams import ChunkStreams, plain
 
 Layout = Sequence[Sequence[int]]
@@ -160,30 +161,6 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes: La
     return out, gathered
 
 
-def _reduce_node(tp: Transport, blocks, wt, members: Sequence[int], mine: Sequence[int], slots,
-                 sent, *, me_l: int, chunk: int, st: ChunkStreams, op: str, gemm: Gemm
-                 ) -> list[Handle]:
-    """Reduce-scatter the partials of `members`' row blocks (one node's ranks) among this
-    node's ranks `mine`, point to point (`gemm_rs.ring_exchange`'s order): step s < size
-    - 1 computes the partial of block (me_l + s + 1) into `sent[s]` and sends it to the
-    local rank that reduces it, into that rank's `slots[s]`, in flight under the next
-    step's GEMM; the last step computes the partial of block `members[me_l]` into
-    `slots[-1]`. Returns the transfers into `slots` (the caller sums them once all have
-    arrived)."""
-    size, handles = len(members), []
-    for s in range(size):
-        with st.chunk(chunk + s):
-            if s + 1 == size:
-                gemm(blocks[members[me_l]], wt, slots[s], op=op, chunk=chunk + s)
-                continue
-            to = (me_l + s + 1) % size
-            gemm(blocks[members[to]], wt, sent[s], op=op, chunk=chunk + s)
-            handles.append(tp.exchange([(sent[s], mine[to], slots[s])],
-                                       [(slots[s], mine[(me_l - s - 1) % size])], op=op,
-                                       chunk=chunk + s))
-    return handles
-
-
 def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes: Layout, *,
                           op: str, streams: ChunkStreams | None = None,
                           out: torch.Tensor | None = None, gemm: Gemm = matmul) -> torch.Tensor:
@@ -207,19 +184,21 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, nodes
     # this rank's own; node_in[m]: node m's partial of this rank's block (its own: here)
     node_slots = tp.workspace((n_nodes, size, rows, n), dtype, x.device)
     node_in = tp.workspace((n_nodes, rows, n), dtype, x.device)
-    sent = x.new_empty(n_nodes, max(size - 1, 1), rows, n, dtype=dtype)  # caller's stream
-    node_out = x.new_empty(max(n_nodes - 1, 1), rows, n, dtype=dtype)
+    sent = x.new_empty(n_nodes, size - 1, rows, n, dtype=dtype)  # caller's stream
+    node_out = x.new_empty(n_nodes - 1, rows, n, dtype=dtype)
     out = x.new_empty(rows, n, dtype=dtype) if out is None else out
     inter: list[Handle] = []
     with streams or plain() as st:
         # 1. Every other node's blocks, in pairing order: reduce-scatter them in this
-        #    node, then send the node's partial to its owner (the same local index there).
+        #    node (point to point, `send_partials`), then send the node's partial to its
+        #    owner (the same local index there).
         # 2. The own node's blocks last, hiding those sends.
         order = partners(me_n, n_nodes) + [me_n]
         for k, m in enumerate(order):
             last = k * size + size - 1
-            arriving = _reduce_node(tp, blocks, wt, nodes[m], mine, node_slots[k], sent[k],
-                                    me_l=me_l, chunk=k * size, st=st, op=op, gemm=gemm)
+            arriving = send_partials(tp, [blocks[r] for r in nodes[m]], wt, mine, me_l,
+                                     node_slots[k], sent[k], chunk=k * size, st=st, op=op,
+                                     gemm=gemm)
             with st.chunk(last):  # the stream of the round's last GEMM sums and sends
                 for h in arriving:
                     h.wait()

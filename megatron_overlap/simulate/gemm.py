@@ -149,9 +149,9 @@ class GemmModel:
         return self.mem_us((tp + 1) * block_bytes)
 
     def mem_us(self, moved: float) -> float:
-        """A memory-bound kernel that reads and writes `moved` bytes in all (a hierarchical
-        reduce-scatter's `acc += incoming`: two reads and a write of its bytes; the ring
-        reduce-scatter's sum of the world partials: world reads and a write)."""
+        """A memory-bound kernel that reads and writes `moved` bytes in all (a ring
+        reduce-scatter's sum of the world partials: world reads and a write; the running-sum
+        ring's `acc += incoming` measured before it: two reads and a write)."""
         return moved / (self.hw.hbm_gbs * 1e3) + self.hw.kernel_us
 
     def source(self, m: int, k: int, n: int, layout: str) -> str:

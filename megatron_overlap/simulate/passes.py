@@ -238,7 +238,7 @@ def _schedule_end(spec: PassSpec, s: LayerSettings, hw: Hardware, layout: Layout
     step_us = 0.0 if mode == "eager" and eager_timed else _step_us(hw, gemm)
     # a measured ring reduce-scatter (`compute_side.py`: the flat `gemm_rs.ring_exchange`,
     # whose timing the hierarchical order shares, `_KIND`) includes its reduction: taken
-    # out of its chunk GEMMs (the hierarchical order's own adds are events)
+    # out of its chunk GEMMs (the hierarchical order's own sums are events)
     block = spec.block_elems * spec.shape.numerics.params.itemsize
     extra = gemm.ring_rs_extra_us(tp, block) if run.schedule in ("rs_ring", "rs_hier") else 0.0
     # a measured FP8 pipeline holds its chunks' row copies: fp8_work counts them

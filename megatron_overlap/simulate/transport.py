@@ -5,9 +5,8 @@ the real schedules of `overlap` on every rank of the TP group, on meta tensors
 
 - ("gemm", rows, k, n, out): a GEMM through the `gemm=` seam (`modelled_gemm`);
 - ("add", bytes, out) / ("copy", dst, src) / ("reduce", bytes read and written, out,
-  inp): the schedule's own elementwise ops (a hierarchical reduce-scatter's
-  `acc += incoming`, a ring reduce-scatter's sum of its partials), seen by the meta
-  tensors they run on;
+  inp): the schedule's own elementwise ops (a reduce-scatter's sum of its partials,
+  flat or hierarchical), seen by the meta tensors they run on;
 - ("exchange", handle, sends, recvs): sends = ((peer, bytes, src), ...),
   recvs = ((peer, dst), ...);
 - ("collective", handle, kind, block bytes, input, output);

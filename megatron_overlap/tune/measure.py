@@ -52,7 +52,7 @@ def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int, warmup: int =
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    cycle = [names[i] for i in serial_order(len(names))] or names
+    cycle = [names[i] for i in serial_order(len(names))]
     per_cycle = max(len(names) - 1, 1)
     times: dict[str, list[float]] = {n: [] for n in names}
     for _ in range(-(-reps // per_cycle)):
