@@ -118,3 +118,50 @@ def test_a_capture_not_ours_keeps_every_allocation():
     theirs = dist.run(_passes, 1, True, "theirs", timeout=120)[0]
     assert all(s["intact"] for s in theirs)
     assert [s["held"] for s in theirs] == [13 * MIB] * 2 + [29 * MIB] * 4  # doubling, kept
+
+
+def _null_and_heap(rank, world):
+    """The same passes (mixed dtypes) on `null` and on a freeing heap (symm's policy): per
+    pass, each workspace's byte offset in the newest allocation, the bytes held, the
+    generation; and whether a pass's workspaces all kept their own values."""
+    from megatron_overlap.comm import NullTransport
+
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    passes = [[((MIB,), torch.bfloat16), ((3, MIB // 8), torch.float32)],
+              [((5 * MIB,), torch.float8_e4m3fn), ((MIB // 2,), torch.float32)],
+              [((MIB,), torch.bfloat16), ((3, MIB // 8), torch.float32)],
+              [((5 * MIB,), torch.float8_e4m3fn), ((MIB // 2,), torch.float32)]]
+    out = {}
+    for name, tp in (("heap", _cpu_heap(True)), ("null", NullTransport(world, rank))):
+        seen = []
+        for calls in passes:
+            tp.begin_pass("p")
+            views = [tp.workspace(shape, dtype) for shape, dtype in calls]
+            newest = tp._bufs[-1] if name == "heap" else tp._heaps["cpu"].bufs[-1]
+            finite = all(bool(v.float().isfinite().all()) for v in views)
+            for i, v in enumerate(views):
+                v.fill_(i)
+            seen.append({"offsets": [v.data_ptr() - newest.local.data_ptr() for v in views],
+                         "intact": all(bool((v.float() == i).all()) for i, v in enumerate(views)),
+                         "held": tp.bytes_held, "generation": tp.generation, "finite": finite})
+        out[name] = seen
+    return out
+
+
+def test_null_lays_out_and_keeps_its_workspaces_as_a_heap_does():
+    """`null` (the compute-side benchmarks' transport) carves as `symm` does: a pass's
+    workspaces side by side, the next pass on the same bytes, grown to the largest pass
+    (not one buffer per workspace call), so a layer keeps on it what it keeps on `symm`;
+    its random fill reads as finite numbers in every dtype."""
+    got = dist.run(_null_and_heap, 1, timeout=120)[0]
+    heap, null = got["heap"], got["null"]
+    assert all(s["intact"] for s in heap + null)
+    assert all(s["finite"] for s in null)
+    # passes 3 and 4 (the largest seen before) fit: the same places as on the heap
+    assert [s["offsets"] for s in null[2:]] == [s["offsets"] for s in heap[2:]]
+    assert null[2]["offsets"] == [0, 2 * MIB] and null[3]["offsets"] == [0, 5 * MIB]
+    largest = 5 * MIB + 2 * MIB  # pass 2: 5 MiB of e4m3, 2 MiB of fp32
+    assert null[-1]["held"] == heap[-1]["held"] == grown_size(largest, True)
+    # a growth moves the workspaces (a new generation; passes 1 and 2 outgrow twice
+    # each, as on the heap); a pass that fits does not
+    assert [s["generation"] for s in null] == [2, 4, 4, 4]

@@ -147,6 +147,8 @@ def test_the_contract_check_rides_the_first_eager_run_never_a_capture_or_replay(
                             world_size=1)
     try:
         tp, x, out, calls = NullTransport(2), torch.randn(2, 3), torch.empty(4, 3), []
+        tp.begin_pass("sizing")  # the workspace allocated: its growth would be a new generation
+        tp.workspace((4, 3), x.dtype, x.device)
         seen: list[list] = []
 
         def body():

@@ -65,10 +65,6 @@ class MirrorTransport(NullTransport):
 
     name = "mirror"
 
-    @property
-    def generation(self) -> int:
-        return -1  # its workspaces are not null's: a pass graph of one never replays on the other
-
     def _start_exchange(self, sends, recvs: Sequence[SendRecv], op: str, chunk: int) -> Handle:
         for (t, _, dest), (buf, _) in zip(sends, recvs):
             if dest is not t:

@@ -2,8 +2,8 @@
 from symmetric allocations, the per-pass bookkeeping, the communication streams and
 the watchdog that turns a wait that never ends into a diagnosis.
 
-- Workspaces: a bump allocator over the newest symmetric allocation, restarted at
-  every `begin_pass`; the same call sequence gives the same layout on every rank, so
+- Workspaces: a bump allocator (`bump.Bump`, whose layout `null` shares) over the
+  newest symmetric allocation, restarted at every `begin_pass`; the same call sequence gives the same layout on every rank, so
   a send's destination is "the same place in the peer's heap". It grows
   (collectively: every rank sees the same shapes) to the largest pass seen, so
   shorter sequences need no new allocation. Growth inside CUDA-graph capture is an
@@ -24,41 +24,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import math
-from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .bump import ALIGN, MIN_GROWTH, Buffer, Bump, grown_size  # noqa: F401  (MIN_GROWTH, grown_size: re-exported)
 from .transport import CommError, Handle, Transport
 from .watchdog import Watchdog
-
-ALIGN = 256
-MIN_GROWTH = 2 << 20  # a growth's granularity (bytes) at the least
-
-
-def grown_size(need: int, frees: bool) -> int:
-    """Bytes of the allocation a heap grows to for a pass that needs `need`: the next
-    power of two where outgrown allocations are kept (growths double, so the kept ones
-    sum to less than the newest), else `need` rounded up to 1/8 to 1/16 of its power of
-    two (and to `MIN_GROWTH`): at most 1/8 more than needed."""
-    if not frees:
-        return 1 << max(need - 1, 1).bit_length()
-    step = max(1 << max(need.bit_length() - 4, 0), MIN_GROWTH)
-    return -(-need // step) * step
-
-
-@dataclass
-class Buffer:
-    local: torch.Tensor  # uint8: this rank's part of one symmetric allocation
-    handle: object = None  # backend-specific (torch's _SymmetricMemory; None for nvshmem)
-    base: int = 0  # bytes from the start of what `handle` maps to `local` (a pool segment's block)
-
-    def holds(self, t: torch.Tensor) -> bool:
-        start = self.local.data_ptr()
-        return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + self.local.numel()
-
 
 def sum_in_rank_order(out: torch.Tensor, part: Callable[[int], torch.Tensor], world: int) -> None:
     """out = part(0) + ... + part(world - 1), in rank order on every rank, so all ranks
@@ -99,11 +72,9 @@ class HeapTransport(Transport):
         self._failure: str | None = None
         self._streams: dict[int, torch.cuda.Stream] = {}
         self._priority = 0
-        self._bufs: list[Buffer] = []
-        self._offset = 0  # bump pointer into the newest allocation
-        self._growths = 0  # workspace allocations made so far (the workspaces' generation)
+        self._heap = Bump()  # the workspaces (its growths: their generation)
         self._pinned = False  # a capture not ours holds the addresses: nothing is released
-        self._pass, self._pass_bytes = "", 0
+        self._pass = ""
         self.pass_bytes: dict[str, int] = {}  # high-water workspace bytes per layer pass
         self._watchdog = Watchdog(self.timeout.total_seconds(), self._fail)
 
@@ -117,7 +88,8 @@ class HeapTransport(Transport):
         self.check()
         if self._capturing() and self._watchdog.captured is None:
             self._pinned = True  # captured by someone else's graph (ours record their waits)
-        self._offset, self._pass, self._pass_bytes = 0, name, 0
+        self._heap.restart()
+        self._pass = name
         self._priority = comm_priority
 
     def _release_outgrown(self) -> None:
@@ -147,26 +119,24 @@ class HeapTransport(Transport):
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
+    @property
+    def _bufs(self) -> list[Buffer]:
+        """Every allocation still held, the newest (the one carved from) last."""
+        return self._heap.bufs
+
     def workspace(self, shape: Sequence[int], dtype: torch.dtype, device=None) -> torch.Tensor:
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        size = -(-nbytes // ALIGN) * ALIGN
-        buf = self._bufs[-1]
-        if self._offset + size > buf.local.numel():
+        heap = self._heap
+        size = heap.size(shape, dtype)
+        if not heap.fits(size):
             if self._capturing():
                 raise CommError(
                     f"megatron_overlap[{self.name}]: rank {self.rank}: '{self._pass}' needs "
-                    f"{self._pass_bytes + size} workspace bytes, more than the "
-                    f"{buf.local.numel()} held, during CUDA-graph capture; run the layer "
+                    f"{heap.used + size} workspace bytes, more than the "
+                    f"{heap.bufs[-1].local.numel()} held, during CUDA-graph capture; run the layer "
                     f"once eagerly with the largest token count before capturing")
-            frees = self.frees_outgrown and not self._pinned
-            buf = self._alloc(grown_size(self._pass_bytes + size, frees))
-            self._bufs.append(buf)
-            self._growths += 1
-            self._offset = 0
-        view = buf.local[self._offset:self._offset + nbytes].view(dtype).view(tuple(shape))
-        self._offset += size
-        self._pass_bytes += size
-        self.pass_bytes[self._pass] = max(self.pass_bytes.get(self._pass, 0), self._pass_bytes)
+            heap.grow(self._alloc(grown_size(heap.used + size, self.frees_outgrown and not self._pinned)))
+        view = heap.take(shape, dtype)
+        self.pass_bytes[self._pass] = max(self.pass_bytes.get(self._pass, 0), heap.used)
         return view
 
     def check(self) -> None:
@@ -181,7 +151,7 @@ class HeapTransport(Transport):
     # -- CUDA-graph replay of whole passes ---------------------------------------------------
     @property
     def generation(self) -> int:
-        return self._growths  # a new allocation (counted, never repeated): workspaces moved
+        return self._heap.growths  # a new allocation (counted, never repeated): workspaces moved
 
     @contextlib.contextmanager
     def recording_waits(self) -> Iterator[list[str]]:

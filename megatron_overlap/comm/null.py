@@ -4,13 +4,15 @@ waits, with chunks treated as already resident): the floor an overlapped layer
 can reach, and what the compute-side benchmark and the tuner measure against one
 monolithic GEMM. Never used for training: outputs are not the collective's result.
 
-Its workspaces behave like a real transport's. A real one hands out the same
-preallocated buffers call after call (symm) or caching-allocator blocks
-(torch_p2p), holding real data. A fresh `torch.empty` per call would add
-allocations the real runs do not pay, and all-zero buffers would flatter the
-GEMMs (a GPU draws less power on zeros and clocks higher), so each workspace slot
-is allocated once, filled with random values, and handed out again at the same
-place of every later pass.
+Its workspaces behave like a heap transport's (`symm`, `nvshmem`): carved in call order
+from one buffer per device, restarted at every pass (`bump`), grown to the largest pass
+seen, at the size `symm` grows to. So a layer keeps on `null` what it keeps on `symm`
+(the compute-side benchmarks report that memory), and a pass reads workspaces that the
+previous pass used. A fresh `torch.empty` per call would add allocations the real runs
+do not pay, and all-zero buffers would flatter the GEMMs (a GPU draws less power on
+zeros and clocks higher), so each buffer is filled with random values when allocated:
+normal bf16 values, with the bytes that would read as an FP8 NaN or infinity changed,
+so that every dtype a pass views them as holds finite numbers.
 
 `like`: the transport whose compute side this stands for. Its backends are then
 this one's, so a pass on it runs under the same streams rule (the SM margin where
@@ -23,7 +25,12 @@ from typing import Sequence
 
 import torch
 
+from .bump import Buffer, Bump, grown_size
 from .transport import Handle, SendRecv, Transport
+
+
+def _capturing(device: str) -> bool:
+    return device.startswith("cuda") and torch.cuda.is_current_stream_capturing()
 
 
 class _Done(Handle):
@@ -41,8 +48,7 @@ class NullTransport(Transport):
     def __init__(self, world_size: int, rank: int = 0, seed: int = 0,
                  like: Transport | None = None):
         super().__init__(rank, world_size)
-        self._slots: dict[tuple, torch.Tensor] = {}
-        self._index = 0
+        self._heaps: dict[str, Bump] = {}  # device -> its workspaces
         self._seed = seed
         self._backends = like.backends if like is not None else (self.name,)
 
@@ -50,20 +56,39 @@ class NullTransport(Transport):
     def backends(self) -> tuple[str, ...]:
         return self._backends
 
+    @property
+    def generation(self) -> int:
+        return sum(h.growths for h in self._heaps.values())  # a growth moved the workspaces
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(b.local.numel() for h in self._heaps.values() for b in h.bufs)
+
     def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
-        self._index = 0
+        for device, heap in self._heaps.items():
+            if len(heap.bufs) > 1 and not _capturing(device):
+                # the previous pass's work (on any stream) may still use an outgrown buffer
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize(device)
+                del heap.bufs[:-1]
+            heap.restart()
 
     def workspace(self, shape: Sequence[int], dtype: torch.dtype, device=None) -> torch.Tensor:
-        key = (self._index, tuple(shape), dtype, str(device))
-        self._index += 1
-        if key not in self._slots:
-            # drawn in the slot's own dtype where torch can (no float32 copy at twice the
-            # size beside it: a real transport's first pass does not allocate one either)
-            g = torch.Generator(device=device or "cpu").manual_seed(self._seed + self._index)
-            draw = dtype if dtype.is_floating_point and dtype.itemsize >= 2 else torch.bfloat16
-            t = torch.randn(tuple(shape), generator=g, dtype=draw, device=device)
-            self._slots[key] = t if draw == dtype else t.to(dtype)
-        return self._slots[key]
+        device = torch.device(device or "cpu")
+        heap = self._heaps.setdefault(str(device), Bump())
+        size = heap.size(shape, dtype)
+        if not heap.fits(size):
+            heap.grow(Buffer(self._random_bytes(grown_size(heap.used + size, True), device)))
+        return heap.take(shape, dtype)
+
+    def _random_bytes(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """`nbytes` (even: a growth's size) of normal bf16 values, no byte an FP8 NaN or
+        infinity: e5m2 reads one in every byte whose bits 2-6 are all set (e4m3 in a
+        subset of those), which randn's bf16 makes only in mantissa bytes; bit 6 cleared
+        there moves a mantissa, no exponent."""
+        g = torch.Generator(device=device).manual_seed(self._seed + len(self._heaps) + nbytes)
+        raw = torch.randn(nbytes // 2, generator=g, dtype=torch.bfloat16, device=device).view(torch.uint8)
+        return raw.sub_(((raw & 0x7C) == 0x7C).to(torch.uint8) * 0x40)
 
     def _start_exchange(self, sends, recvs: Sequence[SendRecv], op: str, chunk: int) -> Handle:
         return _DONE

@@ -1,0 +1,84 @@
+"""How a transport lays out a pass's workspaces: one bump allocator over byte buffers,
+restarted at every pass, that grows to the largest pass seen.
+
+The symmetric-heap transports (`symm`, `nvshmem`) carve their workspaces this way, and
+`null` does too, so that what a layer keeps on `null` (the compute-side benchmarks'
+transport) is what it keeps on a heap: the largest pass's workspaces, not one buffer per
+workspace call. A pass's workspaces never overlap each other; the next pass reuses the
+same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+ALIGN = 256
+MIN_GROWTH = 2 << 20  # a growth's granularity (bytes) at the least
+
+
+def grown_size(need: int, frees: bool) -> int:
+    """Bytes of the allocation a heap grows to for a pass that needs `need`: the next
+    power of two where outgrown allocations are kept (growths double, so the kept ones
+    sum to less than the newest), else `need` rounded up to 1/8 to 1/16 of its power of
+    two (and to `MIN_GROWTH`): at most 1/8 more than needed."""
+    if not frees:
+        return 1 << max(need - 1, 1).bit_length()
+    step = max(1 << max(need.bit_length() - 4, 0), MIN_GROWTH)
+    return -(-need // step) * step
+
+
+@dataclass
+class Buffer:
+    local: torch.Tensor  # uint8: this rank's part of one (symmetric) allocation
+    handle: object = None  # backend-specific (torch's _SymmetricMemory; None for nvshmem, null)
+    base: int = 0  # bytes from the start of what `handle` maps to `local` (a pool segment's block)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        start = self.local.data_ptr()
+        return start <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= start + self.local.numel()
+
+
+class Bump:
+    """The carving state: `bufs` (the newest last), where the next workspace starts in
+    it, the bytes this pass carved so far and the growths made (the workspaces'
+    generation). The owner decides when and how to grow (`fits`, `grow`) and when to
+    release outgrown buffers (`bufs[:-1]`)."""
+
+    def __init__(self) -> None:
+        self.bufs: list[Buffer] = []
+        self.offset = 0  # into bufs[-1]
+        self.used = 0  # bytes this pass carved, across growths: what a growth must hold
+        self.growths = 0
+
+    @staticmethod
+    def size(shape: Sequence[int], dtype: torch.dtype) -> int:
+        """What a workspace of `shape` and `dtype` takes, aligned."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        return -(-nbytes // ALIGN) * ALIGN
+
+    def restart(self) -> None:
+        """A new pass: carve from the start of the newest buffer again."""
+        self.offset = self.used = 0
+
+    def fits(self, size: int) -> bool:
+        return bool(self.bufs) and self.offset + size <= self.bufs[-1].local.numel()
+
+    def grow(self, buf: Buffer) -> None:
+        """Carve from `buf` on (its size: `grown_size(used + size, ...)`): the workspaces
+        this pass already has stay where they are, in the outgrown buffer."""
+        self.bufs.append(buf)
+        self.growths += 1
+        self.offset = 0
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """The next workspace (after `fits`, or a `grow`)."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = self.size(shape, dtype)
+        view = self.bufs[-1].local[self.offset:self.offset + nbytes].view(dtype).view(tuple(shape))
+        self.offset += size
+        self.used += size
+        return view
