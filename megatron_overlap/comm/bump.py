@@ -57,8 +57,7 @@ class Bump:
     @staticmethod
     def size(shape: Sequence[int], dtype: torch.dtype) -> int:
         """What a workspace of `shape` and `dtype` takes, aligned."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        return -(-nbytes // ALIGN) * ALIGN
+        return -(-(math.prod(shape) * dtype.itemsize) // ALIGN) * ALIGN
 
     def restart(self) -> None:
         """A new pass: carve from the start of the newest buffer again."""
@@ -76,8 +75,8 @@ class Bump:
 
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """The next workspace (after `fits`, or a `grow`)."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        size = self.size(shape, dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        size = -(-nbytes // ALIGN) * ALIGN
         view = self.bufs[-1].local[self.offset:self.offset + nbytes].view(dtype).view(tuple(shape))
         self.offset += size
         self.used += size
