@@ -28,9 +28,11 @@ class StandIn:
 
     def __getitem__(self, grid):
         def cast_t(x, s, o, ot, used, amax, m, n, na, *, FMAX, CAST, WRITE_T, AMAX, FROM_AMAX,
-                   NA, BM, BN, num_warps):
+                   T_FROM_O, NA, BM, BN, num_warps):
+            # T_FROM_O: the transposed copy from the bytes written to o (the same bytes)
+            assert T_FROM_O == (CAST and WRITE_T and x.dtype == torch.float32)
             self.launches.append(dict(grid=grid, m=m, n=n, CAST=CAST, WRITE_T=WRITE_T, AMAX=AMAX,
-                                      FROM_AMAX=FROM_AMAX))
+                                      FROM_AMAX=FROM_AMAX, T_FROM_O=T_FROM_O))
             assert (m, n) == tuple(x.shape) and grid == (-(-m // BM), -(-n // BN))
             assert NA >= na and NA & (NA - 1) == 0  # a power of two holding the amaxes
             if FROM_AMAX:  # s: the amaxes; the scale made from their max, written with its inverse
@@ -79,12 +81,14 @@ def _x(*shape):
 def test_each_kernel_s_tensors_go_where_its_eager_definition_puts_them(kernel):
     saturate = f._ao().to_fp8_saturated
     x, scale = _x(100, 72), torch.tensor(2.5)
-    # cast-transpose: both layouts
-    got = torch.empty(100, 72, dtype=E4M3), torch.empty(72, 100, dtype=E4M3)
-    want = torch.empty(100, 72, dtype=E4M3), torch.empty(72, 100, dtype=E4M3)
-    assert k.run("cast_transpose", (x, scale, *got), False)
-    f._cast_t_by(saturate, x, scale, *want)
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
+    # cast-transpose: both layouts (a float32 x's transposed copy read back from o)
+    for xd in (x, x.float()):
+        got = torch.empty(100, 72, dtype=E4M3), torch.empty(72, 100, dtype=E4M3)
+        want = torch.empty(100, 72, dtype=E4M3), torch.empty(72, 100, dtype=E4M3)
+        assert k.run("cast_transpose", (xd, scale, *got), False)
+        assert kernel.launches[-1]["T_FROM_O"] == (xd.dtype == torch.float32)
+        f._cast_t_by(saturate, xd, scale, *want)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want))
     # delayed: the scale pair used, the amax (from zero), the cast, with and without the
     # transpose
     pair = f.pair_of(scale)
@@ -108,7 +112,8 @@ def test_each_kernel_s_tensors_go_where_its_eager_definition_puts_them(kernel):
     qt = torch.empty(72, 100, dtype=torch.uint8)
     assert k.run("transpose", (q, qt), False) and torch.equal(qt, q.t())
     assert [(d["CAST"], d["WRITE_T"], d["AMAX"]) for d in kernel.launches] == [
-        (True, True, False), (True, False, True), (True, True, True), (True, False, True),
+        (True, True, False), (True, True, False), (True, False, True), (True, True, True),
+        (True, False, True),
         (False, True, False)]
     # current scaling: the scale made from the amax (the max of the group's), written as a
     # pair, the cast, with and without the transpose

@@ -162,8 +162,10 @@ def _launch(name: str, args: tuple) -> Optional[Launch]:
     if x2.numel() == 0 or -(-x2.shape[1] // BLOCK[1]) > MAX_GRID_Y:
         return None
     (m, n), (bm, bn, warps) = x2.shape, BLOCK
+    # a float32 x's transposed copy from the bytes written to o (fp8_triton.cast_t says why)
+    t_from_o = flags["CAST"] and flags["WRITE_T"] and x2.dtype == torch.float32
     return Launch("cast_t", tensors, (m, n, na),
-                  {**flags, "NA": triton_pow2(na), "BM": bm, "BN": bn},
+                  {**flags, "T_FROM_O": t_from_o, "NA": triton_pow2(na), "BM": bm, "BN": bn},
                   (-(-m // bm), -(-n // bn)), warps)
 
 

@@ -13,9 +13,8 @@ SCALE_AT = tl.constexpr(fp8_kernels.SCALE_AT)
 
 
 # NaN-keeping max and clamp as selects, not tl.maximum / tl.minimum with
-# propagate_nan=ALL: on sm90 a value made by those (PTX max.NaN / min.NaN) and stored
-# transposed can come out corrupted (triton-lang/triton#11111). On an H100, cast_t's
-# transposed copy of a float32 [1024, 8192] held wrong bytes where its other copy was right.
+# propagate_nan=ALL (triton-lang/triton#11111: values made by those and stored transposed
+# came out corrupted on sm90).
 @triton.jit
 def max_nan(a, b):
     """max that keeps a NaN (tl.maximum's default drops it)."""
@@ -51,12 +50,15 @@ def scale_from(amax_ptr, na, FMAX: tl.constexpr, NA: tl.constexpr):
 @triton.jit  # (m, n specialized as Triton does: 16-divisible rows vectorize its accesses)
 def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, FMAX: tl.constexpr,
            CAST: tl.constexpr, WRITE_T: tl.constexpr, AMAX: tl.constexpr,
-           FROM_AMAX: tl.constexpr, NA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+           FROM_AMAX: tl.constexpr, T_FROM_O: tl.constexpr, NA: tl.constexpr, BM: tl.constexpr,
+           BN: tl.constexpr):
     """One [BM, BN] tile of x [m, n]: with CAST, saturate(fp32(x) * scale) into o and,
     with WRITE_T, transposed into ot; the scale read at s_ptr, or with FROM_AMAX made
     from the `na` amaxes at amax_ptr (current scaling: the TP group's) and written with
     its inverse into the pair at used; with AMAX (s_ptr a scale pair) max |x| into amax
-    and the pair into used; without CAST, x's bytes transposed into ot."""
+    and the pair into used; without CAST, x's bytes transposed into ot. T_FROM_O: the
+    transposed copy made from the tile's bytes just written to o (read back), not from
+    the values in registers."""
     pm, pn = tl.program_id(0), tl.program_id(1)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
@@ -81,11 +83,22 @@ def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, FMAX: tl.c
             if (pm == 0) & (pn == 0):
                 pair = tl.arange(0, 2)
                 tl.store(used_ptr + pair, tl.load(s_ptr + pair))
-    else:
-        q = tl.load(x_ptr + offs, mask=mask)
     if WRITE_T:
+        if T_FROM_O:
+            # With a float32 x, the tile transposed from its registers came out with whole
+            # rows of the transposed copy unwritten on an H100 (rows 1, 5, 9, ... of each
+            # tile; tl.trans of the FP8 tile or of the float32 one alike): its bytes are
+            # read back from o instead (this block's own stores, visible after the barrier),
+            # which gives them a byte load's layout, as the bytes-only transpose has.
+            tl.debug_barrier()
+            q = tl.load(o_ptr.to(tl.pointer_type(tl.uint8)) + offs, mask=mask)
+        elif not CAST:
+            q = tl.load(x_ptr.to(tl.pointer_type(tl.uint8)) + offs, mask=mask)
+        else:
+            q = q.to(tl.uint8, bitcast=True)
+        mask_t = (rn[:, None] < n) & (rm[None, :] < m)
         offs_t = rn[:, None].to(tl.int64) * m + rm[None, :]
-        tl.store(ot_ptr + offs_t, tl.trans(q), mask=tl.trans(mask))
+        tl.store(ot_ptr.to(tl.pointer_type(tl.uint8)) + offs_t, tl.trans(q), mask=mask_t)
 
 
 @triton.jit  # (n specialized as Triton does)

@@ -11,6 +11,14 @@ import pytest
 import torch
 
 
+def unwritten(shape, fp8: torch.dtype) -> torch.Tensor:
+    """An FP8 output every byte of which the kernel must write: all 0x7F, a NaN in both
+    formats, which no finite input casts to. (torch.empty could hand back a block still
+    holding the expected bytes of an earlier case, which once hid rows a kernel left
+    unwritten.)"""
+    return torch.full(tuple(shape), 0x7F, dtype=torch.uint8, device="cuda").view(fp8)
+
+
 def _inputs(dtype):
     g = torch.Generator().manual_seed(7)
     x = torch.randn(1000, 257, generator=g) * 40
@@ -36,7 +44,7 @@ def test_fused_cast_equals_eager_bit_for_bit(dtype, fp8):
         want = ao.to_fp8_saturated(x.float() * scale, fp8)
         assert got.dtype == fp8 and got.shape == x.shape, name
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
-        out = torch.empty(x.shape, dtype=fp8, device="cuda")
+        out = unwritten(x.shape, fp8)
         assert f.quantize(x, scale, fp8, out=out) is out
         assert torch.equal(out.view(torch.uint8), want.view(torch.uint8)), name
     # the fused kernel ran (a failed compile sets its entry to None and logs)
@@ -92,8 +100,8 @@ def test_cast_with_its_transposed_copy_is_one_kernel_with_eagers_bits(dtype, fp8
     x = (torch.randn(*shape, generator=g) * 40).to(dtype).cuda()
     scale = ao.amax_to_scale(f.amax(x), fp8)
     want = ao.to_fp8_saturated(x.float() * scale, fp8).view(torch.uint8)
-    out = torch.empty(shape, dtype=fp8, device="cuda")
-    out_t = torch.empty(shape[::-1], dtype=fp8, device="cuda")
+    out = unwritten(shape, fp8)
+    out_t = unwritten(shape[::-1], fp8)
     assert f.quantize(x, scale, fp8, out=out, out_t=out_t) is out  # compiles
     assert torch.equal(out.view(torch.uint8), want)
     assert torch.equal(out_t.view(torch.uint8), want.t().contiguous())
@@ -129,9 +137,9 @@ def test_every_compiled_kernel_stays_compiled_past_dynamos_recompile_limit():
             for dt in fp8s:
                 s = f.scale_for(f.amax(x), dt)
                 f.quantize(x, s, dt)
-                f.quantize(x, s, dt, out_t=torch.empty(x.shape[::-1], dtype=dt, device="cuda"))
+                f.quantize(x, s, dt, out_t=unwritten(x.shape[::-1], dt))
                 f.quantize_current(x, f.amax(x), dt, f.scale_pair("cuda"),
-                                   out_t=torch.empty(x.shape[::-1], dtype=dt, device="cuda"))
+                                   out_t=unwritten(x.shape[::-1], dt))
                 for _ in range(2):
                     st = next(states)
                     used, a = f.scale_pair("cuda"), torch.empty(1, device="cuda")
@@ -268,7 +276,7 @@ def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
             st, outs = f.AmaxHistory(2, torch.device("cuda")), []
             for x in xs:
                 used, a = f.scale_pair("cuda"), torch.empty(1, device="cuda")
-                out_t = torch.empty(x.shape[::-1], dtype=fp8, device="cuda") if col else None
+                out_t = unwritten(x.shape[::-1], fp8) if col else None
                 out = f.delayed_quantize(x, st, fp8, used, a[0], out_t=out_t)
                 f.update_scale(st, a[0], fp8, 1, "max")
                 outs.append((out.view(torch.uint8).clone(), used.clone(), a.clone(),
@@ -285,7 +293,7 @@ def test_delayed_cast_and_update_compiled_equal_eager(dtype, fp8, col):
     assert runs[True][2][2].isnan().all()  # the NaN's amax
     assert f._compiled.get(("delayed_update", "max", fp8, 1, 2)) is not None, f._compiled
     used, a = f.scale_pair("cuda"), torch.empty(1, device="cuda")
-    out_t = torch.empty(xs[0].shape[::-1], dtype=fp8, device="cuda") if col else None
+    out_t = unwritten(xs[0].shape[::-1], fp8) if col else None
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         f.delayed_quantize(xs[0], st, fp8, used, a[0], out_t=out_t)
@@ -368,7 +376,7 @@ def test_current_cast_makes_its_scale_with_eagers_bits_in_one_kernel(dtype, fp8,
             before = f.set_fused(fused)
             try:
                 pair = f.scale_pair("cuda")
-                out_t = torch.empty(x.shape[::-1], dtype=fp8, device="cuda") if col else None
+                out_t = unwritten(x.shape[::-1], fp8) if col else None
                 out = f.quantize_current(x, amaxes, fp8, pair, out_t=out_t)
                 runs.append((pair.clone(), out.view(torch.uint8).clone(),
                              None if out_t is None else out_t.view(torch.uint8).clone()))
@@ -386,7 +394,7 @@ def test_current_cast_makes_its_scale_with_eagers_bits_in_one_kernel(dtype, fp8,
             if col:
                 assert torch.equal(got_t, got.view(x.shape).t().contiguous().view(torch.uint8))
     pair, amaxes = f.scale_pair("cuda"), cases[1].float().cuda()
-    out_t = torch.empty(x.shape[::-1], dtype=fp8, device="cuda") if col else None
+    out_t = unwritten(x.shape[::-1], fp8) if col else None
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         f.quantize_current(x, amaxes, fp8, pair, out_t=out_t)
