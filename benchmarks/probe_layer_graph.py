@@ -110,7 +110,7 @@ def main(argv=None) -> int:
                 for t in get_global_memory_buffer().buffer.values():
                     t.normal_()
             if args.null_zeros:
-                for t in null._slots.values():
+                for t in null.buffers():
                     t.zero_()
             fn = lambda arm=arm: arm.step(e)  # noqa: E731
             row["eager_ms"] = time_b2b(fn, args.reps, warmup=2)[0]
@@ -120,8 +120,8 @@ def main(argv=None) -> int:
             row["eager_kernels"] = summarize(kernels(fn))
             del g
             torch.cuda.synchronize()
-        doc["null_workspaces"] = [dict(key=str(k), gib=t.numel() * t.element_size() / 2**30)
-                                  for k, t in null._slots.items()]
+        doc["null_workspaces"] = [dict(key=f"{t.device} buffer {i}", gib=t.numel() / 2**30)
+                                  for i, t in enumerate(null.buffers())]
     path = os.path.join(args.out, f"probe_layer_graph_{args.tag}.json")
     os.makedirs(args.out, exist_ok=True)
     with open(path, "w") as f:

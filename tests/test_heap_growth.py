@@ -165,3 +165,41 @@ def test_null_lays_out_and_keeps_its_workspaces_as_a_heap_does():
     # a growth moves the workspaces (a new generation; passes 1 and 2 outgrow twice
     # each, as on the heap); a pass that fits does not
     assert [s["generation"] for s in null] == [2, 4, 4, 4]
+
+
+def test_null_fills_finite_refuses_growth_in_a_capture_and_keeps_what_a_foreign_one_saw(monkeypatch):
+    """A new buffer of `null` reads finite in every floating dtype a pass may view it as;
+    as on a heap, a growth inside a CUDA-graph capture is refused, and once a capture not
+    ours (not inside our pass replay's `recording_waits`) has run a pass, no outgrown
+    buffer is released (that graph replays into it)."""
+    from megatron_overlap.comm import CommError, NullTransport
+    from megatron_overlap.comm import null as null_mod
+
+    tp = NullTransport(2)
+    tp.begin_pass("a")
+    tp.workspace((3 * MIB,), torch.uint8)
+    (buf,) = tp.buffers()
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16,
+                  torch.float32):
+        assert bool(buf.view(dtype).float().isfinite().all()), dtype
+    capturing = [False]
+    monkeypatch.setattr(null_mod, "_capturing", lambda device: capturing[0])
+    capturing[0] = True
+    with tp.recording_waits():
+        tp.begin_pass("captured by ours")
+    tp.workspace((MIB,), torch.uint8)  # fits
+    with pytest.raises(CommError, match="during CUDA-graph capture"):
+        tp.workspace((8 * MIB,), torch.uint8)
+    capturing[0] = False
+    tp.begin_pass("b")
+    tp.workspace((8 * MIB,), torch.uint8)  # grows: two buffers until the next pass
+    assert len(tp.buffers()) == 2
+    tp.begin_pass("c")
+    assert len(tp.buffers()) == 1  # our captures pinned nothing: the outgrown one released
+    capturing[0] = True
+    tp.begin_pass("captured by a graph not ours")
+    capturing[0] = False
+    tp.begin_pass("d")
+    tp.workspace((20 * MIB,), torch.uint8)
+    tp.begin_pass("e")
+    assert len(tp.buffers()) == 2  # pinned: kept

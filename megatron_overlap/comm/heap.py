@@ -3,8 +3,9 @@ from symmetric allocations, the per-pass bookkeeping, the communication streams 
 the watchdog that turns a wait that never ends into a diagnosis.
 
 - Workspaces: a bump allocator (`bump.Bump`, whose layout `null` shares) over the
-  newest symmetric allocation, restarted at every `begin_pass`; the same call sequence gives the same layout on every rank, so
-  a send's destination is "the same place in the peer's heap". It grows
+  newest symmetric allocation, restarted at every `begin_pass`; the same call sequence
+  gives the same layout on every rank, so a send's destination is "the same place in
+  the peer's heap". It grows
   (collectively: every rank sees the same shapes) to the largest pass seen, so
   shorter sequences need no new allocation. Growth inside CUDA-graph capture is an
   error. Where the backend can free one allocation alone (`symm`: its own mappings
@@ -29,7 +30,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from .bump import ALIGN, MIN_GROWTH, Buffer, Bump, grown_size  # noqa: F401  (MIN_GROWTH, grown_size: re-exported)
+# MIN_GROWTH, grown_size: re-exported (tests, backends)
+from .bump import ALIGN, MIN_GROWTH, Buffer, Bump, grown_size  # noqa: F401
 from .transport import CommError, Handle, Transport
 from .watchdog import Watchdog
 

@@ -12,7 +12,10 @@ previous pass used. A fresh `torch.empty` per call would add allocations the rea
 do not pay, and all-zero buffers would flatter the GEMMs (a GPU draws less power on
 zeros and clocks higher), so each buffer is filled with random values when allocated:
 normal bf16 values, with the bytes that would read as an FP8 NaN or infinity changed,
-so that every dtype a pass views them as holds finite numbers.
+so that every dtype a pass views them as holds finite numbers when allocated (later, the
+bytes hold whatever the passes wrote, as a heap's do). As on a heap, a growth inside a
+CUDA-graph capture is an error, and once a graph not ours has captured a pass (it replays
+into the buffers it captured), no outgrown buffer is released.
 
 `like`: the transport whose compute side this stands for. Its backends are then
 this one's, so a pass on it runs under the same streams rule (the SM margin where
@@ -21,12 +24,13 @@ that transport's kernels need SMs) as on the real one: the floor of that pass.
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
 import torch
 
 from .bump import Buffer, Bump, grown_size
-from .transport import Handle, SendRecv, Transport
+from .transport import CommError, Handle, SendRecv, Transport
 
 
 def _capturing(device: str) -> bool:
@@ -49,6 +53,8 @@ class NullTransport(Transport):
                  like: Transport | None = None):
         super().__init__(rank, world_size)
         self._heaps: dict[str, Bump] = {}  # device -> its workspaces
+        self._pinned = False  # a capture not ours ran a pass: nothing is released
+        self._ours = False  # our pass replay is capturing (`recording_waits`)
         self._seed = seed
         self._backends = like.backends if like is not None else (self.name,)
 
@@ -62,22 +68,42 @@ class NullTransport(Transport):
 
     @property
     def bytes_held(self) -> int:
-        return sum(b.local.numel() for h in self._heaps.values() for b in h.bufs)
+        return sum(b.numel() for b in self.buffers())
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every byte buffer held (uint8), the newest of each device last."""
+        return [b.local for h in self._heaps.values() for b in h.bufs]
+
+    @contextlib.contextmanager
+    def recording_waits(self) -> Iterator[list[str]]:
+        self._ours = True  # the capture inside is our pass replay's
+        try:
+            yield []
+        finally:
+            self._ours = False
 
     def begin_pass(self, name: str = "", comm_priority: int = 0) -> None:
         for device, heap in self._heaps.items():
-            if len(heap.bufs) > 1 and not _capturing(device):
+            heap.restart()
+            if _capturing(device):
+                self._pinned |= not self._ours
+            elif len(heap.bufs) > 1 and not self._pinned:
                 # the previous pass's work (on any stream) may still use an outgrown buffer
                 if device.startswith("cuda"):
                     torch.cuda.synchronize(device)
                 del heap.bufs[:-1]
-            heap.restart()
 
     def workspace(self, shape: Sequence[int], dtype: torch.dtype, device=None) -> torch.Tensor:
         device = torch.device(device or "cpu")
         heap = self._heaps.setdefault(str(device), Bump())
         size = heap.size(shape, dtype)
         if not heap.fits(size):
+            if _capturing(str(device)):
+                held = heap.bufs[-1].local.numel() if heap.bufs else 0
+                raise CommError(f"megatron_overlap[{self.name}]: a pass needs {heap.used + size} "
+                                f"workspace bytes, more than the {held} held, during CUDA-graph "
+                                f"capture; run the layer once eagerly with the largest token count "
+                                f"before capturing")
             heap.grow(Buffer(self._random_bytes(grown_size(heap.used + size, True), device)))
         return heap.take(shape, dtype)
 

@@ -122,8 +122,8 @@ def _launch(name: str, args: tuple) -> Optional[Launch]:
     if name == "transpose":
         x, ot = args
         if (x.dim() != 2 or not (x.is_contiguous() and ot.is_contiguous())
-                or ot.shape != x.shape[::-1]):
-            return None
+                or ot.shape != x.shape[::-1] or x.element_size() != 1 or ot.element_size() != 1):
+            return None  # (bytes only: the kernel moves them as uint8)
         x2, tensors = x, (x, x, x, ot, x, x)
         flags, na = dict(CAST=False, WRITE_T=True, AMAX=False, FROM_AMAX=False, FMAX=0.0), 1
     elif name.startswith("current_cast"):
