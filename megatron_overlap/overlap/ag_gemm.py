@@ -40,13 +40,14 @@ def ring_steps(rank: int, world: int, aggregate: bool) -> list[list[int]]:
 Moves = list[tuple[list[int], int]]  # (adjacent blocks, peer)
 
 
-def ring_moves(rank: int, world: int, aggregate: bool) -> list[tuple[Moves, Moves]]:
+def ring_moves(rank: int, world: int, aggregate: bool,
+               steps: list[list[int]] | None = None) -> list[tuple[Moves, Moves]]:
     """Before each step but the first, what this rank sends and receives (blocks and
     peer) so that the step's blocks have arrived: the blocks it held the step before go
-    on, as `ring_steps` says. The plain ring forwards to the right and receives from the
-    left; `aggregate` exchanges with its partner first, then forwards pairs to rank + 2
-    and receives from rank - 2."""
-    steps = ring_steps(rank, world, aggregate)
+    on, as `ring_steps` says (`steps`: its result, when the caller has it). The plain ring
+    forwards to the right and receives from the left; `aggregate` exchanges with its
+    partner first, then forwards pairs to rank + 2 and receives from rank - 2."""
+    steps = ring_steps(rank, world, aggregate) if steps is None else steps
     if not aggregate or world <= 2:
         return [([(steps[s - 1], (rank + 1) % world)], [(steps[s], (rank - 1) % world)])
                 for s in range(1, world)]
@@ -71,7 +72,8 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     out = x.new_empty(world * rows, w.shape[0], dtype=out_dtype(gemm, x)) if out is None else out
     wt = w.t()
     gathered[rank * rows:(rank + 1) * rows].copy_(x)
-    steps, moves = ring_steps(rank, world, aggregate), ring_moves(rank, world, aggregate)
+    steps = ring_steps(rank, world, aggregate)
+    moves = ring_moves(rank, world, aggregate, steps)
 
     def of(t: torch.Tensor, blocks: list[int]) -> torch.Tensor:  # adjacent blocks' rows
         return t[blocks[0] * rows:(blocks[-1] + 1) * rows]
