@@ -53,6 +53,9 @@ class Bump:
         self.offset = 0  # into bufs[-1]
         self.used = 0  # bytes this pass carved, across growths: what a growth must hold
         self.growths = 0
+        # the views handed out from bufs[-1], by (offset, shape, dtype): the same pass
+        # asks for the same ones every step, and a view costs microseconds of host time
+        self._views: dict[tuple, torch.Tensor] = {}
 
     @staticmethod
     def size(shape: Sequence[int], dtype: torch.dtype) -> int:
@@ -72,12 +75,17 @@ class Bump:
         self.bufs.append(buf)
         self.growths += 1
         self.offset = 0
+        self._views.clear()
 
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """The next workspace (after `fits`, or a `grow`)."""
-        nbytes = math.prod(shape) * dtype.itemsize
+        key = (self.offset, tuple(shape), dtype)
+        view = self._views.get(key)
+        nbytes = math.prod(key[1]) * dtype.itemsize
+        if view is None:
+            view = self._views[key] = (
+                self.bufs[-1].local[self.offset:self.offset + nbytes].view(dtype).view(key[1]))
         size = -(-nbytes // ALIGN) * ALIGN
-        view = self.bufs[-1].local[self.offset:self.offset + nbytes].view(dtype).view(tuple(shape))
         self.offset += size
         self.used += size
         return view

@@ -94,17 +94,20 @@ class NullTransport(Transport):
                 del heap.bufs[:-1]
 
     def workspace(self, shape: Sequence[int], dtype: torch.dtype, device=None) -> torch.Tensor:
-        device = torch.device(device or "cpu")
-        heap = self._heaps.setdefault(str(device), Bump())
+        key = str(device) if device is not None else "cpu"
+        heap = self._heaps.get(key)
+        if heap is None:
+            heap = self._heaps[key] = Bump()
         size = heap.size(shape, dtype)
         if not heap.fits(size):
-            if _capturing(str(device)):
+            if _capturing(key):
                 held = heap.bufs[-1].local.numel() if heap.bufs else 0
                 raise CommError(f"megatron_overlap[{self.name}]: a pass needs {heap.used + size} "
                                 f"workspace bytes, more than the {held} held, during CUDA-graph "
                                 f"capture; run the layer once eagerly with the largest token count "
                                 f"before capturing")
-            heap.grow(Buffer(self._random_bytes(grown_size(heap.used + size, True), device)))
+            heap.grow(Buffer(self._random_bytes(grown_size(heap.used + size, True),
+                                                torch.device(key))))
         return heap.take(shape, dtype)
 
     def _random_bytes(self, nbytes: int, device: torch.device) -> torch.Tensor:
