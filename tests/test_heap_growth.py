@@ -203,3 +203,25 @@ def test_null_fills_finite_refuses_growth_in_a_capture_and_keeps_what_a_foreign_
     tp.workspace((20 * MIB,), torch.uint8)
     tp.begin_pass("e")
     assert len(tp.buffers()) == 2  # pinned: kept
+
+
+def _refused_in_capture(rank, world):
+    from megatron_overlap.comm import CommError
+
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    tp = _cpu_heap(True)
+    tp.begin_pass("fc1_fprop")
+    tp.capturing = True
+    tp.workspace((MIB // 2,), torch.uint8)  # fits the 1 MiB it starts with
+    try:
+        tp.workspace((2 * MIB,), torch.uint8)
+    except CommError as e:
+        return str(e), tp.allocated
+    return None, tp.allocated
+
+
+def test_a_heap_refuses_to_grow_inside_a_capture_naming_rank_and_pass():
+    msg, allocated = dist.run(_refused_in_capture, 1, timeout=120)[0]
+    assert msg is not None and allocated == []
+    assert msg.startswith("megatron_overlap[cpu_heap]: rank 0: 'fc1_fprop' needs ")
+    assert "during CUDA-graph capture; run the layer once eagerly" in msg

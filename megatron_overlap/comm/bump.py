@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+
+from .transport import CommError
 
 ALIGN = 256
 MIN_GROWTH = 2 << 20  # a growth's granularity (bytes) at the least
@@ -77,15 +79,31 @@ class Bump:
         self.offset = 0
         self._views.clear()
 
-    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """The next workspace (after `fits`, or a `grow`)."""
+    def take(self, shape: Sequence[int], dtype: torch.dtype, size: int | None = None
+             ) -> torch.Tensor:
+        """The next workspace (after `fits`, or a `grow`); `size`: `size(shape, dtype)`."""
         key = (self.offset, tuple(shape), dtype)
         view = self._views.get(key)
-        nbytes = math.prod(key[1]) * dtype.itemsize
         if view is None:
+            nbytes = math.prod(key[1]) * dtype.itemsize
             view = self._views[key] = (
                 self.bufs[-1].local[self.offset:self.offset + nbytes].view(dtype).view(key[1]))
-        size = -(-nbytes // ALIGN) * ALIGN
+        size = self.size(key[1], dtype) if size is None else size
         self.offset += size
         self.used += size
         return view
+
+    def carve(self, shape: Sequence[int], dtype: torch.dtype, alloc: Callable[[int], Buffer],
+              frees: bool, capturing: Callable[[], bool], who: Callable[[], str]) -> torch.Tensor:
+        """The next workspace, the heap grown first where it does not fit: to
+        `grown_size(used + size, frees)` bytes from `alloc`, never inside a CUDA-graph
+        capture (`capturing`), which is refused naming `who()` (the transport, the pass)."""
+        size = self.size(shape, dtype)
+        if not self.fits(size):
+            if capturing():
+                held = self.bufs[-1].local.numel() if self.bufs else 0
+                raise CommError(f"{who()} needs {self.used + size} workspace bytes, more than the "
+                                f"{held} held, during CUDA-graph capture; run the layer once "
+                                f"eagerly with the largest token count before capturing")
+            self.grow(alloc(grown_size(self.used + size, frees)))
+        return self.take(shape, dtype, size)

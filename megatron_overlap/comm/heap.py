@@ -118,6 +118,10 @@ class HeapTransport(Transport):
             self.check()  # a peer that never reached its barrier: the watchdog's diagnosis
             raise
 
+    def _who(self) -> str:
+        """Who needs a workspace (a refused growth names it)."""
+        return f"megatron_overlap[{self.name}]: rank {self.rank}: '{self._pass}'"
+
     def _capturing(self) -> bool:
         return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
@@ -127,18 +131,9 @@ class HeapTransport(Transport):
         return self._heap.bufs
 
     def workspace(self, shape: Sequence[int], dtype: torch.dtype, device=None) -> torch.Tensor:
-        heap = self._heap
-        size = heap.size(shape, dtype)
-        if not heap.fits(size):
-            if self._capturing():
-                raise CommError(
-                    f"megatron_overlap[{self.name}]: rank {self.rank}: '{self._pass}' needs "
-                    f"{heap.used + size} workspace bytes, more than the "
-                    f"{heap.bufs[-1].local.numel()} held, during CUDA-graph capture; run the layer "
-                    f"once eagerly with the largest token count before capturing")
-            heap.grow(self._alloc(grown_size(heap.used + size, self.frees_outgrown and not self._pinned)))
-        view = heap.take(shape, dtype)
-        self.pass_bytes[self._pass] = max(self.pass_bytes.get(self._pass, 0), heap.used)
+        view = self._heap.carve(shape, dtype, self._alloc, self.frees_outgrown and not self._pinned,
+                                self._capturing, self._who)
+        self.pass_bytes[self._pass] = max(self.pass_bytes.get(self._pass, 0), self._heap.used)
         return view
 
     def check(self) -> None:

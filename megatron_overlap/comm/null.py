@@ -29,8 +29,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .bump import Buffer, Bump, grown_size
-from .transport import CommError, Handle, SendRecv, Transport
+from .bump import Buffer, Bump
+from .transport import Handle, SendRecv, Transport
 
 
 def _capturing(device: str) -> bool:
@@ -53,6 +53,7 @@ class NullTransport(Transport):
                  like: Transport | None = None):
         super().__init__(rank, world_size)
         self._heaps: dict[str, Bump] = {}  # device -> its workspaces
+        self._policy: dict[str, tuple] = {}  # device -> how its heap grows (`Bump.carve`'s)
         self._pinned = False  # a capture not ours ran a pass: nothing is released
         self._ours = False  # our pass replay is capturing (`recording_waits`)
         self._seed = seed
@@ -98,17 +99,9 @@ class NullTransport(Transport):
         heap = self._heaps.get(key)
         if heap is None:
             heap = self._heaps[key] = Bump()
-        size = heap.size(shape, dtype)
-        if not heap.fits(size):
-            if _capturing(key):
-                held = heap.bufs[-1].local.numel() if heap.bufs else 0
-                raise CommError(f"megatron_overlap[{self.name}]: a pass needs {heap.used + size} "
-                                f"workspace bytes, more than the {held} held, during CUDA-graph "
-                                f"capture; run the layer once eagerly with the largest token count "
-                                f"before capturing")
-            heap.grow(Buffer(self._random_bytes(grown_size(heap.used + size, True),
-                                                torch.device(key))))
-        return heap.take(shape, dtype)
+            self._policy[key] = (lambda n: Buffer(self._random_bytes(n, torch.device(key))), True,
+                                 lambda: _capturing(key), lambda: f"megatron_overlap[{self.name}]: a pass")
+        return heap.carve(shape, dtype, *self._policy[key])
 
     def _random_bytes(self, nbytes: int, device: torch.device) -> torch.Tensor:
         """`nbytes` (even: a growth's size) of normal bf16 values, no byte an FP8 NaN or
