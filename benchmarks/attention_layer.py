@@ -156,10 +156,15 @@ def memory(emu, arms, e, kind: str) -> dict:
     """Per arm, GiB: `kept`, what it holds after three steps beyond what was resident before
     them (the transport's workspaces, Megatron's global gather buffer: allocated once per
     process and shared by every layer); `step`, the peak of a steady-state step beyond that
-    (activations and temporaries: per layer); `pools`, the CUDA-graph pools its pass graphs
-    hold (reserved, outside the allocated figures); `first`, the peak of its first three
-    steps (what was reported before the split)."""
+    (activations and temporaries: per layer); `pools`, for an arm whose passes replay, the
+    bytes the pass graphs' scratch pool reserves (`replay.pool_memory`: the process's, made
+    at the first capture, perhaps before this window, and grown to the largest pass's scratch
+    so far; what is allocated in it is not in `kept`); `first`, the peak of its first three
+    steps. Peaks are allocated bytes, as torch.cuda.max_memory_allocated counts them; the
+    caching allocator's fragmentation is not counted for any arm."""
     from megatron.core import parallel_state
+
+    from megatron_overlap.overlap import replay
 
     out = {}
     for arm in arms:
@@ -169,24 +174,25 @@ def memory(emu, arms, e, kind: str) -> dict:
         parallel_state.get_global_memory_buffer().buffer.clear()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        base, slack = torch.cuda.memory_allocated(), torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
+        start, pool_start = torch.cuda.memory_allocated(), replay.pool_memory()[1]
         torch.cuda.reset_peak_memory_stats()
         for _ in range(3):
             lc._zero_grads(arm)
             arm.step(e)
         lc._zero_grads(arm)
         torch.cuda.synchronize()
-        first, kept = torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
+        first, held = torch.cuda.max_memory_allocated() - start, torch.cuda.memory_allocated()
+        pool, pool_held = replay.pool_memory()
+        kept = (held - pool_held) - (start - pool_start)
         torch.cuda.reset_peak_memory_stats()
         arm.step(e)
         lc._zero_grads(arm)
         torch.cuda.synchronize()
-        step = torch.cuda.max_memory_allocated() - base - kept
-        torch.cuda.empty_cache()
-        pools = torch.cuda.memory_reserved() - torch.cuda.memory_allocated() - slack
+        step = torch.cuda.max_memory_allocated() - held
+        pools = pool if arm.pass_replay else 0
         g = 2 ** 30
-        out[arm.name] = {"kept": kept / g, "step": step / g, "pools": max(pools, 0) / g,
-                         "total": (kept + step + max(pools, 0)) / g, "first": first / g}
+        out[arm.name] = {"kept": kept / g, "step": step / g, "pools": pools / g,
+                         "total": (kept + step + pools) / g, "first": first / g}
     return out
 
 

@@ -10,8 +10,11 @@ loop (new values in the same input buffers each step).
   pass captured at most twice, the later steps all replays, FP8 as bf16.
 - The emulation sees moved tensors (so the above means something): copies kept on the
   device across steps, made after the backward freed the FP8 tensors, take their blocks,
-  and no FP8 signature ever recurs; a bf16 layer's signature tensors are all alive at
-  that point, so it replays even then. This was the GPU test's 0 captures on `symm`.
+  and no FP8 signature ever recurs. A bf16 layer's signature tensors are all alive at
+  that point, so it replays even then, except a column layer's backward under SP: the
+  buffer it gathers its input into is freed with the pass (it is not kept in the graphs'
+  scratch pool), and such copies take it too. This was the GPU test's 0 captures on
+  `symm`.
 """
 
 import gc
@@ -104,4 +107,7 @@ def test_the_emulation_sees_moved_fp8_tensors_and_bf16_replays_alike(results, ca
         for p, (calls, captures, replays) in moved["passes"].items():
             assert calls == 8 and captures == replays == 0, (rank, p, moved)
         for p, (calls, captures, replays) in bf16["passes"].items():
-            assert calls == 8 and 1 <= captures <= 2 and replays - captures >= 4, (rank, p, bf16)
+            if case[0] == "column" and p == "bwd":  # its gather buffer moved, as FP8's tensors
+                assert calls == 8 and captures == replays == 0, (rank, p, bf16)
+            else:
+                assert calls == 8 and 1 <= captures <= 2 and replays - captures >= 4, (rank, p, bf16)

@@ -79,6 +79,16 @@ def _gathered(x2: torch.Tensor, tp: Transport) -> torch.Tensor:
     return x2.new_empty(tp.world_size * x2.shape[0], x2.shape[1])
 
 
+def gathered_input(x2: torch.Tensor, plan: LayerPlan, tp: Transport, wgrad: bool) -> Optional[torch.Tensor]:
+    """The buffer the column backward gathers its input into (under SP, for the wgrad),
+    allocated by the layer before the pass, or None where it gathers nothing. Allocated
+    inside a replayed pass, this activation-sized gather would live in the graphs' scratch
+    pool, which is held for the whole run (the largest layer's, beside the transport's
+    workspace); from the caller it is an ordinary allocation, freed after the pass, as
+    Megatron's and the eager pass's are. Bound by address like the pass's other tensors."""
+    return _gathered(x2, tp) if plan.sequence_parallel and wgrad else None
+
+
 # -- the passes: every tensor they touch is an argument --------------------------------------
 def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
                  q: Fp8Forward | None = None, gemm=matmul) -> None:
@@ -104,7 +114,8 @@ def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
 
 
 def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams,
-                 op: str, allreduce_dgrad: bool, wgrad: bool = True, gemm=matmul):
+                 op: str, allreduce_dgrad: bool, wgrad: bool = True, gemm=matmul,
+                 full: Optional[torch.Tensor] = None):
     """The column dgrad pass: g @ weight, with the input's all-gather (under SP, for the
     wgrad) hidden under it, or run beside its reduce-scatter into grad_in (rs_dgrad).
     Returns (the wgrad's input, what column_wgrad still reduces into grad_in or None).
@@ -114,9 +125,11 @@ def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, 
     Under SP the product the wgrad pass reduce-scatters is written into the transport's
     workspace (it is read within this transport pass only): a symmetric-memory transport's
     peers read it where the GEMM wrote it, without the staging copy, in the place that copy
-    would have taken (the pass's workspace high-water unchanged)."""
+    would have taken (the pass's workspace high-water unchanged). `full`: where the gather
+    lands (`gathered_input`), given by a caller that allocates it outside a replayed pass;
+    None: allocated here."""
     gather = plan.sequence_parallel and wgrad
-    full = _gathered(x2, tp) if gather else x2
+    full = (_gathered(x2, tp) if full is None else full) if gather else x2
     start = (lambda: tp.all_gather(full, x2, op=op)) if gather else None
     if plan.sequence_parallel and plan.rs_dgrad:
         handle = start and start()
@@ -175,13 +188,13 @@ def _wgrad_dtype(weight, grad_w, fuse: bool) -> torch.dtype:
 
 def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transport, nodes,
                fuse: bool, allreduce_dgrad: bool, wgrad: bool = True,
-               q: Fp8Backward | None = None) -> None:
+               q: Fp8Backward | None = None, full: Optional[torch.Tensor] = None) -> None:
     """grad_in (reduce-scattered under SP, all-reduced when asked), grad_w (or main_grad;
     neither when `wgrad` is False: a frozen weight), grad_b: the dgrad pass, then the
     wgrad pass, in one transport pass. FP8 (`q`): g is this rank's own, so its own amax,
     and its cast writes the wgrad's layout too; the dgrad multiplies by the forward's FP8
     weight; the wgrad runs in FP8 on the gathered FP8 input (x2) when the recipe's
-    fp8_wgrad says so."""
+    fp8_wgrad says so. `full`: the input's gather buffer (`gathered_input`), or None."""
     dname, streams = begin(tp, plan, "dgrad")
     gd, wd, dgemm, gw, wgemm, fp8_w = g, weight, matmul, g, matmul, False
     if q is not None:
@@ -193,7 +206,7 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
             gw = g_col
             wgemm = q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse))
     inp, pending = column_dgrad(gd, x2, wd, grad_in, plan, tp, nodes, streams, dname,
-                                allreduce_dgrad, wgrad, dgemm)
+                                allreduce_dgrad, wgrad, dgemm, full)
     column_wgrad(gw, inp, weight, grad_w, grad_in, pending, plan, tp, fuse, wgrad, wgemm, fp8_w)
     if grad_b is not None:
         torch.sum(g, 0, out=grad_b)
@@ -387,11 +400,13 @@ class ColumnParallelMatmul(torch.autograd.Function):
             return None, None, grad_b, *(None,) * 11
         grad_in, grad_w = _grad_in(ctx, weight), grad_buffer(weight, grad_out, fuse, wgrad)
         grad_b = grad_out.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
+        full = gathered_input(_flat(x), plan, tp, wgrad)
         # whether the wgrad runs changes what the pass issues: part of its replay key
         _run(ctx.graphs, "bwd", tp,
              lambda: column_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, grad_b,
-                                plan, tp, ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad, wgrad, q),
-             grad_out, x, weight, grad_in, grad_w, grad_b, main_grad_written(weight, fuse, wgrad),
+                                plan, tp, ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad, wgrad, q,
+                                full),
+             grad_out, x, weight, grad_in, grad_w, grad_b, full, main_grad_written(weight, fuse, wgrad),
              *(q.tensors() if q is not None else ()), static=(ctx.allreduce_dgrad, wgrad),
              audit=ctx.audit)
         grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)

@@ -17,7 +17,8 @@ can take longer than its GEMMs run. A replay issues it in one launch.
   addresses step after step, so steady state replays; a call whose tensors moved
   runs eagerly, exactly as before. (Device tensors a caller keeps from every step move
   them: made after a backward freed what its forward allocated, an FP8 forward's FP8
-  input, weight and scales, they take those blocks; tests/test_fp8_replay.py.) At most `max_graphs` per pass are kept (oldest
+  input, weight and scales, or the buffer a column backward gathered its input into,
+  they take those blocks; tests/test_fp8_replay.py.) At most `max_graphs` per pass are kept (oldest
   dropped first).
 - Ranks need not agree on replay versus eager: a replay enqueues the same
   transfers into the same workspace places as the eager pass.
@@ -79,6 +80,19 @@ def totals() -> dict[str, int]:
     `max_graphs` bound (a pass cycling through more signatures keeps recapturing).
     Telemetry logs the per-step change."""
     return dict(_totals)
+
+
+def pool_memory(dev: Optional[int] = None) -> tuple[int, int]:
+    """(reserved, allocated) bytes of the device's pass-graph scratch pool: memory the
+    process holds for the replays beside the caching allocator's own (a tensor allocated
+    in it is also in `torch.cuda.memory_allocated`); (0, 0) before the first capture."""
+    dev = torch.cuda.current_device() if dev is None else dev
+    if dev not in _pools:
+        return 0, 0
+    pool = tuple(_pools[dev][0])
+    segs = [s for s in torch.cuda.memory_snapshot()
+            if s["device"] == dev and tuple(s.get("segment_pool_id", ())) == pool]
+    return sum(s["total_size"] for s in segs), sum(s["allocated_size"] for s in segs)
 
 
 def _pool(dev: int) -> tuple:
