@@ -182,14 +182,14 @@ def memory(emu, arms, e, kind: str) -> dict:
         lc._zero_grads(arm)
         torch.cuda.synchronize()
         first, held = torch.cuda.max_memory_allocated() - start, torch.cuda.memory_allocated()
-        pool, pool_held = replay.pool_memory()
+        pool_held = replay.pool_memory()[1]
         kept = (held - pool_held) - (start - pool_start)
         torch.cuda.reset_peak_memory_stats()
         arm.step(e)
         lc._zero_grads(arm)
         torch.cuda.synchronize()
         step = torch.cuda.max_memory_allocated() - held
-        pools = pool if arm.pass_replay else 0
+        pools = replay.pool_memory()[0] if arm.pass_replay else 0  # after the step: all of it
         g = 2 ** 30
         out[arm.name] = {"kept": kept / g, "step": step / g, "pools": pools / g,
                          "total": (kept + step + pools) / g, "first": first / g}

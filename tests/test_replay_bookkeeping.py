@@ -113,6 +113,9 @@ def test_disabled_and_cpu_run_the_pass_eagerly():
         assert graphs.captures == graphs.replays == 0 and len(calls) == 6
     finally:
         replay.set_enabled(previous)
+    # nothing captured, so no scratch pool: its size reads as none, without touching CUDA
+    # (which a CPU build cannot: the benchmarks' memory accounts read it on any machine)
+    assert replay.pool_memory() == (0, 0)
 
 
 def test_a_pass_that_cannot_be_captured_runs_eagerly_from_then_on(caplog):

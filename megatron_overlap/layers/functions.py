@@ -84,8 +84,10 @@ def gathered_input(x2: torch.Tensor, plan: LayerPlan, tp: Transport, wgrad: bool
     allocated by the layer before the pass, or None where it gathers nothing. Allocated
     inside a replayed pass, this activation-sized gather would live in the graphs' scratch
     pool, which is held for the whole run (the largest layer's, beside the transport's
-    workspace); from the caller it is an ordinary allocation, freed after the pass, as
-    Megatron's and the eager pass's are. Bound by address like the pass's other tensors."""
+    workspace); from the caller it is an ordinary allocation, freed after the pass, as the
+    eager pass's is (Megatron's linears gather into their global buffer, kept for the
+    process, which the transport's workspace stands for here: the forward's gather lands
+    there). Bound by address like the pass's other tensors."""
     return _gathered(x2, tp) if plan.sequence_parallel and wgrad else None
 
 

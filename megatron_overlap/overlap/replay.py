@@ -85,7 +85,10 @@ def totals() -> dict[str, int]:
 def pool_memory(dev: Optional[int] = None) -> tuple[int, int]:
     """(reserved, allocated) bytes of the device's pass-graph scratch pool: memory the
     process holds for the replays beside the caching allocator's own (a tensor allocated
-    in it is also in `torch.cuda.memory_allocated`); (0, 0) before the first capture."""
+    in it is also in `torch.cuda.memory_allocated`); (0, 0) before the first capture (and
+    on a machine without CUDA)."""
+    if not _pools:
+        return 0, 0
     dev = torch.cuda.current_device() if dev is None else dev
     if dev not in _pools:
         return 0, 0
