@@ -129,23 +129,23 @@ def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, 
     peers read it where the GEMM wrote it, without the staging copy, in the place that copy
     would have taken (the pass's workspace high-water unchanged). `full`: where the gather
     lands (`gathered_input`), given by a caller that allocates it outside a replayed pass;
-    None: allocated here."""
-    gather = plan.sequence_parallel and wgrad
-    full = (_gathered(x2, tp) if full is None else full) if gather else x2
-    start = (lambda: tp.all_gather(full, x2, op=op)) if gather else None
+    None: `gathered_input` here."""
+    full = gathered_input(x2, plan, tp, wgrad) if full is None else full
+    start = (lambda: tp.all_gather(full, x2, op=op)) if full is not None else None
+    inp = x2 if full is None else full
     if plan.sequence_parallel and plan.rs_dgrad:
         handle = start and start()
         matmul_reduce_scatter(g, weight.t(), tp, plan.dgrad.method, plan.dgrad.splits(tp.world_size),
                               op=op, streams=streams, nodes=nodes, out=grad_in, gemm=gemm)
         if handle is not None:
             handle.wait()
-        return full, None
+        return inp, None
     if plan.sequence_parallel:
         with (streams or plain()).margin_only():  # bulk: num_sm SMs short where set_sm_margin acts
             dgrad = hide(start, lambda: gemm(g, weight, tp.workspace(
                 (g.shape[0], weight.shape[-1]), grad_in.dtype, g.device), op=op),
                 overlap=plan.dgrad is not None)
-        return full, dgrad
+        return inp, dgrad
     gemm(g, weight, grad_in, op=op)
     return x2, (grad_in if allreduce_dgrad else None)
 
