@@ -29,8 +29,14 @@ against Megatron's on the mirror transport (output, input and parameter grads, m
 graphed): each arm's, and ours on packed sequences (4 documents per sequence, THD) against
 ours causal over the whole sequence.
 
-    python benchmarks/attention_layer.py [--shapes all] [--reps 10] [--repeat 5]
+    python benchmarks/attention_layer.py [--shapes all] [--reps 10] [--repeat 4]
+    python benchmarks/attention_layer.py --ub-cfgs benchmarks/configs/ring_aggregate.yaml
     python benchmarks/attention_layer.py --shapes tiny --device cpu      # the check only
+
+--repeat: a multiple of 4 (the arms) puts every arm's graph capture at every position
+equally often (layer_compute's `time_shape`). --ub-cfgs: the overlapped linears' settings
+(install()'s ub_cfgs; default TE's); the timing transport cannot emulate a ring
+reduce-scatter, so a YAML that picks one for a row-parallel forward stops at the check.
 
 Writes <out>/attention_layer_<tag>.json and prints a table; exit status 2 when a check failed.
 """
@@ -38,6 +44,7 @@ Writes <out>/attention_layer_<tag>.json and prints a table; exit status 2 when a
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import statistics
@@ -87,15 +94,17 @@ class SDPAReference(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
-def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.device, fusions: str):
+def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.device, fusions: str,
+          ub_cfgs: str | None = None):
     """One arm's layer: built under install() (torch norms take SP in every arm), with
-    Megatron's attention for megatron and sdpa_ref, ours for ours."""
+    Megatron's attention for megatron and sdpa_ref, ours for ours; `ub_cfgs`: install()'s
+    (the overlapped linears' settings, which only the ours arm has)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
     import megatron_overlap as mo
 
-    mo.install(backend="torch_p2p", attention="torch" if arm.startswith("ours") else "megatron")
+    mo.install(ub_cfgs, backend="torch_p2p", attention="torch" if arm.startswith("ours") else "megatron")
     try:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         if arm == "sdpa_ref":
@@ -111,7 +120,7 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     d = shape.dims
-    layers = {a: build(shape, a, dtype, device, args.fusions) for a in ARMS}
+    layers = {a: build(shape, a, dtype, device, args.fusions, args.ub_cfgs) for a in ARMS}
     for a in ARMS[1:]:
         got = layers[a].load_state_dict(layers["megatron"].state_dict(), strict=True)
         assert not got.missing_keys and not got.unexpected_keys, got
@@ -172,6 +181,9 @@ def memory(emu, arms, e, kind: str) -> dict:
         # transport (our workspaces), Megatron's global gather buffer emptied (its arms')
         emu.use(lc.timing_transport(emu, kind), [a.layer for a in arms])
         parallel_state.get_global_memory_buffer().buffer.clear()
+        # the transport replaced may sit in a reference cycle: freed by a collection inside
+        # the window, its workspaces would be subtracted from the new one's (kept read 0)
+        gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         start, pool_start = torch.cuda.memory_allocated(), replay.pool_memory()[1]
@@ -326,6 +338,8 @@ def arguments(description: str, shapes, fusions: str = "off") -> argparse.Argume
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--ub-cfgs", default=None,
+                    help="TE-style overlap YAML for the layers install() builds (default: TE's defaults)")
     return ap
 
 

@@ -67,7 +67,7 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
 
     import megatron_overlap as mo
 
-    mo.install(backend="torch_p2p")  # each layer's transport is replaced by mirror / null
+    mo.install(args.ub_cfgs, backend="torch_p2p")  # each layer's transport is replaced by mirror / null
     try:
         config = {"bf16": {}, "fp8_delayed": DELAYED}
         layers = {a: lc.build_layer(shape, True, dtype, device, args.fusions, **config.get(a, FP8))
