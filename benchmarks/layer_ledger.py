@@ -227,7 +227,7 @@ def compiled_kernels(ledger: Ledger):
     once."""
     from megatron_overlap.overlap import fp8
 
-    def run(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True) -> bool:
+    def run(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True, chunks=None) -> bool:
         if not fp8._fusing:
             return False
         with _disable_current_modes():

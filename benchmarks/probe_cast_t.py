@@ -53,10 +53,14 @@ def launch(mod, x, scale, o, ot, cast: bool) -> None:
     (m, n), (bm, bn, warps) = x.shape, BLOCK
     flags = dict(CAST=cast, WRITE_T=True, AMAX=False, FROM_AMAX=False, NA=1, BM=bm, BN=bn,
                  FMAX=float(torch.finfo(o.dtype).max) if cast else 0.0)
-    if "T_FROM_O" in inspect.signature(mod.cast_t.fn).parameters:
+    params = inspect.signature(mod.cast_t.fn).parameters
+    if "T_FROM_O" in params:
         flags["T_FROM_O"] = cast and x.dtype == torch.float32
+    sizes = (m, n, 1)
+    if "CHUNK_MAJOR" in params:  # (a kernel that can write o chunk-major: here row-major)
+        flags["CHUNK_MAJOR"], sizes = False, (m, n, 1, 1, 1)
     t = (x, scale, o, ot, scale, scale) if cast else (x, x, x, ot, x, x)
-    mod.cast_t[(-(-m // bm), -(-n // bn))](*t, m, n, 1, num_warps=warps, **flags)
+    mod.cast_t[(-(-m // bm), -(-n // bn))](*t, *sizes, num_warps=warps, **flags)
 
 
 def unwritten(shape, fp8):

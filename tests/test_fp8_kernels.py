@@ -27,12 +27,14 @@ class StandIn:
         self.name, self.launches = name, launches
 
     def __getitem__(self, grid):
-        def cast_t(x, s, o, ot, used, amax, m, n, na, *, FMAX, CAST, WRITE_T, AMAX, FROM_AMAX,
-                   T_FROM_O, NA, BM, BN, num_warps):
+        def cast_t(x, s, o, ot, used, amax, m, n, na, blocks, chunks, *, FMAX, CAST, WRITE_T,
+                   AMAX, FROM_AMAX, T_FROM_O, CHUNK_MAJOR, NA, BM, BN, num_warps):
             # T_FROM_O: the transposed copy from the bytes written to o (the same bytes)
             assert T_FROM_O == (CAST and WRITE_T and x.dtype == torch.float32)
+            assert CHUNK_MAJOR == ((blocks, chunks) != (1, 1)) and m % (blocks * chunks) == 0
             self.launches.append(dict(grid=grid, m=m, n=n, CAST=CAST, WRITE_T=WRITE_T, AMAX=AMAX,
-                                      FROM_AMAX=FROM_AMAX, T_FROM_O=T_FROM_O))
+                                      FROM_AMAX=FROM_AMAX, T_FROM_O=T_FROM_O,
+                                      CHUNK_MAJOR=CHUNK_MAJOR))
             assert (m, n) == tuple(x.shape) and grid == (-(-m // BM), -(-n // BN))
             assert NA >= na and NA & (NA - 1) == 0  # a power of two holding the amaxes
             if FROM_AMAX:  # s: the amaxes; the scale made from their max, written with its inverse
@@ -43,7 +45,14 @@ class StandIn:
             if CAST:  # s: the scale, a pair's at SCALE_AT (delayed: AMAX), else the value
                 value = s.reshape(-1)[k.SCALE_AT] if AMAX else s.reshape(-1)[0]
                 q = (x.float() * value).clamp(-FMAX, FMAX).to(o.dtype)
-                o.copy_(q)
+                if CHUNK_MAJOR:  # row j of chunk i of block w to row j of block w in chunk i
+                    sub = m // (blocks * chunks)
+                    for w in range(blocks):
+                        for i in range(chunks):
+                            o[(i * blocks + w) * sub:(i * blocks + w + 1) * sub] = \
+                                q[(w * chunks + i) * sub:(w * chunks + i + 1) * sub]
+                else:
+                    o.copy_(q)
                 if AMAX:  # s: the pair it copies out
                     amax.copy_(torch.maximum(amax, x.float().abs().max()))
                     used.copy_(s)
@@ -131,6 +140,75 @@ def test_each_kernel_s_tensors_go_where_its_eager_definition_puts_them(kernel):
             assert torch.equal(outs[0], refs[0]) and kernel.launches[-1]["FROM_AMAX"]
             assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                        for a, b in zip(outs[1:], refs[1:]))
+
+
+def _same(got, want) -> bool:
+    """Every pair bit-equal (FP8 as bytes: NaN bits too)."""
+    as_bits = lambda t: t.view(torch.uint8) if t.element_size() == 1 else t  # noqa: E731
+    return all(torch.equal(as_bits(a), as_bits(b)) for a, b in zip(got, want, strict=True))
+
+
+def test_chunk_major_puts_each_pipeline_chunk_of_every_block_in_adjacent_rows():
+    """`chunk_major`: rows [blocks, chunks, sub] to [chunks, blocks, sub]; chunk i of the
+    result is chunk i of every block, blocks in order, each chunk's rows as they were."""
+    t = torch.arange(24 * 3).view(24, 3)
+    got = f.chunk_major(t, 2, 3)  # blocks of 12 rows, chunks of 4
+    for i in range(3):
+        for w in range(2):
+            assert torch.equal(got[(i * 2 + w) * 4:(i * 2 + w + 1) * 4],
+                               t[w * 12 + i * 4:w * 12 + (i + 1) * 4])
+    assert torch.equal(f.chunk_major(t, 1, 1), t) and torch.equal(f.chunk_major(t, 4, 1), t)
+
+
+@pytest.mark.parametrize("t", [False, True])
+def test_a_chunk_major_cast_is_the_row_order_cast_reordered(kernel, t):
+    """Current and delayed casts with `chunks`: the kernel (`CHUNK_MAJOR`) and the fallback
+    where it does not run write x's cast reordered by `chunk_major`, the transposed copy
+    and the scale as the row-order cast writes them."""
+    saturate, to_scale = f._ao().to_fp8_saturated, f._ao().amax_to_scale
+    x, amaxes, pair = _x(96, 40), torch.tensor([3.0, 150.0]), f.pair_of(torch.tensor(2.5))
+    suffix, extra = ("_t", lambda: [torch.empty(40, 96, dtype=E4M3)]) if t else ("", list)
+    for blocks, chunks in ((4, 3), (2, 2), (1, 4)):
+        outs, refs = [torch.zeros(2), torch.empty(96, 40, dtype=E4M3), *extra()], \
+            [torch.zeros(2), torch.empty(96, 40, dtype=E4M3), *extra()]
+        assert k.run("current_cast" + suffix, (x, amaxes, *outs), False, (blocks, chunks))
+        assert kernel.launches[-1]["CHUNK_MAJOR"]
+        f._current_cast_by(to_scale, saturate, E4M3, x, amaxes, *refs)
+        refs[1] = f.chunk_major(refs[1], blocks, chunks)
+        assert _same(outs, refs)
+        outs, refs = [torch.zeros(2), torch.zeros(()), torch.empty(96, 40, dtype=E4M3), *extra()], \
+            [torch.zeros(2), torch.zeros(()), torch.empty(96, 40, dtype=E4M3), *extra()]
+        assert k.run("delayed_cast_amax" + suffix, (x, pair, *outs), False, (blocks, chunks))
+        f._delayed_cast_amax_by(saturate, x, pair, *refs)
+        refs[2] = f.chunk_major(refs[2], blocks, chunks)
+        assert _same(outs, refs)
+    # rows that do not divide, the bytes-only transpose, the amax: not chunk-major
+    o = torch.empty(96, 40, dtype=E4M3)
+    assert not k.run("current_cast", (x, amaxes, torch.zeros(2), o), False, (5, 2))
+    q = x.to(E4M3).view(torch.uint8)
+    assert not k.run("transpose", (q, torch.empty(40, 96, dtype=torch.uint8)), False, (2, 2))
+    assert not k.run("amax", (x, torch.empty(())), False, (2, 2))
+
+
+def test_quantize_with_chunks_equals_the_row_order_quantize_reordered():
+    """On CPU (no kernel): `quantize_current` and `delayed_quantize` with `chunks` cast in
+    row order and reorder: x8 chunk-major, x8t, the scale pair and the amax as without."""
+    x = _x(64, 24)
+    a = f.amax(x)
+    want = [torch.zeros(2), torch.empty(64, 24, dtype=E4M3), torch.empty(24, 64, dtype=E4M3)]
+    got = [torch.zeros(2), torch.empty(64, 24, dtype=E4M3), torch.empty(24, 64, dtype=E4M3)]
+    f.quantize_current(x, a, E4M3, want[0], out=want[1], out_t=want[2])
+    f.quantize_current(x, a, E4M3, got[0], out=got[1], out_t=got[2], chunks=(4, 2))
+    want[1] = f.chunk_major(want[1], 4, 2)
+    assert _same(got, want)
+    state = f.AmaxHistory(4, x.device)
+    state.scale.copy_(f.pair_of(torch.tensor(3.0)))
+    outs = [torch.zeros(2), torch.zeros(()), torch.empty(64, 24, dtype=E4M3)]
+    refs = [torch.zeros(2), torch.zeros(()), torch.empty(64, 24, dtype=E4M3)]
+    f.delayed_quantize(x, state, E4M3, refs[0], refs[1], out=refs[2])
+    f.delayed_quantize(x, state, E4M3, outs[0], outs[1], out=outs[2], chunks=(2, 4))
+    refs[2] = f.chunk_major(refs[2], 2, 4)
+    assert _same(outs, refs)
 
 
 def test_the_amax_kernel_is_torch_s_amax_from_zero(kernel):

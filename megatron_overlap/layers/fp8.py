@@ -92,9 +92,11 @@ class DelayedScales:
 
     def quantize(self, role: str, x: torch.Tensor, dtype: torch.dtype, used: torch.Tensor,
                  amax_out: torch.Tensor, out: Optional[torch.Tensor] = None,
-                 out_t: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 out_t: Optional[torch.Tensor] = None,
+                 chunks: Optional[tuple[int, int]] = None) -> torch.Tensor:
         """`x` quantized with `role`'s current scale (into `used`), its amax into `amax_out`."""
-        return delayed_quantize(x, self.get(role, x.device), dtype, used, amax_out, out, out_t)
+        return delayed_quantize(x, self.get(role, x.device), dtype, used, amax_out, out, out_t,
+                                chunks)
 
     def record(self, roles: tuple[str, ...], local: torch.Tensor, tp: Transport, op: str
                ) -> None:
@@ -260,11 +262,17 @@ class Fp8Forward:
         return self.x8 if self.x8t is None else self.x8t.t()
 
     def operands(self, x2: torch.Tensor, weight: torch.Tensor, tp: Transport, op: str,
-                 gathered: bool, out_dtype: torch.dtype
+                 gathered: bool, out_dtype: torch.dtype,
+                 chunks: Optional[tuple[int, int]] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, ScaledGemm]:
         """Quantize the input (tensorwise: with the group's amax when `gathered`; delayed:
         with its history's scale, the group's amaxes recorded after) and the weight into
-        this object's tensors; returns (x8, w8, the scaled GEMM of x8 @ w8^T)."""
+        this object's tensors; returns (x8, w8, the scaled GEMM of x8 @ w8^T). `chunks`
+        (per-tensor scales only: `overlap.fp8.casts_chunk_major`): x8's rows chunk-major
+        (`overlap.fp8.chunk_major`), for a row layer's pipelined reduce-scatter, whose
+        GEMMs are x8's only readers (its backward reads x8t, in x's order, or x)."""
+        if chunks is not None and self.rowwise:
+            raise ValueError(f"{op}: an input with row-wise scales is not cast chunk-major")
         fwd = self.p.fwd
         if self.rowwise:  # each row its own scale: nothing to exchange before a gather
             rows_quantized(x2, fwd, out=self.x8)
@@ -278,13 +286,13 @@ class Fp8Forward:
             # exchanged unread)
             self._amaxes = torch.empty(2, dtype=torch.float32, device=x2.device)
             d.quantize("input", x2, fwd, self.x_scale, self._amaxes[0], out=self.x8,
-                       out_t=self.x8t)
+                       out_t=self.x8t, chunks=chunks)
             if self.quantize_weight:
                 d.quantize("weight", weight, fwd, self.w_scale, self._amaxes[1], out=self.w8,
                            out_t=self.w8t)
             return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
         a = group_amaxes(x2, tp, f"{op}_amax") if gathered else amax(x2)
-        quantize_current(x2, a, fwd, self.x_scale, out=self.x8, out_t=self.x8t)
+        quantize_current(x2, a, fwd, self.x_scale, out=self.x8, out_t=self.x8t, chunks=chunks)
         if self.quantize_weight:  # with the dgrad's layout (cached: made once per step)
             quantize_current(weight, amax(weight), fwd, self.w_scale, out=self.w8,
                              out_t=self.w8t)

@@ -22,6 +22,8 @@ from ..comm.transport import Transport
 from ..config import LayerSettings
 from ..config.effects import CAPS
 from ..overlap import all_gather_matmul, hide, matmul, matmul_reduce_scatter
+from ..overlap.fp8 import casts_chunk_major
+from ..overlap.gemm_rs import chunk_major_blocks
 from ..overlap.replay import PassGraphs
 from ..overlap.streams import ChunkStreams, plain
 from .fp8 import DelayedScales, Fp8Backward, Fp8Forward, col_major
@@ -226,12 +228,16 @@ def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
     its own amax; the partial products, and so the reduction, in out's dtype. (x2 and
     weight already FP8, with `gemm` their scaled GEMM: the tools' FP8 trial passes.)"""
     op, streams = begin(tp, plan, "fprop")
-    if q is not None:
-        x2, weight, gemm = q.operands(x2, weight, tp, op, False, out.dtype)
     s, sp = plan.fprop, plan.sequence_parallel
+    chunks = None  # FP8: x8 cast chunk-major where the pipeline's GEMMs read it so
+    if q is not None and s is not None and casts_chunk_major(q.p.recipe):
+        chunks = chunk_major_blocks(s.method, sp, nodes, tp.world_size, s.splits(tp.world_size))
+    if q is not None:
+        x2, weight, gemm = q.operands(x2, weight, tp, op, False, out.dtype, chunks)
     if s is not None:
         matmul_reduce_scatter(x2, weight, tp, s.method, s.splits(tp.world_size), op=op,
-                              scatter=sp, streams=streams, nodes=nodes, out=out, gemm=gemm)
+                              scatter=sp, streams=streams, nodes=nodes, out=out, gemm=gemm,
+                              chunk_major=chunks is not None)
     else:
         matmul_reduce_scatter(x2, weight, tp, "bulk", 1, op=op, scatter=sp, out=out, gemm=gemm)
     if bias is not None:

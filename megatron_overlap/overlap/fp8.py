@@ -211,7 +211,8 @@ def _own_frame(fn, key: tuple):
     return types.FunctionType(code, kernel.__globals__, name, None, kernel.__closure__)
 
 
-def _run_compiled(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True) -> bool:
+def _run_compiled(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True,
+                  chunks: Optional[tuple[int, int]] = None) -> bool:
     """Run `fn(*args)` as one GPU kernel: for the keys overlap/fp8_kernels.py writes in
     Triton, that kernel; else compiled (torch.compile, inductor; dynamic shapes, so a model's
     shapes compile once per key; `dynamic=False`: specialized to the first call's shapes,
@@ -221,14 +222,15 @@ def _run_compiled(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True) -> 
     or for tensors a Triton kernel does not take. Inside a CUDA-graph capture it never
     compiles (a compile synchronizes, which a capture forbids): a kernel not compiled yet,
     or one whose guards ask for a recompile (a new layout, a dimension of 1), runs eagerly
-    there, captured so."""
+    there, captured so. `chunks`: a cast's output chunk-major, by its Triton kernel only
+    (`fp8_kernels.run`)."""
     if not _fusing or args[0].device.type != "cuda":
         return False
     capturing = torch.cuda.is_current_stream_capturing()
     if key[0] in fp8_kernels.KERNELS:  # hand-written in Triton (inductor's `fn` moves more bytes)
-        if fp8_kernels.run(key[0], args, capturing):
+        if fp8_kernels.run(key[0], args, capturing, chunks or (1, 1)):
             return True
-        if key[0] != "transpose":  # declined: the caller's other kernels run instead
+        if key[0] != "transpose" or chunks:  # declined: the caller's other kernels run instead
             return False
     return _call_compiled(key, fn, args, dynamic, capturing)
 
@@ -327,6 +329,39 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     return out
 
 
+def chunk_major(t: torch.Tensor, blocks: int, chunks: int,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`t`'s rows ([blocks, chunks, sub] of them) reordered chunk-major ([chunks, blocks,
+    sub]): row j of chunk i of block w moves to row j of block w within chunk i, so that a
+    GEMM->RS pipeline chunk (chunk i of every rank's block) is one run of adjacent rows,
+    which its FP8 GEMM reads in place (`chunk_major(t, chunks, blocks)` undoes it). Into
+    `out` when given."""
+    rows, k = t.shape
+    out = torch.empty_like(t) if out is None else out
+    src = t.view(blocks, chunks, rows // (blocks * chunks), k).transpose(0, 1)
+    out.view(chunks, blocks, -1, k).copy_(src)
+    return out
+
+
+def casts_chunk_major(scaling: str) -> bool:
+    """Whether a row layer's FP8 input is cast chunk-major (`chunk_major`) for its
+    pipelined reduce-scatter: with per-tensor scales (tensorwise, delayed) the cast's
+    kernel writes it so and each chunk's GEMM reads its rows in place; row-wise scales
+    ride in the rows, whose chunks `batched` copies together."""
+    return scaling != "rowwise"
+
+
+def _chunk_major_by(natural, chunks: tuple[int, int], at: int, *args: torch.Tensor
+                    ) -> torch.Tensor:
+    """`natural(*args)` (a cast kernel's eager definition, in x's row order) with its
+    output, `args[at]`, laid out chunk-major (`chunk_major`): what the kernel launched
+    with `chunks` writes (the definition `_run_compiled`'s stand-ins run)."""
+    out = args[at]
+    tmp = torch.empty_like(out)
+    natural(*args[:at], tmp, *args[at + 1:])
+    return chunk_major(tmp, *chunks, out=out)
+
+
 def _current_cast_by(to_scale, saturate, dtype: torch.dtype, x: torch.Tensor,
                      amaxes: torch.Tensor, pair: torch.Tensor, out: torch.Tensor,
                      out_t: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -339,15 +374,24 @@ def _current_cast_by(to_scale, saturate, dtype: torch.dtype, x: torch.Tensor,
 
 def quantize_current(x: torch.Tensor, amaxes: torch.Tensor, dtype: torch.dtype,
                      pair: torch.Tensor, out: Optional[torch.Tensor] = None,
-                     out_t: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     out_t: Optional[torch.Tensor] = None,
+                     chunks: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """Current scaling: `x` quantized with the scale its amax gives (`amaxes`: `amax(x)`,
     or `group_amaxes`, whose max is taken), the scale pair written into `pair`; `out_t`
     as `quantize`'s. On a GPU one Triton kernel ('current_cast') makes the scale and
-    casts; else `scale_for`, then `quantize`: the same bits."""
+    casts; else `scale_for`, then `quantize`: the same bits. `chunks` (blocks, chunks per
+    block): `out`'s rows chunk-major (`chunk_major`; `out_t` in x's order)."""
     out = _fp8_out(x, dtype, out, out_t)
     name, t = ("current_cast", ()) if out_t is None else ("current_cast_t", (out_t,))
     fn = functools.partial(_current_cast_by, _ao().amax_to_scale, _ao().to_fp8_saturated, dtype)
-    if _run_compiled((name, x.dtype, dtype), fn, x, amaxes.reshape(-1), pair, out, *t):
+    args = (x, amaxes.reshape(-1), pair, out, *t)
+    if chunks is not None:  # the kernel, else the row-order cast reordered: the same bytes
+        if not _run_compiled((name, x.dtype, dtype),
+                             functools.partial(_chunk_major_by, fn, chunks, 3), *args,
+                             chunks=chunks):
+            chunk_major(quantize_current(x, amaxes, dtype, pair, None, out_t), *chunks, out=out)
+        return out
+    if _run_compiled((name, x.dtype, dtype), fn, *args):
         return out
     return quantize(x, scale_for(amaxes, dtype, out=pair), dtype, out=out, out_t=out_t)
 
@@ -395,13 +439,14 @@ def _delayed_cast_amax_by(saturate, x: torch.Tensor, scale: torch.Tensor, used: 
 
 def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
                      used: torch.Tensor, amax_out: torch.Tensor,
-                     out: Optional[torch.Tensor] = None, out_t: Optional[torch.Tensor] = None
-                     ) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None, out_t: Optional[torch.Tensor] = None,
+                     chunks: Optional[tuple[int, int]] = None) -> torch.Tensor:
     """`x` quantized with the scale `state` holds now (from past amaxes: no pass over x
     before the cast), its pair copied into `used` (a scale pair); x's own amax into
     `amax_out` (a 0-d float32
     tensor; a view into a larger one will do), for `update_scale` once it is the TP
-    group's. `out_t`: the FP8 values transposed there too. On a GPU one Triton kernel
+    group's. `out_t`: the FP8 values transposed there too; `chunks`: `out`'s rows
+    chunk-major (`quantize_current`'s). On a GPU one Triton kernel
     ('delayed_cast_amax', overlap/fp8_kernels.py) reads `x` once for all of it; else the
     amax is torch's own reduction, as current scaling's (`amax`), the cast one compiled
     kernel and the transposed copy `transposed`. (Compiled together by inductor, the amax
@@ -412,8 +457,16 @@ def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
     x = x.detach()  # (the amax's out=: no autograd; neither needs it)
     amax_out.zero_()  # the kernel's amax is a max over its tiles from 0 (NaN-safe: bits)
     name, t = ("delayed_cast_amax", ()) if out_t is None else ("delayed_cast_amax_t", (out_t,))
-    if _run_compiled((name, x.dtype, dtype), functools.partial(_delayed_cast_amax_by, saturate),
-                     x, state.scale, used, amax_out, out, *t):
+    fn = functools.partial(_delayed_cast_amax_by, saturate)
+    args = (x, state.scale, used, amax_out, out, *t)
+    if chunks is not None:  # the kernel, else the row-order cast reordered: the same bytes
+        if not _run_compiled((name, x.dtype, dtype),
+                             functools.partial(_chunk_major_by, fn, chunks, 4), *args,
+                             chunks=chunks):
+            chunk_major(delayed_quantize(x, state, dtype, used, amax_out, None, out_t), *chunks,
+                        out=out)
+        return out
+    if _run_compiled((name, x.dtype, dtype), fn, *args):
         return out
     amax(x, out=amax_out)
     fn = functools.partial(_delayed_cast_by, saturate)

@@ -12,6 +12,9 @@ compiled ones (`overlap.fp8._run_compiled`) move more bytes than they need:
   its scale from the tensor's amax (the TP group's amaxes' max, for a tensor gathered)
   and writes the scale pair (`overlap.fp8.scale_pair`) beside it: no kernel of its own
   for the scale, nor for the group's max.
+- Any cast can write its output chunk-major (`chunks`: `overlap.fp8.chunk_major`), the
+  layout in which a GEMM->RS pipeline chunk's rows are adjacent (a row layer's FP8 input):
+  the pipeline's GEMMs read them in place where they were copied together before.
 - `transpose`: 1-byte values transposed. Inductor's kernel moved them at ~1.3 TB/s on an
   H100 (its fp8 layers' transposes), this one at ~2.9 TB/s.
 - `amax`: current scaling's max |x|, the same atomic reduction over tiles as the delayed
@@ -110,15 +113,16 @@ def _cast_layout(x: torch.Tensor, o: torch.Tensor, ot: Optional[torch.Tensor]
     return x2, o2
 
 
-def _launch(name: str, args: tuple) -> Optional[Launch]:
+def _launch(name: str, args: tuple, chunks: tuple[int, int] = (1, 1)) -> Optional[Launch]:
     """The launch that runs kernel `name` on `args`, or None where it does not run these
     tensors: a layout or shape it does not take (each output exactly the input's shape,
     or its transpose's), a scale per row, scalars not float32 (a cast's scale one value,
     delayed's scale and the one it copies out pairs, a current cast's amaxes a vector of
     at most MAX_AMAXES and its scale out a pair), no elements, more column tiles than a
-    grid holds."""
+    grid holds. `chunks` (blocks, chunks per block): a cast's output rows chunk-major
+    (`overlap.fp8.chunk_major`); rows that do not divide into them are not taken."""
     if name == "amax":
-        return _amax_launch(args)
+        return _amax_launch(args) if chunks == (1, 1) else None
     if name == "transpose":
         x, ot = args
         if (x.dim() != 2 or not (x.is_contiguous() and ot.is_contiguous())
@@ -162,23 +166,27 @@ def _launch(name: str, args: tuple) -> Optional[Launch]:
     if x2.numel() == 0 or -(-x2.shape[1] // BLOCK[1]) > MAX_GRID_Y:
         return None
     (m, n), (bm, bn, warps) = x2.shape, BLOCK
+    chunk_major = chunks != (1, 1)
+    if chunk_major and (not flags["CAST"] or min(chunks) < 1 or m % (chunks[0] * chunks[1])):
+        return None
     # a float32 x's transposed copy from the bytes written to o (fp8_triton.cast_t says why)
     t_from_o = flags["CAST"] and flags["WRITE_T"] and x2.dtype == torch.float32
-    return Launch("cast_t", tensors, (m, n, na),
-                  {**flags, "T_FROM_O": t_from_o, "NA": triton_pow2(na), "BM": bm, "BN": bn},
+    return Launch("cast_t", tensors, (m, n, na, *chunks),
+                  {**flags, "T_FROM_O": t_from_o, "CHUNK_MAJOR": chunk_major,
+                   "NA": triton_pow2(na), "BM": bm, "BN": bn},
                   (-(-m // bm), -(-n // bn)), warps)
 
 
-def run(name: str, args: tuple, capturing: bool) -> bool:
+def run(name: str, args: tuple, capturing: bool, chunks: tuple[int, int] = (1, 1)) -> bool:
     """Kernel `name` on `args` (the layout of its eager definition in overlap.fp8); False
     where it does not run: Triton missing, tensors it does not take, a failure before
     (logged once), or, inside a CUDA-graph capture, a launch signature not compiled yet
     (a compile there could break the capture: the caller's kernels run instead, as
-    `_run_compiled`'s do)."""
+    `_run_compiled`'s do). `chunks`: a cast's output rows chunk-major (`_launch`)."""
     global _kernels
     if name in _broken:
         return False
-    launch = _launch(name, args)
+    launch = _launch(name, args, chunks)
     if launch is None:
         return False
     t = launch.tensors

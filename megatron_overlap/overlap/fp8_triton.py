@@ -47,23 +47,37 @@ def scale_from(amax_ptr, na, FMAX: tl.constexpr, NA: tl.constexpr):
     return (FMAX / a).to(tl.float32)
 
 
+@triton.jit
+def chunk_major_row(r, m, blocks, chunks):
+    """Where row r of [m, n] goes in its chunk-major layout (overlap.fp8.chunk_major):
+    row j of chunk i of block w ([blocks, chunks, m / (blocks * chunks)] rows) to row
+    j of block w within chunk i ([chunks, blocks, ...])."""
+    sub = m // (blocks * chunks)
+    return ((r // sub) % chunks * blocks + r // (sub * chunks)) * sub + r % sub
+
+
 @triton.jit  # (m, n specialized as Triton does: 16-divisible rows vectorize its accesses)
-def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, FMAX: tl.constexpr,
-           CAST: tl.constexpr, WRITE_T: tl.constexpr, AMAX: tl.constexpr,
-           FROM_AMAX: tl.constexpr, T_FROM_O: tl.constexpr, NA: tl.constexpr, BM: tl.constexpr,
-           BN: tl.constexpr):
+def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, blocks, chunks,
+           FMAX: tl.constexpr, CAST: tl.constexpr, WRITE_T: tl.constexpr, AMAX: tl.constexpr,
+           FROM_AMAX: tl.constexpr, T_FROM_O: tl.constexpr, CHUNK_MAJOR: tl.constexpr,
+           NA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """One [BM, BN] tile of x [m, n]: with CAST, saturate(fp32(x) * scale) into o and,
     with WRITE_T, transposed into ot; the scale read at s_ptr, or with FROM_AMAX made
     from the `na` amaxes at amax_ptr (current scaling: the TP group's) and written with
     its inverse into the pair at used; with AMAX (s_ptr a scale pair) max |x| into amax
     and the pair into used; without CAST, x's bytes transposed into ot. T_FROM_O: the
     transposed copy made from the tile's bytes just written to o (read back), not from
-    the values in registers."""
+    the values in registers. CHUNK_MAJOR: o's rows in the chunk-major order of `blocks`
+    x `chunks` (`chunk_major_row`); ot keeps x's order."""
     pm, pn = tl.program_id(0), tl.program_id(1)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
     mask = (rm[:, None] < m) & (rn[None, :] < n)
     offs = rm[:, None].to(tl.int64) * n + rn[None, :]
+    if CHUNK_MAJOR:
+        offs_o = chunk_major_row(rm, m, blocks, chunks)[:, None].to(tl.int64) * n + rn[None, :]
+    else:
+        offs_o = offs
     if CAST:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if FROM_AMAX:
@@ -77,7 +91,7 @@ def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, FMAX: tl.c
         else:
             s = tl.load(s_ptr)
         q = clamp_nan(x * s, -FMAX, FMAX).to(o_ptr.dtype.element_ty)
-        tl.store(o_ptr + offs, q, mask=mask)
+        tl.store(o_ptr + offs_o, q, mask=mask)
         if AMAX:
             amax_into(x, amax_ptr)
             if (pm == 0) & (pn == 0):
@@ -91,7 +105,7 @@ def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, FMAX: tl.c
             # read back from o instead (this block's own stores, visible after the barrier),
             # which gives them a byte load's layout, as the bytes-only transpose has.
             tl.debug_barrier()
-            q = tl.load(o_ptr.to(tl.pointer_type(tl.uint8)) + offs, mask=mask)
+            q = tl.load(o_ptr.to(tl.pointer_type(tl.uint8)) + offs_o, mask=mask)
         elif not CAST:
             q = tl.load(x_ptr.to(tl.pointer_type(tl.uint8)) + offs, mask=mask)
         else:

@@ -25,23 +25,38 @@ def _check_rows(op: str, total: int, parts: int, what: str) -> int:
     return total // parts
 
 
+def chunk_major_blocks(method: str, scatter: bool, nodes: Sequence[Sequence[int]] | None,
+                       world: int, num_splits: int) -> tuple[int, int] | None:
+    """(blocks, chunks) where `matmul_reduce_scatter` runs the flat scattering `pipeline`,
+    whose chunks can read an input laid out chunk-major (`chunk_major=True`); else None."""
+    if method != "pipeline" or not scatter or (nodes is not None and len(nodes) > 1):
+        return None
+    return world, num_splits
+
+
 def pipeline(x: torch.Tensor, w: torch.Tensor, tp: Transport, num_splits: int, *, op: str,
              scatter: bool = True, streams: ChunkStreams | None = None,
-             out: torch.Tensor | None = None, gemm: Gemm = matmul) -> torch.Tensor:
+             out: torch.Tensor | None = None, gemm: Gemm = matmul,
+             chunk_major: bool = False) -> torch.Tensor:
     """num_splits GEMM chunks; each chunk's reduction starts as soon as its GEMM is
     issued and runs under the next chunk's GEMM: gemm(i) -> start(i) -> gemm(i+1) ...
     wait(all). With `scatter`, chunk i is the i-th slice of every rank's row block,
     so its reduce-scatter hands each rank a contiguous slice of its own block. Chunk
     GEMMs write into the transport's workspace, which a symmetric-memory transport
-    reduces from without a staging copy."""
+    reduces from without a staging copy. `chunk_major` (with `scatter`): x's rows come
+    chunk by chunk ([num_splits, world, sub], `overlap.fp8.chunk_major`), so that each
+    chunk is one plain GEMM over adjacent rows (an FP8 GEMM has no batched form)."""
     world, n = tp.world_size, w.shape[0]
     rows = _check_rows(op, x.shape[0], world, "TP ranks")
     wt = w.t()
     if scatter:
         sub = _check_rows(op, rows, num_splits, "pipeline chunks per rank")
-        # chunk i = [world, sub, k] strided view; one batched GEMM reads it in place
-        x_chunks = x.view(world, num_splits, sub, x.shape[1]).unbind(1)
-        wt_batch = wt.expand(world, *wt.shape)
+        if chunk_major:  # chunk i = [world * sub, k], adjacent rows
+            x_chunks = x.view(num_splits, world * sub, x.shape[1]).unbind(0)
+            wt_batch = wt
+        else:  # chunk i = [world, sub, k] strided view; one batched GEMM reads it in place
+            x_chunks = x.view(world, num_splits, sub, x.shape[1]).unbind(1)
+            wt_batch = wt.expand(world, *wt.shape)
     else:
         sub = _check_rows(op, x.shape[0], num_splits, "pipeline chunks")
         x_chunks = x.split(sub)
@@ -54,7 +69,8 @@ def pipeline(x: torch.Tensor, w: torch.Tensor, tp: Transport, num_splits: int, *
             with st.chunk(i):
                 if scatter:
                     part = tp.workspace((world, sub, n), dtype, x.device)
-                    gemm(x_chunks[i], wt_batch, part, op=op, chunk=i)
+                    gemm(x_chunks[i], wt_batch, part.view(world * sub, n) if chunk_major else part,
+                         op=op, chunk=i)
                     handles.append(tp.reduce_scatter(out_chunks[i], part.view(world * sub, n),
                                                      op=op, chunk=i))
                 else:
@@ -121,18 +137,24 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, metho
                           num_splits: int, *, op: str, scatter: bool = True,
                           streams: ChunkStreams | None = None,
                           nodes: Sequence[Sequence[int]] | None = None,
-                          out: torch.Tensor | None = None, gemm: Gemm = matmul) -> torch.Tensor:
+                          out: torch.Tensor | None = None, gemm: Gemm = matmul,
+                          chunk_major: bool = False) -> torch.Tensor:
     """Dispatch on the layer's `method`. `nodes`: the group's ranks per node; with more
     than one, pipeline and ring_exchange reduce-scatters run the hierarchical order
     (an all-reduce, `scatter=False`, keeps its pipeline). `out`: where the result goes
-    ([rows / world, n] with `scatter`, else [rows, n]; new when None)."""
+    ([rows / world, n] with `scatter`, else [rows, n]; new when None). `chunk_major`: x
+    laid out for the pipeline's chunks, only where `chunk_major_blocks` says it runs."""
+    if chunk_major and chunk_major_blocks(method, scatter, nodes, tp.world_size,
+                                          num_splits) is None:
+        raise ValueError(f"{op}: an input laid out chunk-major needs the flat pipelined "
+                         f"reduce-scatter, not method '{method}' (scatter={scatter})")
     if method in ("pipeline", "ring_exchange") and scatter and nodes is not None and len(nodes) > 1:
         from . import hierarchical
         return hierarchical.matmul_reduce_scatter(x, w, tp, nodes, op=op, streams=streams,
                                                   out=out, gemm=gemm)
     if method == "pipeline" or (method == "ring_exchange" and not scatter):
         return pipeline(x, w, tp, num_splits, op=op, scatter=scatter, streams=streams, out=out,
-                        gemm=gemm)
+                        gemm=gemm, chunk_major=chunk_major)
     if method == "ring_exchange":
         return ring_exchange(x, w, tp, op=op, streams=streams, out=out, gemm=gemm)
     if method == "bulk":  # the GEMM, then the whole reduction: no overlap (see ag_gemm.bulk)

@@ -401,3 +401,55 @@ def test_current_cast_makes_its_scale_with_eagers_bits_in_one_kernel(dtype, fp8,
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
     assert len(kernels) == 1 and kernels[0].startswith("cast_t"), kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("col", [False, True])
+@pytest.mark.parametrize("blocks,chunks", [(8, 4), (4, 2), (2, 3)])
+def test_a_chunk_major_cast_is_one_kernel_with_the_row_order_bytes_reordered(dtype, col, blocks,
+                                                                             chunks):
+    """Current and delayed casts with `chunks` (a row layer's FP8 input for its pipelined
+    reduce-scatter): one Triton kernel writes x8 chunk-major, every byte of it (outputs
+    filled with 0x7F first), the row-order cast's bytes reordered by `chunk_major`; the
+    transposed copy, the scale pair and the amax as the row-order cast writes them. At 2 x
+    3 the rows (8190) make chunks of 1365, which the kernel's 64-row tiles straddle."""
+    pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_overlap.overlap import fp8 as f
+
+    fp8 = torch.float8_e4m3fn
+    rows = 8190 if (blocks, chunks) == (2, 3) else 8192
+    x = (torch.randn(rows, 1024, generator=torch.Generator().manual_seed(5)) * 30).to(dtype).cuda()
+    amaxes = f.amax(x).reshape(1)
+    state = f.AmaxHistory(4, x.device)
+    state.scale.copy_(f.pair_of(torch.tensor(3.0)).cuda())
+
+    def buffers():
+        return (unwritten(x.shape, fp8), unwritten(x.shape[::-1], fp8) if col else None,
+                f.scale_pair("cuda"), torch.zeros((), device="cuda"))
+
+    def cast(order, delayed: bool, bufs):
+        out, out_t, pair, amax = bufs
+        if delayed:
+            f.delayed_quantize(x, state, fp8, pair, amax, out=out, out_t=out_t, chunks=order)
+        else:
+            f.quantize_current(x, amaxes, fp8, pair, out=out, out_t=out_t, chunks=order)
+        return bufs
+
+    for delayed in (False, True):
+        want, want_t, want_pair, want_amax = cast(None, delayed, buffers())
+        bufs = buffers()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            got, got_t, pair, amax = cast((blocks, chunks), delayed, bufs)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        # one kernel: no row-order cast copied into place (the fallback's copy)
+        assert sum(n.startswith("cast_t") for n in names) == 1, names
+        assert not any("copy" in n.lower() for n in names), names
+        assert torch.equal(got.view(torch.uint8),
+                           f.chunk_major(want, blocks, chunks).view(torch.uint8)), (delayed,)
+        assert torch.equal(pair, want_pair) and torch.equal(amax, want_amax)
+        if col:
+            assert torch.equal(got_t.view(torch.uint8), want_t.view(torch.uint8))
