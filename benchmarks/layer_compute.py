@@ -360,6 +360,7 @@ def time_shape(emu, arms: list[Arm], e: Extras, args, transport=None, ref: str =
                 graphs[n] = graphed(fns[n])
             except Exception as exc:  # keep the eager figures; say why the column is empty
                 graph_errors[n] = f"{type(exc).__name__}: {exc}"
+                samples[n]["graph_ms"].clear()  # (earlier repeats' alone: not every position)
                 torch.cuda.synchronize()
         if not graphs:
             break

@@ -160,6 +160,30 @@ def test_chunk_major_puts_each_pipeline_chunk_of_every_block_in_adjacent_rows():
     assert torch.equal(f.chunk_major(t, 1, 1), t) and torch.equal(f.chunk_major(t, 4, 1), t)
 
 
+def test_chunk_major_refuses_rows_that_do_not_split_and_non_matrices():
+    with pytest.raises(ValueError, match="split into 4 blocks of 2 chunks"):
+        f.chunk_major(torch.zeros(12, 3), 4, 2)
+    with pytest.raises(ValueError, match="2-D"):
+        f.chunk_major(torch.zeros(2, 8, 3), 2, 2)
+
+
+def test_a_row_input_is_cast_chunk_major_only_for_the_flat_scattering_pipeline():
+    """`row_input_chunks`, the one decision the layer, the tuner's trial pass and the cost
+    model share: per-tensor scales, the flat pipeline with SP, more than one rank and
+    chunk; anything else keeps x's row order."""
+    one_node, two_nodes = [[0, 1, 2, 3]], [[0, 1], [2, 3]]
+    assert f.row_input_chunks("tensorwise", "pipeline", True, None, 4, 2) == (4, 2)
+    assert f.row_input_chunks("delayed", "pipeline", True, one_node, 4, 4) == (4, 4)
+    for args in (("rowwise", "pipeline", True, None, 4, 2),  # scales in the rows
+                 ("tensorwise", "ring_exchange", True, None, 4, 2),
+                 ("tensorwise", "bulk", True, None, 4, 2),
+                 ("tensorwise", "pipeline", False, None, 4, 2),  # an all-reduce: row order
+                 ("tensorwise", "pipeline", True, two_nodes, 4, 2),  # hierarchical
+                 ("tensorwise", "pipeline", True, None, 1, 2),  # the order is x's already
+                 ("tensorwise", "pipeline", True, None, 4, 1)):
+        assert f.row_input_chunks(*args) is None, args
+
+
 @pytest.mark.parametrize("t", [False, True])
 def test_a_chunk_major_cast_is_the_row_order_cast_reordered(kernel, t):
     """Current and delayed casts with `chunks`: the kernel (`CHUNK_MAJOR`) and the fallback

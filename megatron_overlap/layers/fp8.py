@@ -94,7 +94,8 @@ class DelayedScales:
                  amax_out: torch.Tensor, out: Optional[torch.Tensor] = None,
                  out_t: Optional[torch.Tensor] = None,
                  chunks: Optional[tuple[int, int]] = None) -> torch.Tensor:
-        """`x` quantized with `role`'s current scale (into `used`), its amax into `amax_out`."""
+        """`x` quantized with `role`'s current scale (into `used`), its amax into `amax_out`;
+        `chunks`: `out`'s rows chunk-major (`overlap.fp8.delayed_quantize`)."""
         return delayed_quantize(x, self.get(role, x.device), dtype, used, amax_out, out, out_t,
                                 chunks)
 
@@ -268,7 +269,7 @@ class Fp8Forward:
         """Quantize the input (tensorwise: with the group's amax when `gathered`; delayed:
         with its history's scale, the group's amaxes recorded after) and the weight into
         this object's tensors; returns (x8, w8, the scaled GEMM of x8 @ w8^T). `chunks`
-        (per-tensor scales only: `overlap.fp8.casts_chunk_major`): x8's rows chunk-major
+        (per-tensor scales only: `overlap.fp8.row_input_chunks`): x8's rows chunk-major
         (`overlap.fp8.chunk_major`), for a row layer's pipelined reduce-scatter, whose
         GEMMs are x8's only readers (its backward reads x8t, in x's order, or x)."""
         if chunks is not None and self.rowwise:

@@ -22,8 +22,7 @@ from ..comm.transport import Transport
 from ..config import LayerSettings
 from ..config.effects import CAPS
 from ..overlap import all_gather_matmul, hide, matmul, matmul_reduce_scatter
-from ..overlap.fp8 import casts_chunk_major
-from ..overlap.gemm_rs import chunk_major_blocks
+from ..overlap.fp8 import row_input_chunks
 from ..overlap.replay import PassGraphs
 from ..overlap.streams import ChunkStreams, plain
 from .fp8 import DelayedScales, Fp8Backward, Fp8Forward, col_major
@@ -218,20 +217,32 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
         q.record(tp, dname)
 
 
+def row_input_order(plan: LayerPlan, tp: Transport, nodes, scaling: str | None
+                    ) -> tuple[int, int] | None:
+    """The (blocks, chunks) in which a row layer's FP8 input (`scaling`: its recipe's
+    scales; None: not FP8) is laid out for its forward pass, `overlap.fp8.row_input_chunks`
+    of the pass's settings; None: x's row order."""
+    s = plan.fprop
+    if s is None or scaling is None:
+        return None
+    return row_input_chunks(scaling, s.method, plan.sequence_parallel, nodes, tp.world_size,
+                            s.splits(tp.world_size))
+
+
 def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
-              q: Fp8Forward | None = None, gemm=matmul) -> None:
+              q: Fp8Forward | None = None, gemm=matmul, scaling: str | None = None) -> None:
     """out = reduce_sp(x2 @ weight^T) (+ bias, after the reduction, as Megatron adds it):
     reduce-scattered under SP, all-reduced otherwise. The bias is added here, into the
     pass's own output, so the layer returns that tensor: an add outside the pass would
     allocate the result beside it and move the pass's output between calls (no replay).
     FP8 (`q`): x2 (this rank's own, never gathered) and the weight quantized, each with
-    its own amax; the partial products, and so the reduction, in out's dtype. (x2 and
-    weight already FP8, with `gemm` their scaled GEMM: the tools' FP8 trial passes.)"""
+    its own amax, the input cast in the order `row_input_order` gives; the partial
+    products, and so the reduction, in out's dtype. (x2 and weight already FP8, with
+    `gemm` their scaled GEMM and `scaling` their recipe's scales: the tools' FP8 trial
+    passes, whose x2 comes laid out in that order.)"""
     op, streams = begin(tp, plan, "fprop")
     s, sp = plan.fprop, plan.sequence_parallel
-    chunks = None  # FP8: x8 cast chunk-major where the pipeline's GEMMs read it so
-    if q is not None and s is not None and casts_chunk_major(q.p.recipe):
-        chunks = chunk_major_blocks(s.method, sp, nodes, tp.world_size, s.splits(tp.world_size))
+    chunks = row_input_order(plan, tp, nodes, q.p.recipe if q is not None else scaling)
     if q is not None:
         x2, weight, gemm = q.operands(x2, weight, tp, op, False, out.dtype, chunks)
     if s is not None:

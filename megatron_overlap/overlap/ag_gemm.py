@@ -14,6 +14,7 @@ import torch
 
 from ..comm.transport import Transport
 from .gemm import Gemm, matmul, out_dtype
+from .gemm_rs import spans_nodes
 from .streams import ChunkStreams, plain
 
 
@@ -115,7 +116,7 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: s
     """Dispatch on the layer's `method`; returns (output, gathered input). `nodes`: the
     group's ranks per node, for the hierarchical ring order (None or one node: flat).
     `out`: where the output goes ([world * rows, n]; new when None)."""
-    if method == "ring_exchange" and nodes is not None and len(nodes) > 1:
+    if method == "ring_exchange" and spans_nodes(nodes):
         from . import hierarchical
         return hierarchical.all_gather_matmul(x, w, tp, nodes, op=op, streams=streams, out=out,
                                               gemm=gemm)

@@ -336,6 +336,9 @@ def chunk_major(t: torch.Tensor, blocks: int, chunks: int,
     GEMM->RS pipeline chunk (chunk i of every rank's block) is one run of adjacent rows,
     which its FP8 GEMM reads in place (`chunk_major(t, chunks, blocks)` undoes it). Into
     `out` when given."""
+    if t.dim() != 2 or blocks < 1 or chunks < 1 or t.shape[0] % (blocks * chunks):
+        raise ValueError(f"chunk_major: a 2-D tensor whose rows split into {blocks} blocks "
+                         f"of {chunks} chunks, not {tuple(t.shape)}")
     rows, k = t.shape
     out = torch.empty_like(t) if out is None else out
     src = t.view(blocks, chunks, rows // (blocks * chunks), k).transpose(0, 1)
@@ -343,12 +346,19 @@ def chunk_major(t: torch.Tensor, blocks: int, chunks: int,
     return out
 
 
-def casts_chunk_major(scaling: str) -> bool:
-    """Whether a row layer's FP8 input is cast chunk-major (`chunk_major`) for its
-    pipelined reduce-scatter: with per-tensor scales (tensorwise, delayed) the cast's
-    kernel writes it so and each chunk's GEMM reads its rows in place; row-wise scales
-    ride in the rows, whose chunks `batched` copies together."""
-    return scaling != "rowwise"
+def row_input_chunks(scaling: str, method: str, scatter: bool, nodes, world: int,
+                     num_splits: int) -> Optional[tuple[int, int]]:
+    """The (blocks, chunks) in which a row layer's FP8 input is cast (`chunk_major`) for
+    its forward's reduce-scatter, or None (x's row order): per-tensor scales (tensorwise,
+    delayed) and the flat scattering pipeline (`gemm_rs.flat_pipeline`) over more than
+    one rank and chunk. There each chunk's FP8 GEMM reads its rows in place; row-wise
+    scales ride in the rows, whose chunks `batched` copies together."""
+    from .gemm_rs import flat_pipeline
+
+    if scaling == "rowwise" or world == 1 or num_splits == 1 or not flat_pipeline(
+            method, scatter, nodes):
+        return None
+    return world, num_splits
 
 
 def _chunk_major_by(natural, chunks: tuple[int, int], at: int, *args: torch.Tensor
@@ -599,9 +609,10 @@ def batched(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, mm) -> torch.Te
     """3-D `a @ b` into `out` through the 2-D GEMM `mm(a2, b2, out2)` (_scaled_mm has no
     batched form). Where `b` is one matrix for every entry (a GEMM->RS pipeline chunk: the
     weight, expanded) and `out` is contiguous, one GEMM over all the entries' rows: the
-    entries (strided rows of the layer's input) copied together first, FP8 bytes that cost
-    far less than a launch and a wave tail per entry (TP of them per chunk). Otherwise one
-    GEMM per entry."""
+    entries (strided rows of the pass's input: row-wise scales, a column dgrad's gradient;
+    a row layer's input with per-tensor scales comes chunk-major, `row_input_chunks`, and
+    is not batched) copied together first, FP8 bytes that cost far less than a launch and
+    a wave tail per entry (TP of them per chunk). Otherwise one GEMM per entry."""
     if b.stride(0) == 0 and out.is_contiguous():
         mm(a.reshape(-1, a.shape[-1]), b[0], out.view(-1, out.shape[-1]))
         return out

@@ -25,13 +25,16 @@ def _check_rows(op: str, total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-def chunk_major_blocks(method: str, scatter: bool, nodes: Sequence[Sequence[int]] | None,
-                       world: int, num_splits: int) -> tuple[int, int] | None:
-    """(blocks, chunks) where `matmul_reduce_scatter` runs the flat scattering `pipeline`,
-    whose chunks can read an input laid out chunk-major (`chunk_major=True`); else None."""
-    if method != "pipeline" or not scatter or (nodes is not None and len(nodes) > 1):
-        return None
-    return world, num_splits
+def spans_nodes(nodes: Sequence[Sequence[int]] | None) -> bool:
+    """Whether a TP group's ranks span nodes (`nodes`: its ranks per node, or None), where
+    its rings and reduce-scatters run `overlap.hierarchical`'s order."""
+    return nodes is not None and len(nodes) > 1
+
+
+def flat_pipeline(method: str, scatter: bool, nodes: Sequence[Sequence[int]] | None) -> bool:
+    """Whether `matmul_reduce_scatter` runs `pipeline` with `scatter`, whose chunks can
+    read an input laid out chunk-major (`chunk_major=True`)."""
+    return method == "pipeline" and scatter and not spans_nodes(nodes)
 
 
 def pipeline(x: torch.Tensor, w: torch.Tensor, tp: Transport, num_splits: int, *, op: str,
@@ -143,12 +146,11 @@ def matmul_reduce_scatter(x: torch.Tensor, w: torch.Tensor, tp: Transport, metho
     than one, pipeline and ring_exchange reduce-scatters run the hierarchical order
     (an all-reduce, `scatter=False`, keeps its pipeline). `out`: where the result goes
     ([rows / world, n] with `scatter`, else [rows, n]; new when None). `chunk_major`: x
-    laid out for the pipeline's chunks, only where `chunk_major_blocks` says it runs."""
-    if chunk_major and chunk_major_blocks(method, scatter, nodes, tp.world_size,
-                                          num_splits) is None:
+    laid out for the pipeline's chunks, only where `flat_pipeline` says it runs."""
+    if chunk_major and not flat_pipeline(method, scatter, nodes):
         raise ValueError(f"{op}: an input laid out chunk-major needs the flat pipelined "
                          f"reduce-scatter, not method '{method}' (scatter={scatter})")
-    if method in ("pipeline", "ring_exchange") and scatter and nodes is not None and len(nodes) > 1:
+    if method in ("pipeline", "ring_exchange") and scatter and spans_nodes(nodes):
         from . import hierarchical
         return hierarchical.matmul_reduce_scatter(x, w, tp, nodes, op=op, streams=streams,
                                                   out=out, gemm=gemm)

@@ -38,7 +38,7 @@ import torch
 
 from ..config import LayerSettings
 from ..overlap import ring_steps
-from ..overlap.fp8 import casts_chunk_major
+from ..overlap.fp8 import row_input_chunks
 from .fp8_work import DELAYED_AMAXES, PassWork, Work, batched, gathered, pass_work
 from .gemm import GemmModel
 from .numerics import dtype_name
@@ -290,11 +290,13 @@ def gemm_calls(spec: PassSpec, s: LayerSettings | None, layout: Layout) -> int:
 def _batched_work(spec: PassSpec, s: LayerSettings | None, layout: Layout) -> Work:
     """The row copies of an FP8 pipelined reduce-scatter's chunks (`fp8_work.batched`),
     where `s` runs one over more than one chunk; else nothing. A row layer's forward
-    with per-tensor scales copies nothing: its input is cast chunk-major
-    (`overlap.fp8.casts_chunk_major`); a column dgrad's gradient is copied."""
+    copies nothing where its input is cast chunk-major (`overlap.fp8.row_input_chunks`:
+    per-tensor scales); a column dgrad's gradient is copied."""
     if (s is None or layout.tp == 1 or spec.gemm_dtype.itemsize != 1
             or schedule_of(s, layout) != "rs_pipeline" or s.splits(layout.tp) == 1
-            or (spec.pass_name == "fprop" and casts_chunk_major(spec.shape.numerics.scaling))):
+            or (spec.pass_name == "fprop" and row_input_chunks(
+                spec.shape.numerics.scaling, s.method, True, None, layout.tp,
+                s.splits(layout.tp)) is not None)):
         return Work()
     m, inner, _ = spec.gemm
     return batched(m, inner + spec.shape.numerics.tail(spec.pass_name), s.splits(layout.tp))

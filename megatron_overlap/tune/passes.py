@@ -140,9 +140,11 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
     chunking does not change that cost) and laid out as the layer hands them to the same
     pass function, with their scaled GEMM; outputs in `dtype`. The transposed copies the
     layer's casts write (the FP8 weight's; a column wgrad's gradient, a row wgrad's input)
-    are made beforehand too; a wgrad's gathered operand is transposed inside the timed
-    pass, where the layer's wgrad transposes it. The cost model adds what is made
-    beforehand (simulate/fp8_work.py).
+    are made beforehand too, and so is a row layer's input laid out chunk-major where its
+    cast writes it so (`layers.functions.row_input_order`; `tensors['x']` keeps its row
+    order, `'x_in'` is what the pass reads); a wgrad's gathered operand is transposed
+    inside the timed pass, where the layer's wgrad transposes it. The cost model adds what
+    is made beforehand (simulate/fp8_work.py).
     Random operands, one scale per FP8 type (`tensors`: 'scale_fwd', 'scale_grad'), the
     same on every rank, so a gathered FP8 tensor has one scale, as in the layer. The column
     dgrad gathers the FP8 input where the wgrad is FP8, else the input in `dtype`.
@@ -180,7 +182,13 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
         t.update(x=x8, out=empty(m if shape.column else m // w, n))
         run = F.column_fprop if shape.column else F.row_fprop
         gemm = fp8.ScaledGemm(sx, sw, dtype)
-        body = lambda: run(t["x"], t["weight"], None, t["out"], plan, tp, nodes, gemm=gemm)  # noqa: E731
+        kw, t["x_in"] = {}, x8  # x (row order) for a reference; x_in as the pass reads it
+        if not shape.column:  # a row layer's input as its cast lays it out
+            kw = {"scaling": precision.recipe}
+            order = F.row_input_order(plan, tp, nodes, precision.recipe)
+            if order is not None:
+                t["x_in"] = fp8.chunk_major(x8, *order)
+        body = lambda: run(t["x_in"], t["weight"], None, t["out"], plan, tp, nodes, gemm=gemm, **kw)  # noqa: E731
     elif p == "dgrad":
         g8, sg = q8(precision.grad, m if shape.column else m // w, n)
         t.update(g=g8, wt=transposed(w8), grad_in=empty(m // w if shape.column else m, k))
