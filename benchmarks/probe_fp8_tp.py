@@ -146,8 +146,8 @@ def install_checks(stats: Stats) -> dict:
 
     def checked_mm_scatter(x, w, tp, method, num_splits, **kw):
         out = mm_scatter(x, w, tp, method, num_splits, **kw)
-        if kw.get("chunk_major"):  # x's rows laid out for the pipeline: back in their order
-            x = fp8.chunk_major(x, num_splits, tp.world_size)
+        if switch["on"] and kw.get("chunk_major"):  # x's rows laid out for the pipeline
+            x = fp8.chunk_major(x, num_splits, tp.world_size)  # back in their order
         ops = _operands(kw.get("gemm", matmul), x, w) if switch["on"] else None
         if ops is not None:
             total = _summed(ops[0] @ ops[1].t())

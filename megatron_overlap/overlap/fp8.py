@@ -372,6 +372,18 @@ def _chunk_major_by(natural, chunks: tuple[int, int], at: int, *args: torch.Tens
     return chunk_major(tmp, *chunks, out=out)
 
 
+def _cast_chunk_major(key: tuple, fn, args: tuple, at: int, chunks: tuple[int, int],
+                      row_order) -> torch.Tensor:
+    """A cast whose output, `args[at]`, is laid out chunk-major: the kernel `key` names
+    (`fn`: its eager definition in x's row order), else `row_order()`, the caller's cast
+    into a new tensor in row order, reordered: the same bytes either way."""
+    out = args[at]
+    if not _run_compiled(key, functools.partial(_chunk_major_by, fn, chunks, at), *args,
+                         chunks=chunks):
+        chunk_major(row_order(), *chunks, out=out)
+    return out
+
+
 def _current_cast_by(to_scale, saturate, dtype: torch.dtype, x: torch.Tensor,
                      amaxes: torch.Tensor, pair: torch.Tensor, out: torch.Tensor,
                      out_t: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -395,12 +407,9 @@ def quantize_current(x: torch.Tensor, amaxes: torch.Tensor, dtype: torch.dtype,
     name, t = ("current_cast", ()) if out_t is None else ("current_cast_t", (out_t,))
     fn = functools.partial(_current_cast_by, _ao().amax_to_scale, _ao().to_fp8_saturated, dtype)
     args = (x, amaxes.reshape(-1), pair, out, *t)
-    if chunks is not None:  # the kernel, else the row-order cast reordered: the same bytes
-        if not _run_compiled((name, x.dtype, dtype),
-                             functools.partial(_chunk_major_by, fn, chunks, 3), *args,
-                             chunks=chunks):
-            chunk_major(quantize_current(x, amaxes, dtype, pair, None, out_t), *chunks, out=out)
-        return out
+    if chunks is not None:
+        return _cast_chunk_major((name, x.dtype, dtype), fn, args, 3, chunks,
+                                 lambda: quantize_current(x, amaxes, dtype, pair, None, out_t))
     if _run_compiled((name, x.dtype, dtype), fn, *args):
         return out
     return quantize(x, scale_for(amaxes, dtype, out=pair), dtype, out=out, out_t=out_t)
@@ -469,13 +478,10 @@ def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
     name, t = ("delayed_cast_amax", ()) if out_t is None else ("delayed_cast_amax_t", (out_t,))
     fn = functools.partial(_delayed_cast_amax_by, saturate)
     args = (x, state.scale, used, amax_out, out, *t)
-    if chunks is not None:  # the kernel, else the row-order cast reordered: the same bytes
-        if not _run_compiled((name, x.dtype, dtype),
-                             functools.partial(_chunk_major_by, fn, chunks, 4), *args,
-                             chunks=chunks):
-            chunk_major(delayed_quantize(x, state, dtype, used, amax_out, None, out_t), *chunks,
-                        out=out)
-        return out
+    if chunks is not None:
+        return _cast_chunk_major((name, x.dtype, dtype), fn, args, 4, chunks,
+                                 lambda: delayed_quantize(x, state, dtype, used, amax_out,
+                                                          None, out_t))
     if _run_compiled((name, x.dtype, dtype), fn, *args):
         return out
     amax(x, out=amax_out)
