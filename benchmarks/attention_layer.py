@@ -32,6 +32,7 @@ ours causal over the whole sequence.
     python benchmarks/attention_layer.py [--shapes all] [--reps 10] [--repeat 4]
     python benchmarks/attention_layer.py --ub-cfgs benchmarks/configs/ring_aggregate.yaml
     python benchmarks/attention_layer.py --shapes tiny --device cpu      # the check only
+    python benchmarks/attention_layer.py --shapes 8b_tp4_s4096_b2 --layers 4  # a stack of 4
 
 --repeat: a multiple of 4 (the arms) puts every arm's graph capture at every position
 equally often (layer_compute's `time_shape`). --ub-cfgs: the overlapped linears' settings
@@ -70,13 +71,35 @@ ARMS = ("megatron", "sdpa_ref", "ours_attention", "ours")  # ours last: attentio
 DOCS = 4  # documents per packed sequence
 
 
-def shape_of(name: str) -> lc.LayerShape:
+def shape_of(name: str, layers: int = 1) -> lc.LayerShape:
+    """The per-rank shape `name`, `layers` transformer layers deep (--layers)."""
     if name == "tiny":
         return lc.LayerShape("tiny", "tiny", ModelDims(hidden=64, ffn_hidden=96, heads=8, query_groups=4,
-                                                       seq_length=32, layers=1, micro_batch=2), 2)
+                                                       seq_length=32, layers=layers, micro_batch=2), 2)
     preset, tp, seq, mb = SHAPES[name]
     return lc.LayerShape(name, preset.upper(), replace(PRESETS[preset], seq_length=seq, micro_batch=mb,
-                                                      layers=1), tp)
+                                                      layers=layers), tp)
+
+
+class Stack(torch.nn.Module):
+    """`--layers` > 1: transformer layers run one after the other, called as one layer is
+    (output, context), so every arm's step and memory window cover the whole stack. What
+    an arm keeps once per process (its transport's workspaces, its pass graphs' pool) is
+    then shared by the layers, as in a model."""
+
+    def __init__(self, layers: list[torch.nn.Module]):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    @property
+    def self_attention(self) -> torch.nn.Module:
+        return self.layers[0].self_attention
+
+    def forward(self, hidden_states, attention_mask=None, rotary_pos_emb=None):
+        for layer in self.layers:
+            hidden_states, _ = layer(hidden_states, attention_mask=attention_mask,
+                                     rotary_pos_emb=rotary_pos_emb)
+        return hidden_states, None
 
 
 class SDPAReference(torch.nn.Module):
@@ -96,9 +119,10 @@ class SDPAReference(torch.nn.Module):
 
 def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.device, fusions: str,
           ub_cfgs: str | None = None):
-    """One arm's layer: built under install() (torch norms take SP in every arm), with
-    Megatron's attention for megatron and sdpa_ref, ours for ours; `ub_cfgs`: install()'s
-    (the overlapped linears' settings, which only the ours arm has)."""
+    """One arm's layer (a `Stack` of `shape.dims.layers` of them, when more than one): built
+    under install() (torch norms take SP in every arm), with Megatron's attention for
+    megatron and sdpa_ref, ours for ours; `ub_cfgs`: install()'s (the overlapped linears'
+    settings, which only the ours arm has)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
@@ -110,9 +134,10 @@ def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.devi
         if arm == "sdpa_ref":
             spec.submodules.self_attention.submodules.core_attention = SDPAReference
         config = lc.layer_config(shape, arm == "ours", dtype, device, fusions)
-        layer = build_module(spec, config=config, layer_number=1)
+        layers = [build_module(spec, config=config, layer_number=i + 1) for i in range(shape.dims.layers)]
     finally:
         mo.uninstall()
+    layer = layers[0] if len(layers) == 1 else Stack(layers)
     return layer.to(device=device, dtype=dtype).train()
 
 
@@ -289,7 +314,9 @@ def goals(name: str, row: dict) -> dict:
 
 def table(doc: dict) -> str:
     m = doc["meta"]
-    lines = [f"attention_layer: one TransformerLayer fwd+bwd per TP rank, {doc['dtype']}, "
+    n = doc["rows"][0]["dims"]["layers"] if doc["rows"] else 1
+    what = "one TransformerLayer" if n == 1 else f"a stack of {n} TransformerLayers"
+    lines = [f"attention_layer: {what} fwd+bwd per TP rank, {doc['dtype']}, "
              f"{m.get('gpu_name') or 'CPU'}, torch {m['torch']}, megatron-core {m.get('megatron_core')}, "
              f"{m['date']}; median of {doc['config']['repeat']} x {doc['config']['reps']} calls",
              f"{'shape':18s} {'arm':14s} {'eager ms':>9s} {'x meg':>6s} {'graph ms':>9s} {'x meg':>6s} "
@@ -360,7 +387,10 @@ def run(benchmark: str, args, shapes, run_shape, table, dtype: torch.dtype | Non
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
     lc.init_process(device, args.seed)
     t0 = time.perf_counter()
-    rows = [run_shape(shape_of(n), args, dtype, device) for n in names]
+    layers = getattr(args, "layers", 1)  # (attention_layer's --layers)
+    if layers < 1:
+        raise SystemExit(f"--layers {layers}: at least 1")
+    rows = [run_shape(shape_of(n, layers), args, dtype, device) for n in names]
     meta = machine_info(layout, device)
     meta.update(note="one GPU, one process playing the last TP rank" if device.type == "cuda" else
                 "CPU: FUNCTIONAL ONLY (the check ran, nothing was timed)", wall_s=time.perf_counter() - t0)
@@ -378,6 +408,9 @@ def main(argv=None) -> int:
     ap = arguments(__doc__, SHAPES)
     ap.add_argument("--timing", choices=("mirror", "null"), default="mirror",
                     help="the transport while timed and measured (timing_transport)")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="transformer layers per arm, run one after the other (Stack); the goals "
+                         "are a single layer's")
     return run("attention_layer", ap.parse_args(argv), SHAPES, run_shape, table)
 
 

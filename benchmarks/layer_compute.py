@@ -183,7 +183,7 @@ def layer_config(shape: LayerShape, overlap: bool, dtype: torch.dtype, device: t
                   apply_rope_fusion=False, gradient_accumulation_fusion=False)
     fields.update(FUSIONS[fusions], **extra)
     return TransformerConfig(
-        num_layers=1, hidden_size=d.hidden, ffn_hidden_size=d.ffn_hidden,
+        num_layers=d.layers, hidden_size=d.hidden, ffn_hidden_size=d.ffn_hidden,
         num_attention_heads=d.heads, num_query_groups=d.query_groups,
         gated_linear_unit=d.swiglu, activation_func=F.silu, normalization="RMSNorm",
         add_bias_linear=False, tensor_model_parallel_size=shape.tp, sequence_parallel=True,

@@ -175,22 +175,28 @@ def test_megatron_lm_fusions_run_megatrons_fused_swiglu_with_the_same_result():
     assert res["diff"] <= 1e-5
 
 
-def _attention_layer(rank: int, world: int, out: str) -> dict:
+def _attention_layer(rank: int, world: int, out: str, layers: int) -> dict:
     import json
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import attention_layer
-
-    res: dict = {"rc": attention_layer.main(["--shapes", "tiny", "--device", "cpu", "--out", out,
-                                             "--fusions", "megatron_lm"])}
-    with open(os.path.join(out, "attention_layer_cpu.json")) as f:
-        res["doc"] = json.load(f)
     import torch
 
-    shape = attention_layer.shape_of("tiny")
-    for fusions in ("off", "megatron_lm"):
-        c = attention_layer.build(shape, "ours", torch.float32, torch.device("cpu"), fusions).config
-        res[fusions] = (c.bias_activation_fusion, c.bias_dropout_fusion)
+    cpu = torch.device("cpu")
+    res: dict = {"rc": attention_layer.main(["--shapes", "tiny", "--device", "cpu", "--out", out,
+                                             "--fusions", "megatron_lm", "--layers", str(layers)])}
+    with open(os.path.join(out, "attention_layer_cpu.json")) as f:
+        res["doc"] = json.load(f)
+    shape = attention_layer.shape_of("tiny", layers)
+    if layers == 1:
+        for fusions in ("off", "megatron_lm"):
+            c = attention_layer.build(shape, "ours", torch.float32, cpu, fusions).config
+            res[fusions] = (c.bias_activation_fusion, c.bias_dropout_fusion)
+    else:
+        stack = attention_layer.build(shape, "ours", torch.float32, cpu, "off")
+        res["linears"] = sorted({type(m).__module__.split(".")[0] for layer in stack.layers
+                                 for m in (layer.self_attention.linear_qkv, layer.mlp.linear_fc2)})
+        res["numbers"] = [layer.layer_number for layer in stack.layers]
     return res
 
 
@@ -199,7 +205,7 @@ def test_attention_layer_cpu_builds_its_arms_and_checks_them(tmp_path):
     Megatron-LM's fusions), each with the core attention class it names, every arm within
     fp32's bound of Megatron's layer (timing and memory need a GPU); --fusions reaches the
     layers' config."""
-    res = run(_attention_layer, 1, str(tmp_path), timeout=300)[0]
+    res = run(_attention_layer, 1, str(tmp_path), 1, timeout=300)[0]
     assert res["rc"] == 0
     assert res["off"] == (False, False) and res["megatron_lm"] == (True, True)
     (row,) = res["doc"]["rows"]
@@ -207,3 +213,16 @@ def test_attention_layer_cpu_builds_its_arms_and_checks_them(tmp_path):
                                 "ours_attention": "TorchDotProductAttention",
                                 "ours": "TorchDotProductAttention"}
     assert res["doc"]["checks_passed"] and "GPU" in row["skipped"]
+
+
+def test_attention_layer_cpu_stacks_layers(tmp_path):
+    """--layers 2: every arm a stack of two layers (numbered 1 and 2, ours' linears ours in
+    both), checked against Megatron's stack through every parameter of both layers."""
+    res = run(_attention_layer, 1, str(tmp_path), 2, timeout=300)[0]
+    assert res["rc"] == 0 and res["doc"]["checks_passed"]
+    (row,) = res["doc"]["rows"]
+    assert row["dims"]["layers"] == 2
+    errs = row["check"]["rel_err"]["ours"]
+    assert {"grad layers.0.mlp.linear_fc2.weight", "grad layers.1.mlp.linear_fc2.weight",
+            "grad layers.1.self_attention.linear_qkv.weight", "input grad"} <= set(errs)
+    assert res["numbers"] == [1, 2] and res["linears"] == ["megatron_overlap"]

@@ -95,18 +95,12 @@ def host_us(fn: Callable[[], Any], reps: int) -> float:
     return statistics.median(times)
 
 
-def graphed(fn: Callable[[], Any]) -> Callable[[], None]:
-    """`fn` captured in a CUDA graph (after a warm-up on a side stream); returns replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
+def graphed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """`fn` captured in a CUDA graph after a warm-up on a side stream (`ab.timing.graphed`);
+    returns its replay."""
+    from ..ab.timing import graphed as capture
+
+    return capture(fn)[0]
 
 
 def measure_schedule(m: int, k: int, n: int, op: str, tp: int, method: str, splits: int, *,
