@@ -59,26 +59,19 @@ class EmulatedGroup:
         return f"EmulatedGroup(world={self._world}, rank={self._rank})"
 
 
-class _Copied(Handle):
-    """Mirror's copies, made on the stream that started them. Waiting orders the waiter's
-    stream after them, as a real transfer's handle does: a ring's wait runs on the stream
-    of the chunk GEMM that reads the block (`overlap.streams`, more than one with
-    `gemm_streams` > 1), which is not the stream the copy ran on."""
-
-    def __init__(self, event: torch.cuda.Event):
-        self._event = event
-
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self._event)
-
-
-def _copied(t: torch.Tensor, done: Handle) -> Handle:
-    """The handle of copies just enqueued on the current stream for tensors like `t`."""
+def _copied(transport: Transport, t: torch.Tensor, done: Handle) -> Handle:
+    """The handle of the mirror's copies just enqueued for tensors like `t` on the current
+    stream of t's device: waiting orders the waiter's stream after them, as a real
+    transfer's handle does (`comm.heap.EventHandle`). A ring's wait runs on the stream
+    of the chunk GEMM that reads the block (`overlap.streams`: a side stream with
+    `gemm_streams` > 1 or a non-zero `gemm_priority`), not on the one that copied."""
     if not t.is_cuda:
         return done
+    from ..comm.heap import EventHandle
+
     event = torch.cuda.Event()
-    event.record()
-    return _Copied(event)
+    event.record(torch.cuda.current_stream(t.device))
+    return EventHandle(event, transport)
 
 
 class MirrorTransport(NullTransport):
@@ -98,21 +91,21 @@ class MirrorTransport(NullTransport):
                     f"pipeline (or bulk) for that pass")
             buf.copy_(t)
         done = super()._start_exchange(sends, recvs, op, chunk)
-        return _copied(recvs[0][0], done) if recvs else done
+        return _copied(self, recvs[0][0], done) if recvs else done
 
     def _start_all_gather(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int) -> Handle:
         for block in out.chunk(self.world_size):
             block.copy_(inp.reshape(block.shape))
-        return _copied(out, super()._start_all_gather(out, inp, op, chunk))
+        return _copied(self, out, super()._start_all_gather(out, inp, op, chunk))
 
     def _start_reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: str, chunk: int
                               ) -> Handle:
         out.copy_(inp.chunk(self.world_size)[self.rank].reshape(out.shape)).mul_(self.world_size)
-        return _copied(out, super()._start_reduce_scatter(out, inp, op, chunk))
+        return _copied(self, out, super()._start_reduce_scatter(out, inp, op, chunk))
 
     def _start_all_reduce(self, tensor: torch.Tensor, op: str, chunk: int) -> Handle:
         tensor.mul_(self.world_size)
-        return _copied(tensor, super()._start_all_reduce(tensor, op, chunk))
+        return _copied(self, tensor, super()._start_all_reduce(tensor, op, chunk))
 
 
 class EmulatedTP(contextlib.AbstractContextManager):

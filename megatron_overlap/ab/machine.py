@@ -33,7 +33,10 @@ def machine_info(layout: Layout, device: torch.device) -> dict[str, object]:
         "dist_backend": layout.dist_backend,
         "functional_only": layout.functional_only,
         "note": layout.note,
-        "env": {k: os.environ.get(k) for k in (*SAFE_ENV, *SHARED_ENV) if k in os.environ},
+        # the transports' safety settings and our own knobs (MEGATRON_OVERLAP_*: a run with
+        # MEGATRON_OVERLAP_GEMM_STREAMS=3 is not the run with one stream)
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k in SAFE_ENV or k in SHARED_ENV or k.startswith("MEGATRON_OVERLAP_")},
     }
     try:
         import megatron.core

@@ -6,12 +6,26 @@ ring all-gather's and the pipelined reduce-scatter's results against the plain m
 A ring's wait runs on the stream of the GEMM that reads the block, not on the stream
 that started the transfer; the handle must order that stream after the transfer. Each
 call gets new inputs, so a GEMM that ran before its block was written reads the previous
-call's block and gives the previous call's product."""
+call's block and gives the previous call's product. Eagerly the host is slower than the
+copies, so the ring's eager cases delay each transfer on the GPU first (`_Late`): a GEMM
+not ordered after it runs before it. (The pipelined reduce-scatter's copies run on the
+GEMM's own stream: that test checks the results, not the ordering.)"""
 
 import pytest
 import torch
 
 WORLD, RANK, ROWS, K, N = 8, 7, 1024, 4096, 2048
+
+
+def _late_mirror():
+    """MirrorTransport whose exchanges first keep the stream busy for a while."""
+    from megatron_overlap.ab.emulated_tp import MirrorTransport
+
+    class _Late(MirrorTransport):
+        def _start_exchange(self, sends, recvs, op, chunk):
+            torch.cuda._sleep(200_000)  # ~0.1 ms of the copying stream's time
+            return super()._start_exchange(sends, recvs, op, chunk)
+    return _Late(WORLD, RANK)
 
 
 def _case(i: int):
@@ -28,11 +42,10 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 @pytest.mark.parametrize("streams", [1, 2, 3])
 @pytest.mark.parametrize("aggregate", [False, True])
 def test_ring_all_gather_chunks_on_streams_read_arrived_blocks(streams, aggregate):
-    from megatron_overlap.ab.emulated_tp import MirrorTransport
     from megatron_overlap.overlap.ag_gemm import all_gather_matmul
     from megatron_overlap.overlap.streams import ChunkStreams
 
-    tp = MirrorTransport(WORLD, RANK)
+    tp = _late_mirror()
     for i in range(6):
         x, w = _case(i)
         tp.begin_pass("ring")
@@ -43,9 +56,10 @@ def test_ring_all_gather_chunks_on_streams_read_arrived_blocks(streams, aggregat
         _close(out, (x @ w.t()).repeat(WORLD, 1), f"call {i}, {streams} streams")
 
 
-@pytest.mark.parametrize("streams", [1, 3])
+@pytest.mark.parametrize("streams", [1, 2, 3])
 def test_ring_all_gather_on_streams_replays_from_a_graph(streams):
     from megatron_overlap.ab.emulated_tp import MirrorTransport
+    from megatron_overlap.ab.timing import graphed
     from megatron_overlap.overlap.ag_gemm import all_gather_matmul
     from megatron_overlap.overlap.streams import ChunkStreams
 
@@ -56,19 +70,12 @@ def test_ring_all_gather_on_streams_replays_from_a_graph(streams):
         tp.begin_pass("ring")
         return all_gather_matmul(x, w, tp, "ring_exchange", op="ring",
                                  streams=ChunkStreams(n=streams))[0]
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()  # warm-up: the workspace grows outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
+    replay, out = graphed(run, warmup=1)  # (the warm-up grows the workspace outside the capture)
     for i in range(1, 6):
         xi, wi = _case(i)
         x.copy_(xi)
         w.copy_(wi)
-        graph.replay()
+        replay()
         torch.cuda.synchronize()
         _close(out, (xi @ wi.t()).repeat(WORLD, 1), f"replay {i}, {streams} streams")
 
