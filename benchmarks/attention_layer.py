@@ -60,6 +60,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import layer_compute as lc  # noqa: E402  (the layer set-up and timing of the linears' benchmark)
+from megatron_overlap.cli_args import positive_int  # noqa: E402
 from megatron_overlap.simulate.shapes import PRESETS, ModelDims  # noqa: E402
 
 # name: (preset, TP, sequence, micro batch); the goals: ours / megatron, at least
@@ -388,8 +389,6 @@ def run(benchmark: str, args, shapes, run_shape, table, dtype: torch.dtype | Non
     lc.init_process(device, args.seed)
     t0 = time.perf_counter()
     layers = getattr(args, "layers", 1)  # (attention_layer's --layers)
-    if layers < 1:
-        raise SystemExit(f"--layers {layers}: at least 1")
     rows = [run_shape(shape_of(n, layers), args, dtype, device) for n in names]
     meta = machine_info(layout, device)
     meta.update(note="one GPU, one process playing the last TP rank" if device.type == "cuda" else
@@ -408,7 +407,7 @@ def main(argv=None) -> int:
     ap = arguments(__doc__, SHAPES)
     ap.add_argument("--timing", choices=("mirror", "null"), default="mirror",
                     help="the transport while timed and measured (timing_transport)")
-    ap.add_argument("--layers", type=int, default=1,
+    ap.add_argument("--layers", type=positive_int, default=1,
                     help="transformer layers per arm, run one after the other (Stack); the goals "
                          "are a single layer's")
     return run("attention_layer", ap.parse_args(argv), SHAPES, run_shape, table)
