@@ -12,7 +12,8 @@ the same weights and input:
 - ours_attention: the same with only its core attention replaced by install()'s
   (`TorchDotProductAttention`; Megatron's linears): the attention's own cost in the layer;
 - ours: the layer install() builds: our overlapped linears (the pass replay on) and
-  `TorchDotProductAttention`. On one GPU there is no communication for the overlap to
+  `TorchDotProductAttention`; with --streams-arm N also ours_streamsN, the same with every
+  overlapped layer's chunk GEMMs on N streams (Transformer Engine runs them on up to 3). On one GPU there is no communication for the overlap to
   hide, so against sdpa_ref it measures the overlapped linears' compute-side cost on top
   of the attention's.
 Every arm's collectives and passes run on the mirror transport (layer_compute's
@@ -33,10 +34,11 @@ ours causal over the whole sequence.
     python benchmarks/attention_layer.py --ub-cfgs benchmarks/configs/ring_aggregate.yaml
     python benchmarks/attention_layer.py --shapes tiny --device cpu      # the check only
     python benchmarks/attention_layer.py --shapes 8b_tp4_s4096_b2 --layers 4  # a stack of 4
+    python benchmarks/attention_layer.py --streams-arm 3 --repeat 5   # ours on 1 and on 3 streams
 
---repeat: a multiple of 4 (the arms) puts every arm's graph capture at every position
-equally often (layer_compute's `time_shape`). --ub-cfgs: the overlapped linears' settings
-(install()'s ub_cfgs; default TE's); the timing transport cannot emulate a ring
+--repeat: a multiple of the arms' count (4; 5 with --streams-arm) puts every arm's graph
+capture at every position equally often (layer_compute's `time_shape`). --ub-cfgs: the
+overlapped linears' settings (install()'s ub_cfgs; default TE's); the timing transport cannot emulate a ring
 reduce-scatter, so a YAML that picks one for a row-parallel forward stops at the check.
 
 Writes <out>/attention_layer_<tag>.json and prints a table; exit status 2 when a check failed.
@@ -70,6 +72,24 @@ GOALS = {"70b_tp8_s4096_b2": 1.45, "8b_tp4_s4096_b2": 1.9, "70b_tp8_s16384_b1": 
 GOAL_REF, GOAL_MEM = 0.97, 1.05  # within 3% of the reference's time, 5% of its memory
 ARMS = ("megatron", "sdpa_ref", "ours_attention", "ours")  # ours last: attention_alone's packed case
 DOCS = 4  # documents per packed sequence
+
+
+def arms_of(args) -> tuple[str, ...]:
+    """The arms of a run: ARMS, with --streams-arm N an `ours_streamsN` before ours (which
+    stays last)."""
+    n = getattr(args, "streams_arm", None)
+    return ARMS if n is None else (*ARMS[:-1], f"ours_streams{n}", ARMS[-1])
+
+
+def streams_cfgs(ub_cfgs: str | None, n: int) -> dict:
+    """`ub_cfgs` (TE's defaults for None) with every layer's chunk GEMMs on `n` streams (the
+    `gemm_streams` key), as a ub_cfgs mapping install() reads."""
+    from megatron_overlap.config.loading import parse, read_source
+    from megatron_overlap.config.names import LAYER_NAMES
+
+    raw = dict(read_source(ub_cfgs))
+    parse(raw, rs_dgrad=False)  # (refuses a bad source here, naming it)
+    return {name: {**(raw.get(name) or {}), "gemm_streams": n} for name in LAYER_NAMES}
 
 
 def shape_of(name: str, layers: int = 1) -> lc.LayerShape:
@@ -118,23 +138,30 @@ class SDPAReference(torch.nn.Module):
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
 
+def overlapped(arm: str) -> bool:
+    """Whether `arm` runs our overlapped linears (ours, ours_streamsN)."""
+    return arm == "ours" or arm.startswith("ours_streams")
+
+
 def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.device, fusions: str,
           ub_cfgs: str | None = None):
     """One arm's layer (a `Stack` of `shape.dims.layers` of them, when more than one): built
     under install() (torch norms take SP in every arm), with Megatron's attention for
     megatron and sdpa_ref, ours for ours; `ub_cfgs`: install()'s (the overlapped linears'
-    settings, which only the ours arm has)."""
+    settings, which only the ours arms have: `ours_streamsN` on N streams, `streams_cfgs`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
     import megatron_overlap as mo
 
+    if arm.startswith("ours_streams"):
+        ub_cfgs = streams_cfgs(ub_cfgs, int(arm.removeprefix("ours_streams")))
     mo.install(ub_cfgs, backend="torch_p2p", attention="torch" if arm.startswith("ours") else "megatron")
     try:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
         if arm == "sdpa_ref":
             spec.submodules.self_attention.submodules.core_attention = SDPAReference
-        config = lc.layer_config(shape, arm == "ours", dtype, device, fusions)
+        config = lc.layer_config(shape, overlapped(arm), dtype, device, fusions)
         layers = [build_module(spec, config=config, layer_number=i + 1) for i in range(shape.dims.layers)]
     finally:
         mo.uninstall()
@@ -146,8 +173,9 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     d = shape.dims
-    layers = {a: build(shape, a, dtype, device, args.fusions, args.ub_cfgs) for a in ARMS}
-    for a in ARMS[1:]:
+    names = arms_of(args)
+    layers = {a: build(shape, a, dtype, device, args.fusions, args.ub_cfgs) for a in names}
+    for a in names[1:]:
         got = layers[a].load_state_dict(layers["megatron"].state_dict(), strict=True)
         assert not got.missing_keys and not got.unexpected_keys, got
     gen = torch.Generator().manual_seed(args.seed)
@@ -155,8 +183,8 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
     g = torch.randn(x.shape, generator=gen).to(device, dtype)
     rope = RotaryEmbedding(kv_channels=d.hidden // d.heads, rotary_percent=1.0,
                            rotary_base=500000)(d.seq_length).to(device)
-    arms = [lc.Arm(a, layers[a], x.clone().requires_grad_(True), True if a == "ours" else None)
-            for a in ARMS]
+    arms = [lc.Arm(a, layers[a], x.clone().requires_grad_(True), True if overlapped(a) else None)
+            for a in names]
     # no mask tensor on a GPU; on CPU Megatron's arm could not make its own (it makes it on
     # 'cuda'), so every arm gets the causal one there (the check's meaning is the same)
     mask = None if device.type == "cuda" else torch.ones(d.seq_length, d.seq_length).triu(1).bool()[None, None]
@@ -171,7 +199,7 @@ def check(emu, arms, e, tol: float, follow_reference: bool) -> dict:
     any fused kernel: 2.8e-2 for the reference too, on the H200 and the H100; the GPU tests
     hold each attention to fp32."""
     got = lc.mirrored_results(emu, arms, e)[0]
-    errs = {a: {k: lc._rel(got[a][k], v) for k, v in got["megatron"].items()} for a in ARMS[1:]}
+    errs = {a.name: {k: lc._rel(got[a.name][k], v) for k, v in got["megatron"].items()} for a in arms[1:]}
     worst = {a: max(e.values()) for a, e in errs.items()}
     ref = errs["sdpa_ref"]
 
@@ -297,14 +325,15 @@ def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
 def goals(name: str, row: dict) -> dict:
     """Each goal with what was measured (graphed and eager times; peak memory)."""
     t, mem, alone = row["arms"], row["memory_gib"], row["attention_alone_ms"]
+    ours = [a for a in t if a.startswith("ours")]
     out = {}
     for mode in ("graph", "eager"):
-        ms = {a: t[a][f"{mode}_ms"] for a in ARMS}
+        ms = {a: v[f"{mode}_ms"] for a, v in t.items()}
         out[f"{mode}: ours vs megatron >= {GOALS.get(name, 0)}"] = (
             ms["megatron"] / ms["ours"], ms["megatron"] / ms["ours"] >= GOALS.get(name, 0))
-        for a in ("ours_attention", "ours"):
+        for a in ours:
             out[f"{mode}: {a} vs sdpa_ref >= {GOAL_REF}"] = (ms["sdpa_ref"] / ms[a], ms["sdpa_ref"] / ms[a] >= GOAL_REF)
-    for a in ("ours_attention", "ours"):
+    for a in ours:
         for part in ("step", "total"):
             r = mem[a][part] / mem["sdpa_ref"][part]
             out[f"memory ({part}): {a} / sdpa_ref <= {GOAL_MEM}"] = (r, r <= GOAL_MEM)
@@ -329,7 +358,7 @@ def table(doc: dict) -> str:
             lines.append(f"{r['shape']:18s} {'-':14s} check {'ok' if c['passed'] else 'FAIL'} "
                          f"(max rel {max(c['max_rel_err'].values()):.1e} <= {c['tol_rel']:g}); {r['skipped']}")
             continue
-        for a in ARMS:
+        for a in r["arms"]:
             t = r["arms"][a]
             err = c["max_rel_err"].get(a)
             lines.append(f"{r['shape']:18s} {a:14s} {f(t['eager_ms'], 2):>9s} {f(t['eager_ratio'], 2):>6s} "
@@ -410,6 +439,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=positive_int, default=1,
                     help="transformer layers per arm, run one after the other (Stack); the goals "
                          "are a single layer's")
+    ap.add_argument("--streams-arm", type=positive_int, default=None, metavar="N",
+                    help="one more arm, ours_streamsN: ours with every overlapped layer's chunk "
+                         "GEMMs on N streams (the gemm_streams key), side by side with ours on "
+                         "install()'s default")
     return run("attention_layer", ap.parse_args(argv), SHAPES, run_shape, table)
 
 

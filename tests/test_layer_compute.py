@@ -175,7 +175,7 @@ def test_megatron_lm_fusions_run_megatrons_fused_swiglu_with_the_same_result():
     assert res["diff"] <= 1e-5
 
 
-def _attention_layer(rank: int, world: int, out: str, layers: int) -> dict:
+def _attention_layer(rank: int, world: int, out: str, layers: int, *more: str) -> dict:
     import json
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -184,11 +184,18 @@ def _attention_layer(rank: int, world: int, out: str, layers: int) -> dict:
 
     cpu = torch.device("cpu")
     res: dict = {"rc": attention_layer.main(["--shapes", "tiny", "--device", "cpu", "--out", out,
-                                             "--fusions", "megatron_lm", "--layers", str(layers)])}
+                                             "--fusions", "megatron_lm", "--layers", str(layers),
+                                             *more])}
     with open(os.path.join(out, "attention_layer_cpu.json")) as f:
         res["doc"] = json.load(f)
     shape = attention_layer.shape_of("tiny", layers)
-    if layers == 1:
+    if more:  # --streams-arm N: each arm's overlapped linears' settings, pass by pass
+        for arm in ("ours", f"ours_streams{more[-1]}"):
+            layer = attention_layer.build(shape, arm, torch.float32, cpu, "off")
+            res[arm] = sorted({(p, getattr(m.overlap_plan, p).gemm_streams)
+                               for m in (layer.self_attention.linear_qkv, layer.mlp.linear_fc2)
+                               for p in ("fprop", "dgrad") if getattr(m.overlap_plan, p) is not None})
+    elif layers == 1:
         for fusions in ("off", "megatron_lm"):
             c = attention_layer.build(shape, "ours", torch.float32, cpu, fusions).config
             res[fusions] = (c.bias_activation_fusion, c.bias_dropout_fusion)
@@ -213,6 +220,19 @@ def test_attention_layer_cpu_builds_its_arms_and_checks_them(tmp_path):
                                 "ours_attention": "TorchDotProductAttention",
                                 "ours": "TorchDotProductAttention"}
     assert res["doc"]["checks_passed"] and "GPU" in row["skipped"]
+
+
+def test_attention_layer_cpu_runs_ours_on_more_streams_beside_ours(tmp_path):
+    """--streams-arm 3: a fifth arm, ours_streams3 (before ours, which stays last), whose
+    overlapped linears' passes take gemm_streams 3 where ours' take 0 (install()'s
+    default), checked against Megatron's layer like every arm."""
+    res = run(_attention_layer, 1, str(tmp_path), 1, "--streams-arm", "3", timeout=300)[0]
+    assert res["rc"] == 0 and res["doc"]["checks_passed"]
+    (row,) = res["doc"]["rows"]
+    assert list(row["attention"]) == ["megatron", "sdpa_ref", "ours_attention", "ours_streams3", "ours"]
+    assert row["check"]["max_rel_err"]["ours_streams3"] <= 1e-5
+    assert res["ours"] == [("dgrad", 0), ("fprop", 0)]
+    assert res["ours_streams3"] == [("dgrad", 3), ("fprop", 3)]
 
 
 def test_attention_layer_cpu_stacks_layers(tmp_path):

@@ -289,12 +289,13 @@ def _variant(trials_, name, **settings):
     return found[0]
 
 
-@pytest.mark.parametrize("key,value", [("aggregate", True), ("gemm_streams", 2)])
+@pytest.mark.parametrize("key,value", [("aggregate", True), ("gemm_streams", 1)])
 def test_compute_side_times_every_candidate_with_its_own_settings(tmp_path, monkeypatch, key,
                                                                   value):
     """One GPU (on CPU, timers injected): two candidates differing only in aggregate, or only in
-    gemm_streams, are timed apart, each pass run with its own setting, the model fed each one's
-    own timing; and their cache keys differ (the on-disk cache too, versioned)."""
+    gemm_streams, are timed apart, each pass run with its own setting (gemm_streams 0: the
+    default's 3 streams), the model fed each one's own timing; and their cache keys differ
+    (the on-disk cache too, versioned)."""
     from megatron_overlap.tune import cache_key, job_of
     from megatron_overlap.tune.cache import KEY_VERSION
     from megatron_overlap.tune.passes import timed_key
@@ -309,13 +310,14 @@ def test_compute_side_times_every_candidate_with_its_own_settings(tmp_path, monk
     assert timed_key(plain, NullTransport(4)) != timed_key(other, NullTransport(4))
     a, b = measure(plain), measure(other)
     assert len(ran) == 2  # timed apart, not one timing for both
-    assert ran[0]["gemm_streams"] == 1 and ran[0]["aggregate"] is False
+    assert ran[0]["gemm_streams"] == 3 and ran[0]["aggregate"] is False
     if key == "aggregate":
-        assert ran[1]["aggregate"] is True and ran[1]["gemm_streams"] == 1
+        assert ran[1]["aggregate"] is True and ran[1]["gemm_streams"] == 3
+        assert b["compute_only_ms"] < a["compute_only_ms"]  # each predicted from its own timing
     else:
-        assert ran[1]["gemm_streams"] == 2 and ran[1]["aggregate"] is False
+        assert ran[1]["gemm_streams"] == 1 and ran[1]["aggregate"] is False
+        assert b["compute_only_ms"] > a["compute_only_ms"]  # (the timer favours more streams)
     assert ran[1]["settings"] == dataclasses.replace(ran[0]["settings"], **{key: value})
-    assert b["compute_only_ms"] < a["compute_only_ms"]  # each predicted from its own timing
     assert measure(plain) == {k: v for k, v in a.items() if not k.startswith("measured")}
     assert len(ran) == 2  # timed once each: the second call reuses the in-memory timing
     hw = measure.hardware

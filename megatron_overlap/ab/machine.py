@@ -34,7 +34,7 @@ def machine_info(layout: Layout, device: torch.device) -> dict[str, object]:
         "functional_only": layout.functional_only,
         "note": layout.note,
         # the transports' safety settings and our own knobs (MEGATRON_OVERLAP_*: a run with
-        # MEGATRON_OVERLAP_GEMM_STREAMS=3 is not the run with one stream)
+        # MEGATRON_OVERLAP_GEMM_STREAMS=1 is not the run with the default three)
         "env": {k: v for k, v in sorted(os.environ.items())
                 if k in SAFE_ENV or k in SHARED_ENV or k.startswith("MEGATRON_OVERLAP_")},
     }

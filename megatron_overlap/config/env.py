@@ -23,7 +23,7 @@ import math
 import os
 
 from .backends import INTER_BACKENDS
-from .names import MAX_GEMM_STREAMS
+from .names import DEFAULT_GEMM_STREAMS, MAX_GEMM_STREAMS
 
 TIMEOUT_S = "MEGATRON_OVERLAP_TIMEOUT_S"
 GEMM_STREAMS = "MEGATRON_OVERLAP_GEMM_STREAMS"
@@ -111,8 +111,9 @@ def _int(name: str, default: int, lo: int, hi: int | None) -> int:
 
 
 def gemm_streams() -> int:
-    """MEGATRON_OVERLAP_GEMM_STREAMS (default 1): streams the chunk GEMMs round-robin over."""
-    return _int(GEMM_STREAMS, 1, 1, MAX_GEMM_STREAMS)
+    """MEGATRON_OVERLAP_GEMM_STREAMS (default DEFAULT_GEMM_STREAMS): streams the chunk GEMMs
+    round-robin over."""
+    return _int(GEMM_STREAMS, DEFAULT_GEMM_STREAMS, 1, MAX_GEMM_STREAMS)
 
 
 def inter_backend() -> str:

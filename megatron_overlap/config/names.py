@@ -32,8 +32,12 @@ KEYS: tuple[str, ...] = TE_KEYS + EXTENSION_KEYS
 EXTENSION_DEFAULTS: dict[str, object] = {"ring_order": "auto", "gemm_streams": 0}
 # gemm_streams: CUDA streams the chunk GEMMs round-robin over (2 fills the wave-quantization
 # gap of one chunk's last wave with the next chunk's first); 0: the global default
-# (install(gemm_streams=...), else MEGATRON_OVERLAP_GEMM_STREAMS, else 1).
+# (install(gemm_streams=...), else MEGATRON_OVERLAP_GEMM_STREAMS, else DEFAULT_GEMM_STREAMS).
 MAX_GEMM_STREAMS = 8
+# Transformer Engine runs a ring's or pipeline's chunk GEMMs round-robin over up to 3
+# compute streams; measured side by side with one, 3 was as fast or faster in every whole
+# layer (docs/results.md#a-whole-layer)
+DEFAULT_GEMM_STREAMS = 3
 # ring_order: the ring's order over the TP group's nodes. auto: hierarchical when the
 # group spans nodes; flat: rank order; hierarchical: inter-node transfers first.
 RING_ORDERS: tuple[str, ...] = ("auto", "flat", "hierarchical")

@@ -21,7 +21,7 @@ from .shapes import Shape
 
 SPLITS = (1, 2, 4, 8, 16)
 NUM_SMS = (4, 8, 16, 24, 32)
-GEMM_STREAMS = (0, 2)  # 0: the global default (1 stream unless install() / the environment says)
+GEMM_STREAMS = (0, 1, 2)  # 0: the global default (3 unless install() / the environment says)
 ACTIVE = "active"
 
 
@@ -54,8 +54,8 @@ class Candidate:
             s.method, s.method)]
         if schedule == "ag_ring" and s.aggregate:
             parts.append("aggregate")
-        if s.gemm_streams > 1 and s.method in ("ring_exchange", "pipeline"):
-            parts.append(f"{s.gemm_streams} GEMM streams")
+        if s.gemm_streams and s.method in ("ring_exchange", "pipeline"):
+            parts.append(f"{s.gemm_streams} GEMM stream{'s' if s.gemm_streams > 1 else ''}")
         if schedule.endswith("hier"):
             parts.append("hierarchical")
         elif self.layout.nodes > 1 and s.method != "bulk" and s.method != "external":
