@@ -34,7 +34,7 @@ ours causal over the whole sequence.
     python benchmarks/attention_layer.py --ub-cfgs benchmarks/configs/ring_aggregate.yaml
     python benchmarks/attention_layer.py --shapes tiny --device cpu      # the check only
     python benchmarks/attention_layer.py --shapes 8b_tp4_s4096_b2 --layers 4  # a stack of 4
-    python benchmarks/attention_layer.py --streams-arm 3 --repeat 5   # ours on 1 and on 3 streams
+    python benchmarks/attention_layer.py --streams-arm 1 --repeat 5   # ours on 3 streams and on 1
 
 --repeat: a multiple of the arms' count (4; 5 with --streams-arm) puts every arm's graph
 capture at every position equally often (layer_compute's `time_shape`). --ub-cfgs: the
@@ -82,14 +82,25 @@ def arms_of(args) -> tuple[str, ...]:
 
 
 def streams_cfgs(ub_cfgs: str | None, n: int) -> dict:
-    """`ub_cfgs` (TE's defaults for None) with every layer's chunk GEMMs on `n` streams (the
-    `gemm_streams` key), as a ub_cfgs mapping install() reads."""
+    """`ub_cfgs` (TE's defaults for None) with the chunk GEMMs of every layer that has them
+    (a ring or a pipeline) on `n` streams (the `gemm_streams` key), as a ub_cfgs mapping
+    install() reads; the other layers as given (a key they cannot take is refused)."""
     from megatron_overlap.config.loading import parse, read_source
-    from megatron_overlap.config.names import LAYER_NAMES
 
     raw = dict(read_source(ub_cfgs))
-    parse(raw, rs_dgrad=False)  # (refuses a bad source here, naming it)
-    return {name: {**(raw.get(name) or {}), "gemm_streams": n} for name in LAYER_NAMES}
+    settings, _ = parse(raw, rs_dgrad=False)  # (refuses a bad source here, naming it)
+    return {**raw, **{name: {**(raw.get(name) or {}), "gemm_streams": n}
+                      for name, s in settings.items() if s.method in ("ring_exchange", "pipeline")}}
+
+
+def gemm_streams_count(text: str) -> int:
+    """--streams-arm's N: a stream count a layer's `gemm_streams` key takes (1..MAX)."""
+    from megatron_overlap.config.names import MAX_GEMM_STREAMS
+
+    n = positive_int(text)
+    if n > MAX_GEMM_STREAMS:
+        raise argparse.ArgumentTypeError(f"{n} streams: at most {MAX_GEMM_STREAMS}")
+    return n
 
 
 def shape_of(name: str, layers: int = 1) -> lc.LayerShape:
@@ -439,7 +450,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=positive_int, default=1,
                     help="transformer layers per arm, run one after the other (Stack); the goals "
                          "are a single layer's")
-    ap.add_argument("--streams-arm", type=positive_int, default=None, metavar="N",
+    ap.add_argument("--streams-arm", type=gemm_streams_count, default=None, metavar="N",
                     help="one more arm, ours_streamsN: ours with every overlapped layer's chunk "
                          "GEMMs on N streams (the gemm_streams key), side by side with ours on "
                          "install()'s default")

@@ -192,9 +192,11 @@ def _attention_layer(rank: int, world: int, out: str, layers: int, *more: str) -
     if more:  # --streams-arm N: each arm's overlapped linears' settings, pass by pass
         for arm in ("ours", f"ours_streams{more[-1]}"):
             layer = attention_layer.build(shape, arm, torch.float32, cpu, "off")
-            res[arm] = sorted({(p, getattr(m.overlap_plan, p).gemm_streams)
-                               for m in (layer.self_attention.linear_qkv, layer.mlp.linear_fc2)
-                               for p in ("fprop", "dgrad") if getattr(m.overlap_plan, p) is not None})
+            res[arm] = sorted((name, p, getattr(m.overlap_plan, p).gemm_streams)
+                              for name, m in (("qkv", layer.self_attention.linear_qkv),
+                                              ("fc2", layer.mlp.linear_fc2))
+                              for p in ("fprop", "dgrad", "wgrad") if getattr(m.overlap_plan, p) is not None
+                              and getattr(m.overlap_plan, p).method != "external")
     elif layers == 1:
         for fusions in ("off", "megatron_lm"):
             c = attention_layer.build(shape, "ours", torch.float32, cpu, fusions).config
@@ -222,17 +224,19 @@ def test_attention_layer_cpu_builds_its_arms_and_checks_them(tmp_path):
     assert res["doc"]["checks_passed"] and "GPU" in row["skipped"]
 
 
-def test_attention_layer_cpu_runs_ours_on_more_streams_beside_ours(tmp_path):
-    """--streams-arm 3: a fifth arm, ours_streams3 (before ours, which stays last), whose
-    overlapped linears' passes take gemm_streams 3 where ours' take 0 (install()'s
-    default), checked against Megatron's layer like every arm."""
-    res = run(_attention_layer, 1, str(tmp_path), 1, "--streams-arm", "3", timeout=300)[0]
+def test_attention_layer_cpu_runs_ours_on_other_streams_beside_ours(tmp_path):
+    """--streams-arm 1: a fifth arm, ours_streams1 (before ours, which stays last), whose
+    overlapped linears' ring and pipeline passes take gemm_streams 1 where ours' take 0
+    (install()'s default, 3 streams), checked against Megatron's layer like every arm."""
+    res = run(_attention_layer, 1, str(tmp_path), 1, "--streams-arm", "1", timeout=300)[0]
     assert res["rc"] == 0 and res["doc"]["checks_passed"]
     (row,) = res["doc"]["rows"]
-    assert list(row["attention"]) == ["megatron", "sdpa_ref", "ours_attention", "ours_streams3", "ours"]
-    assert row["check"]["max_rel_err"]["ours_streams3"] <= 1e-5
-    assert res["ours"] == [("dgrad", 0), ("fprop", 0)]
-    assert res["ours_streams3"] == [("dgrad", 3), ("fprop", 3)]
+    assert list(row["attention"]) == ["megatron", "sdpa_ref", "ours_attention", "ours_streams1", "ours"]
+    assert row["check"]["max_rel_err"]["ours_streams1"] <= 1e-5
+    # fc2: a pipelined forward, a ring dgrad; qkv (built here without SP): a bulk wgrad,
+    # no chunk GEMMs, so its key stays the default
+    assert res["ours"] == [("fc2", "dgrad", 0), ("fc2", "fprop", 0), ("qkv", "wgrad", 0)]
+    assert res["ours_streams1"] == [("fc2", "dgrad", 1), ("fc2", "fprop", 1), ("qkv", "wgrad", 0)]
 
 
 def test_attention_layer_cpu_stacks_layers(tmp_path):

@@ -54,12 +54,13 @@ def test_unusable_gemm_streams_is_refused(monkeypatch, value):
 
 
 def test_gemm_streams_read(monkeypatch):
+    from megatron_overlap.config.names import DEFAULT_GEMM_STREAMS
     from megatron_overlap.overlap.streams import ChunkStreams
 
     monkeypatch.setenv("MEGATRON_OVERLAP_GEMM_STREAMS", "2")
     assert ChunkStreams().n == 2
     monkeypatch.delenv("MEGATRON_OVERLAP_GEMM_STREAMS")
-    assert ChunkStreams().n == 3  # Transformer Engine's: config.names.DEFAULT_GEMM_STREAMS
+    assert ChunkStreams().n == DEFAULT_GEMM_STREAMS == 3  # Transformer Engine's
 
 
 @pytest.mark.parametrize("value", ["symm", "NCCL", "torch-p2p", "auto"])

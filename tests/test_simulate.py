@@ -804,3 +804,23 @@ def test_an_aggregate_ring_is_modelled_with_the_gemms_it_runs():
     one = simulate_pass(_spec(QKV8, "fprop"), _ring("qkv_fprop"), hw, lay, gemm)
     two = simulate_pass(_spec(QKV8, "fprop"), _ring("qkv_fprop", aggregate=True), hw, lay, gemm)
     assert one.compute_only_us == pytest.approx(400) and two.compute_only_us == pytest.approx(400)
+
+
+def test_the_search_tries_each_stream_count_where_chunk_gemms_run(monkeypatch):
+    """gemm_streams is searched at 0 (the process's default, 3), 1 and 2 for a ring and a
+    pipeline of several splits, each labelled with the count it runs; a bulk pass and a
+    pipeline of one split (one GEMM) are not varied over it."""
+    monkeypatch.delenv("MEGATRON_OVERLAP_GEMM_STREAMS", raising=False)
+    layout = Layout(tp=4)
+    rings = [c for c in candidates("qkv_fprop", layout, 1024) if c.settings.method == "ring_exchange"
+             and not c.settings.aggregate]
+    assert sorted(c.settings.gemm_streams for c in rings) == [0, 1, 2]
+    assert sorted(c.label() for c in rings) == ["ring 1 GEMM stream", "ring 2 GEMM streams",
+                                                 "ring 3 GEMM streams (default)"]
+    pipes = candidates("proj_fprop", layout, 1024)
+    x1 = {c.settings.gemm_streams for c in pipes if c.settings.method == "pipeline"
+          and c.settings.num_splits == 1}
+    x4 = {c.settings.gemm_streams for c in pipes if c.settings.method == "pipeline"
+          and c.settings.num_splits == 4}
+    assert x1 == {0} and x4 == {0, 1, 2}
+    assert {c.settings.gemm_streams for c in candidates("qkv_dgrad", layout, 1024)} == {0}

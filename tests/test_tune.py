@@ -300,7 +300,9 @@ def test_compute_side_times_every_candidate_with_its_own_settings(tmp_path, monk
     from megatron_overlap.tune.cache import KEY_VERSION
     from megatron_overlap.tune.passes import timed_key
     from megatron_overlap.comm import NullTransport
+    from megatron_overlap.config.names import DEFAULT_GEMM_STREAMS
 
+    monkeypatch.delenv("MEGATRON_OVERLAP_GEMM_STREAMS", raising=False)
     layout = Layout(tp=4)
     measure, ran = _cpu_compute_side(layout, monkeypatch)
     shape = Shape("S", "qkv", 64, 32, 16, 4)  # qkv_fprop: a ring all-gather
@@ -310,7 +312,7 @@ def test_compute_side_times_every_candidate_with_its_own_settings(tmp_path, monk
     assert timed_key(plain, NullTransport(4)) != timed_key(other, NullTransport(4))
     a, b = measure(plain), measure(other)
     assert len(ran) == 2  # timed apart, not one timing for both
-    assert ran[0]["gemm_streams"] == 3 and ran[0]["aggregate"] is False
+    assert ran[0]["gemm_streams"] == DEFAULT_GEMM_STREAMS == 3 and ran[0]["aggregate"] is False
     if key == "aggregate":
         assert ran[1]["aggregate"] is True and ran[1]["gemm_streams"] == 3
         assert b["compute_only_ms"] < a["compute_only_ms"]  # each predicted from its own timing

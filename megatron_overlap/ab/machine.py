@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from ..overlap.streams import default_gemm_streams
 from .launch import SAFE_ENV, SHARED_ENV, Layout
 
 
@@ -37,6 +38,8 @@ def machine_info(layout: Layout, device: torch.device) -> dict[str, object]:
         # MEGATRON_OVERLAP_GEMM_STREAMS=1 is not the run with the default three)
         "env": {k: v for k, v in sorted(os.environ.items())
                 if k in SAFE_ENV or k in SHARED_ENV or k.startswith("MEGATRON_OVERLAP_")},
+        # what a layer's gemm_streams 0 ran on (the default changed from 1 to 3)
+        "gemm_streams_default": default_gemm_streams(),
     }
     try:
         import megatron.core

@@ -35,8 +35,8 @@ EXTENSION_DEFAULTS: dict[str, object] = {"ring_order": "auto", "gemm_streams": 0
 # (install(gemm_streams=...), else MEGATRON_OVERLAP_GEMM_STREAMS, else DEFAULT_GEMM_STREAMS).
 MAX_GEMM_STREAMS = 8
 # Transformer Engine runs a ring's or pipeline's chunk GEMMs round-robin over up to 3
-# compute streams; measured side by side with one, 3 was as fast or faster in every whole
-# layer (docs/results.md#a-whole-layer)
+# compute streams; side by side with one, graphed, 3 were faster at the 4096-token layers
+# and mixed at 16384 tokens (docs/results.md#three-gemm-streams-by-default)
 DEFAULT_GEMM_STREAMS = 3
 # ring_order: the ring's order over the TP group's nodes. auto: hierarchical when the
 # group spans nodes; flat: rank order; hierarchical: inter-node transfers first.

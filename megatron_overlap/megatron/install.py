@@ -60,8 +60,8 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool
     The knobs an environment variable also sets (None: the variable's value):
     graphs: capture each pass in a CUDA graph and replay it (MEGATRON_OVERLAP_GRAPHS, on);
     gemm_streams: streams for chunk GEMMs where a layer's `gemm_streams` key is 0
-    (MEGATRON_OVERLAP_GEMM_STREAMS, 1); inter_backend: the transport between nodes of a
-    TP group that spans them (MEGATRON_OVERLAP_INTER_BACKEND, torch_p2p); timeout_s: how
+    (MEGATRON_OVERLAP_GEMM_STREAMS, 3 as Transformer Engine runs them); inter_backend: the
+    transport between nodes of a TP group that spans them (MEGATRON_OVERLAP_INTER_BACKEND, torch_p2p); timeout_s: how
     long one wait may block before it is a diagnosed CommError, in seconds, > 0 and at
     most a week (MEGATRON_OVERLAP_TIMEOUT_S, 300; transports made before keep theirs).
 

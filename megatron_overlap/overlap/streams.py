@@ -23,8 +23,8 @@ _default: int | None = None  # install(gemm_streams=...)
 
 def default_gemm_streams() -> int:
     """Streams for chunk GEMMs of a layer whose `gemm_streams` key is 0: install()'s
-    gemm_streams, else MEGATRON_OVERLAP_GEMM_STREAMS (checked), else 3, as Transformer
-    Engine runs them (config.names.DEFAULT_GEMM_STREAMS)."""
+    gemm_streams, else MEGATRON_OVERLAP_GEMM_STREAMS (checked), else
+    config.names.DEFAULT_GEMM_STREAMS (as Transformer Engine runs them)."""
     if _default is not None:
         return _default
     from ..config.env import gemm_streams

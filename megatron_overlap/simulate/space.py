@@ -15,13 +15,14 @@ from typing import Any, Iterable
 from ..config import LayerSettings
 from ..config.names import RS_DGRAD_LAYERS
 from ..config.settings import allowed_methods
+from ..overlap.streams import default_gemm_streams
 from .hardware import Layout
 from .passes import PassSpec, layer_passes, ring_order_of, schedule_of
 from .shapes import Shape
 
 SPLITS = (1, 2, 4, 8, 16)
 NUM_SMS = (4, 8, 16, 24, 32)
-GEMM_STREAMS = (0, 1, 2)  # 0: the global default (3 unless install() / the environment says)
+GEMM_STREAMS = (0, 1, 2)  # 0: the global default (overlap.streams.default_gemm_streams)
 ACTIVE = "active"
 
 
@@ -48,14 +49,16 @@ class Candidate:
 
     def label(self) -> str:
         s, schedule = self.settings, schedule_of(self.settings, self.layout)
+        n = s.gemm_streams or default_gemm_streams()  # (0: the process's default)
+        streams = f"{n} GEMM stream{'s' if n > 1 else ''}" + ("" if s.gemm_streams else " (default)")
         if schedule == "rs_hier" and s.method == "pipeline":
-            return "pipeline (hierarchical ring)"
+            return f"pipeline (hierarchical ring) {streams}"
         parts = [{"ring_exchange": "ring", "pipeline": f"pipeline x{s.num_splits}"}.get(
             s.method, s.method)]
         if schedule == "ag_ring" and s.aggregate:
             parts.append("aggregate")
-        if s.gemm_streams and s.method in ("ring_exchange", "pipeline"):
-            parts.append(f"{s.gemm_streams} GEMM stream{'s' if s.gemm_streams > 1 else ''}")
+        if s.method == "ring_exchange" or (s.method == "pipeline" and s.num_splits > 1):
+            parts.append(streams)
         if schedule.endswith("hier"):
             parts.append("hierarchical")
         elif self.layout.nodes > 1 and s.method != "bulk" and s.method != "external":
@@ -107,6 +110,8 @@ def _canonical(s: LayerSettings, layout: Layout) -> LayerSettings:
         s = dataclasses.replace(s, aggregate=default.aggregate)
     if schedule == "rs_hier" and s.method == "pipeline":
         s = dataclasses.replace(s, num_splits=default.num_splits)
+    if s.method == "pipeline" and s.num_splits == 1:  # one GEMM: no chunks to spread
+        s = dataclasses.replace(s, gemm_streams=default.gemm_streams)
     return s
 
 
