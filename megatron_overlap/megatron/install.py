@@ -7,6 +7,7 @@ import logging
 from .. import comm
 from ..config import env as envvars
 from ..config import OverlapConfig, state
+from ..config.names import MAX_GEMM_STREAMS
 from ..layers import precision
 from ..overlap import replay, streams
 from . import attention as core_attention
@@ -20,9 +21,9 @@ def _check_knobs(graphs, gemm_streams, inter, timeout_s, fp8_scaling) -> None:
     if graphs is not None and not isinstance(graphs, bool):
         raise ValueError(f"megatron_overlap.install: graphs must be True, False or None, not {graphs!r}")
     if gemm_streams is not None and (not isinstance(gemm_streams, int) or isinstance(gemm_streams, bool)
-                                     or not 1 <= gemm_streams <= 8):
-        raise ValueError(f"megatron_overlap.install: gemm_streams must be an int in 1..8 or None, "
-                         f"not {gemm_streams!r}")
+                                     or not 1 <= gemm_streams <= MAX_GEMM_STREAMS):
+        raise ValueError(f"megatron_overlap.install: gemm_streams must be an int in "
+                         f"1..{MAX_GEMM_STREAMS} or None, not {gemm_streams!r}")
     if inter is not None and inter not in comm.INTER_BACKENDS:
         raise ValueError(f"megatron_overlap.install: inter_backend must be one of "
                          f"{comm.INTER_BACKENDS} or None, not {inter!r}")

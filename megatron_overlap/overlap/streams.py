@@ -35,8 +35,11 @@ def default_gemm_streams() -> int:
 def set_default_gemm_streams(n: int | None) -> int | None:
     """Override the environment's default (None restores it); returns the previous override."""
     global _default
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 8):
-        raise ValueError(f"megatron_overlap: gemm_streams must be an int in 1..8, not {n!r}")
+    from ..config.names import MAX_GEMM_STREAMS
+
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_GEMM_STREAMS):
+        raise ValueError(f"megatron_overlap: gemm_streams must be an int in 1..{MAX_GEMM_STREAMS}, "
+                         f"not {n!r}")
     previous, _default = _default, n
     return previous
 
