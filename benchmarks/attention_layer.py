@@ -13,9 +13,9 @@ the same weights and input:
   (`TorchDotProductAttention`; Megatron's linears): the attention's own cost in the layer;
 - ours: the layer install() builds: our overlapped linears (the pass replay on) and
   `TorchDotProductAttention`; with --streams-arm N also ours_streamsN, the same with every
-  overlapped layer's chunk GEMMs on N streams (Transformer Engine runs them on up to 3). On one GPU there is no communication for the overlap to
-  hide, so against sdpa_ref it measures the overlapped linears' compute-side cost on top
-  of the attention's.
+  overlapped layer's chunk GEMMs on N streams (Transformer Engine runs them on up to 3).
+  On one GPU there is no communication for the overlap to hide, so against sdpa_ref it
+  measures the overlapped linears' compute-side cost on top of the attention's.
 Every arm's collectives and passes run on the mirror transport (layer_compute's
 `timing_transport`: each GEMM gets a training step's data, each arm pays its collectives'
 local copies). On a GPU no arm gets a mask tensor (the causal mask type says it;
@@ -38,8 +38,8 @@ ours causal over the whole sequence.
 
 --repeat: a multiple of the arms' count (4; 5 with --streams-arm) puts every arm's graph
 capture at every position equally often (layer_compute's `time_shape`). --ub-cfgs: the
-overlapped linears' settings (install()'s ub_cfgs; default TE's); the timing transport cannot emulate a ring
-reduce-scatter, so a YAML that picks one for a row-parallel forward stops at the check.
+overlapped linears' settings (install()'s ub_cfgs; default TE's); the timing transport
+cannot emulate a ring reduce-scatter, so a YAML that picks one for a row-parallel forward stops at the check.
 
 Writes <out>/attention_layer_<tag>.json and prints a table; exit status 2 when a check failed.
 """

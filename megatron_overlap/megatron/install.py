@@ -7,7 +7,6 @@ import logging
 from .. import comm
 from ..config import env as envvars
 from ..config import OverlapConfig, state
-from ..config.names import MAX_GEMM_STREAMS
 from ..layers import precision
 from ..overlap import replay, streams
 from . import attention as core_attention
@@ -20,10 +19,7 @@ _previous: list[tuple[state.State | None, tuple]] = []
 def _check_knobs(graphs, gemm_streams, inter, timeout_s, fp8_scaling) -> None:
     if graphs is not None and not isinstance(graphs, bool):
         raise ValueError(f"megatron_overlap.install: graphs must be True, False or None, not {graphs!r}")
-    if gemm_streams is not None and (not isinstance(gemm_streams, int) or isinstance(gemm_streams, bool)
-                                     or not 1 <= gemm_streams <= MAX_GEMM_STREAMS):
-        raise ValueError(f"megatron_overlap.install: gemm_streams must be an int in "
-                         f"1..{MAX_GEMM_STREAMS} or None, not {gemm_streams!r}")
+    streams.check_count(gemm_streams, "megatron_overlap.install")
     if inter is not None and inter not in comm.INTER_BACKENDS:
         raise ValueError(f"megatron_overlap.install: inter_backend must be one of "
                          f"{comm.INTER_BACKENDS} or None, not {inter!r}")
@@ -62,9 +58,9 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool
     graphs: capture each pass in a CUDA graph and replay it (MEGATRON_OVERLAP_GRAPHS, on);
     gemm_streams: streams for chunk GEMMs where a layer's `gemm_streams` key is 0
     (MEGATRON_OVERLAP_GEMM_STREAMS, 3 as Transformer Engine runs them); inter_backend: the
-    transport between nodes of a TP group that spans them (MEGATRON_OVERLAP_INTER_BACKEND, torch_p2p); timeout_s: how
-    long one wait may block before it is a diagnosed CommError, in seconds, > 0 and at
-    most a week (MEGATRON_OVERLAP_TIMEOUT_S, 300; transports made before keep theirs).
+    transport between nodes of a TP group that spans them (MEGATRON_OVERLAP_INTER_BACKEND,
+    torch_p2p); timeout_s: how long one wait may block before it is a diagnosed CommError,
+    in seconds, > 0 and at most a week (MEGATRON_OVERLAP_TIMEOUT_S, 300; transports made before keep theirs).
 
     attention: the core attention of every transformer layer built while installed,
     whatever its tp_comm_overlap: "torch" (torch's fused attention,

@@ -32,14 +32,19 @@ def default_gemm_streams() -> int:
     return gemm_streams()
 
 
-def set_default_gemm_streams(n: int | None) -> int | None:
-    """Override the environment's default (None restores it); returns the previous override."""
-    global _default
+def check_count(n: int | None, who: str = "megatron_overlap") -> None:
+    """A process-wide stream count (None: keep the environment's) or a ValueError from `who`."""
     from ..config.names import MAX_GEMM_STREAMS
 
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_GEMM_STREAMS):
-        raise ValueError(f"megatron_overlap: gemm_streams must be an int in 1..{MAX_GEMM_STREAMS}, "
+        raise ValueError(f"{who}: gemm_streams must be an int in 1..{MAX_GEMM_STREAMS} or None, "
                          f"not {n!r}")
+
+
+def set_default_gemm_streams(n: int | None) -> int | None:
+    """Override the environment's default (None restores it); returns the previous override."""
+    global _default
+    check_count(n)
     previous, _default = _default, n
     return previous
 

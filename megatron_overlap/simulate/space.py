@@ -47,18 +47,22 @@ class Candidate:
         return {**self.settings.to_dict(), "ring_order": self.settings.ring_order,
                 "runs": schedule_of(self.settings, self.layout)}
 
+    def _streams(self) -> str:
+        """The stream count the chunk GEMMs run on (0: the process's default, said so)."""
+        k = self.settings.gemm_streams
+        n = k or default_gemm_streams()
+        return f"{n} GEMM stream{'s' if n > 1 else ''}" + ("" if k else " (default)")
+
     def label(self) -> str:
         s, schedule = self.settings, schedule_of(self.settings, self.layout)
-        n = s.gemm_streams or default_gemm_streams()  # (0: the process's default)
-        streams = f"{n} GEMM stream{'s' if n > 1 else ''}" + ("" if s.gemm_streams else " (default)")
         if schedule == "rs_hier" and s.method == "pipeline":
-            return f"pipeline (hierarchical ring) {streams}"
+            return f"pipeline (hierarchical ring) {self._streams()}"
         parts = [{"ring_exchange": "ring", "pipeline": f"pipeline x{s.num_splits}"}.get(
             s.method, s.method)]
         if schedule == "ag_ring" and s.aggregate:
             parts.append("aggregate")
         if s.method == "ring_exchange" or (s.method == "pipeline" and s.num_splits > 1):
-            parts.append(streams)
+            parts.append(self._streams())
         if schedule.endswith("hier"):
             parts.append("hierarchical")
         elif self.layout.nodes > 1 and s.method != "bulk" and s.method != "external":
