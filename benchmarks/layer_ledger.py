@@ -211,9 +211,9 @@ COMPILED = {"cast": "fp8 cast", "transpose": "transpose", "scale": "elementwise"
 # amax kernel, like torch's, also launches the memset of its scalar, not recorded); the
 # cast-transpose both layouts; delayed scaling's cast with its amax the scale used, the
 # amax and the FP8 tensor (and its transpose); current scaling's cast the scale pair it
-# made and the FP8 tensor (and its transpose); the update (arguments: history, amax, scale)
-# is recorded writing its scale, its history's rewrite left out, as the cost model leaves
-# out the histories' bytes
+# made and the FP8 tensor (and its transpose); the update (arguments: histories, every
+# rank's amaxes, scales) is recorded writing its scales, the histories' rewrite left out,
+# as the cost model leaves out the histories' bytes
 OUTPUTS = {"delayed_cast": 2, "cast_transpose": 2, "delayed_cast_amax": 3,
            "delayed_cast_amax_t": 4, "current_cast": 2, "current_cast_t": 3}
 
@@ -227,7 +227,8 @@ def compiled_kernels(ledger: Ledger):
     once."""
     from megatron_overlap.overlap import fp8
 
-    def run(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True, chunks=None) -> bool:
+    def run(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True, chunks=None,
+            consts=None) -> bool:
         if not fp8._fusing:
             return False
         with _disable_current_modes():

@@ -65,13 +65,29 @@ class StandIn:
             self.launches.append(dict(grid=grid, n=n, kernel="amax"))
             assert n == x.numel() and grid == (-(-n // BLOCK),)
             out.copy_(torch.maximum(out, x.float().abs().max()))
-        return {"cast_t": cast_t, "amax": amax}[self.name]
+        def delayed_update(h, every, s, length, world, stride, *, FMAX, DIV, USE_MAX, BL, BW,
+                           num_warps):
+            n = h.shape[0]
+            self.launches.append(dict(grid=grid, kernel="delayed_update", warps=num_warps))
+            assert grid == (n,) and (length, world) == (h.shape[1], every.shape[0])
+            assert BL >= length and BW >= world and num_warps == (1 if BL <= 1024 else 4)
+            a = torch.as_strided(every, (world, n), (stride, 1)).amax(0)  # (NaN kept)
+            a = torch.where(a.isnan(), 0.0, a)
+            h.copy_(torch.cat([h[:, 1:], a[:, None]], dim=1))
+            ref = (h.amax(1) if USE_MAX else a).double()
+            new = (FMAX / ref / DIV).clamp(max=torch.finfo(torch.float32).max).float()
+            pair = [new, new]
+            pair[k.INVERSE_AT] = (1 / new.double()).float()
+            ok = ((ref > 0) & (ref < float("inf")))[:, None]
+            s.copy_(torch.where(ok, torch.stack(pair, dim=1), s))
+        return {"cast_t": cast_t, "amax": amax, "delayed_update": delayed_update}[self.name]
 
 
 class StandIns(dict):
     def __init__(self):
         self.launches = []
-        super().__init__((name, StandIn(name, self.launches)) for name in ("cast_t", "amax"))
+        super().__init__((name, StandIn(name, self.launches))
+                         for name in ("cast_t", "amax", "delayed_update"))
 
 
 @pytest.fixture
@@ -140,6 +156,48 @@ def test_each_kernel_s_tensors_go_where_its_eager_definition_puts_them(kernel):
             assert torch.equal(outs[0], refs[0]) and kernel.launches[-1]["FROM_AMAX"]
             assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
                        for a, b in zip(outs[1:], refs[1:]))
+
+
+@pytest.mark.parametrize("algo,margin", [("max", 0), ("most_recent", 2)])
+@pytest.mark.parametrize("length", [1, 5, 2000])
+def test_the_update_kernel_s_tensors_go_where_its_eager_definition_puts_them(
+        kernel, algo, margin, length):
+    """`delayed_update`: two histories of a block of three (rows 1-2), each rank's amaxes
+    a column slice of the exchange's [world, 3] result (its row stride 3), one with a NaN
+    from one rank: the same history and scale pairs as `_update_by`, one program a row,
+    one warp up to 1024 amaxes."""
+    h = torch.rand(3, length, generator=torch.Generator().manual_seed(5)) * 10
+    s = torch.tensor([[0.5, 2.0], [0.25, 4.0], [0.125, 8.0]])
+    every = torch.tensor([[1.0, 3.0, 99.0], [2.0, float("nan"), 99.0], [0.5, 1.0, 99.0],
+                          [4.0, 0.0, 99.0]])[:, :2]
+    got, want = (h.clone(), s.clone()), (h.clone(), s.clone())
+    consts = dict(fp8_max=448.0, margin=margin, algo=algo)
+    assert k.run("delayed_update", (got[0][1:], every, got[1][1:]), False, consts=consts)
+    f._update_by(algo == "max", 448.0, margin, want[0][1:], every, want[1][1:])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert kernel.launches[-1] == dict(grid=(2,), kernel="delayed_update",
+                                       warps=1 if length <= 1024 else 4)
+    assert torch.equal(got[1][0], s[0]) and got[0][1:, -1].tolist() == [4.0, 0.0]
+    # what it does not take: float64 rows, a scale block of another shape, columns strided
+    assert not k.run("delayed_update", (h.double(), every, s), False, consts=consts)
+    assert not k.run("delayed_update", (h, every, s[:, :1]), False, consts=consts)
+    assert not k.run("delayed_update", (h, torch.rand(3, 6)[:, ::2], s), False, consts=consts)
+
+
+def test_a_pass_s_histories_update_as_each_one_alone():
+    """`update_scales` over a block's rows equals `update_scale` on each history alone,
+    every rank's amaxes reduced first (their max; a NaN from any rank recorded as 0)."""
+    every = torch.tensor([[3.0, 0.5], [7.0, float("nan")]])
+    block = f.AmaxHistory(4, torch.device("cpu")), f.AmaxHistory(4, torch.device("cpu"))
+    hist, scale = torch.zeros(2, 4), torch.ones(2, 2)
+    rows = [f.AmaxHistory(4, torch.device("cpu"), hist[i], scale[i]) for i in range(2)]
+    for step in range(5):
+        f.update_scales(hist, scale, every * (step + 1), E4M3, 1, "max")
+        for i, st in enumerate(block):
+            a = (every * (step + 1))[:, i].amax()
+            f.update_scale(st, a, E4M3, 1, "max")
+            assert torch.equal(rows[i].history, st.history) and torch.equal(rows[i].scale, st.scale)
+    assert rows[1].history.tolist() == [0.0] * 4 and float(f.scale_value(rows[1].scale)) == 1.0
 
 
 def _same(got, want) -> bool:

@@ -38,10 +38,10 @@ from typing import Optional
 import torch
 
 from ..comm.transport import Transport
-from ..overlap.fp8 import (TAIL, AmaxHistory, RowScaledGemm, ScaledGemm, amax,
-                           delayed_quantize, group_amaxes, group_max, pair_of, quantize,
+from ..overlap.fp8 import (PAIR, TAIL, AmaxHistory, RowScaledGemm, ScaledGemm, amax,
+                           delayed_quantize, every_rank, group_amaxes, pair_of, quantize,
                            quantize_current, row_scales, rows_dequantized, rows_quantized,
-                           scale_pair, scale_value, transposed, update_scale)
+                           scale_pair, scale_value, transposed, update_scales)
 from .precision import Precision
 
 
@@ -73,19 +73,29 @@ class DelayedScales:
     the scale for the next one follows. The histories are the layer's extra state in a
     checkpoint (`state`, `load`)."""
 
-    ROLES = ("input", "weight", "grad")
+    ROLES = ("input", "weight", "grad")  # their rows in the block, in this order
 
     def __init__(self, p: Precision):
         self.p = p
         self._states: dict[str, AmaxHistory] = {}
         self._loaded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # every role's history and scale pair, rows of one block each (made at the first
+        # use): a pass's histories are adjacent rows, updated by one kernel (`record`)
+        self._block: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def get(self, role: str, device: torch.device) -> AmaxHistory:
         """`role`'s history, made on `device` at its first use (from a loaded checkpoint
         where there was one)."""
         st = self._states.get(role)
         if st is None:
-            st = self._states[role] = AmaxHistory(self.p.history, device)
+            if self._block is None:
+                n = len(self.ROLES)
+                self._block = (torch.empty((n, self.p.history), dtype=torch.float32,
+                                           device=device),
+                               torch.empty((n, *PAIR), dtype=torch.float32, device=device))
+            i = self.ROLES.index(role)
+            st = self._states[role] = AmaxHistory(self.p.history, device,
+                                                  self._block[0][i], self._block[1][i])
             if role in self._loaded:
                 self._copy_in(st, *self._loaded.pop(role))
         return st
@@ -101,15 +111,21 @@ class DelayedScales:
 
     def record(self, roles: tuple[str, ...], local: torch.Tensor, tp: Transport, op: str
                ) -> None:
-        """The amaxes `local` (this rank's; the first len(roles) are `roles`') reduced over
-        the TP group (one exchange, '<op>_amax'), recorded, and each role's next scale set
-        (for its FP8 type: the gradient's, or the input's and weight's).
-        Called at the end of the pass: nothing in it reads the histories' scales after
-        its casts, so the exchange waits on nothing the pass's transfers need."""
-        group = group_max(local, tp, f"{op}_amax")
-        for i, role in enumerate(roles):
-            dtype = self.p.grad if role == "grad" else self.p.fwd
-            update_scale(self._states[role], group[i], dtype, self.p.margin, self.p.algo)
+        """The amaxes `local` (this rank's; the first len(roles) are `roles`', adjacent in
+        ROLES and of one FP8 type: the input's and weight's, or the gradient's) exchanged
+        over the TP group (one exchange, '<op>_amax') and recorded, and each role's next
+        scale set: one update of their rows. Called at the end of the pass: nothing in it
+        reads the histories' scales after its casts, so the exchange waits on nothing the
+        pass's transfers need."""
+        first = self.ROLES.index(roles[0])
+        rows = slice(first, first + len(roles))
+        if self.ROLES[rows] != tuple(roles) or ("grad" in roles and len(roles) > 1):
+            raise ValueError(f"{op}: delayed scaling records adjacent roles of one FP8 type "
+                             f"at a time, not {roles}")
+        every = every_rank(local, tp, f"{op}_amax")[:, :len(roles)]
+        dtype = self.p.grad if roles[0] == "grad" else self.p.fwd
+        update_scales(self._block[0][rows], self._block[1][rows], every, dtype, self.p.margin,
+                      self.p.algo)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for role in self.ROLES if role in self._states

@@ -105,11 +105,16 @@ def _gathered(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     return every
 
 
+def every_rank(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
+    """`local` (fp32, [n]) of every rank of `tp`, [world, n] (one exchange)."""
+    return _gathered(local, tp, op).view(tp.world_size, -1)
+
+
 def group_max(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     """The elementwise max of `local` (fp32, [n]) over every rank of `tp`."""
     if tp.world_size == 1:
         return local
-    return _gathered(local, tp, op).view(tp.world_size, -1).amax(0)
+    return every_rank(local, tp, op).amax(0)
 
 
 PAIR = fp8_kernels.PAIR  # a scale pair's shape (its layout: fp8_kernels.INVERSE_AT, SCALE_AT)
@@ -212,7 +217,8 @@ def _own_frame(fn, key: tuple):
 
 
 def _run_compiled(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True,
-                  chunks: Optional[tuple[int, int]] = None) -> bool:
+                  chunks: Optional[tuple[int, int]] = None, consts: Optional[dict] = None
+                  ) -> bool:
     """Run `fn(*args)` as one GPU kernel: for the keys overlap/fp8_kernels.py writes in
     Triton, that kernel; else compiled (torch.compile, inductor; dynamic shapes, so a model's
     shapes compile once per key; `dynamic=False`: specialized to the first call's shapes,
@@ -223,14 +229,16 @@ def _run_compiled(key: tuple, fn, *args: torch.Tensor, dynamic: bool = True,
     compiles (a compile synchronizes, which a capture forbids): a kernel not compiled yet,
     or one whose guards ask for a recompile (a new layout, a dimension of 1), runs eagerly
     there, captured so. `chunks`: a cast's output chunk-major, by its Triton kernel only
-    (`fp8_kernels.run`)."""
+    (`fp8_kernels.run`); `consts`: a Triton kernel's constants beside its tensors (what
+    `fn` has bound)."""
     if not _fusing or args[0].device.type != "cuda":
         return False
     capturing = torch.cuda.is_current_stream_capturing()
     if key[0] in fp8_kernels.KERNELS:  # hand-written in Triton (inductor's `fn` moves more bytes)
-        if fp8_kernels.run(key[0], args, capturing, chunks or (1, 1)):
+        if fp8_kernels.run(key[0], args, capturing, chunks or (1, 1), consts):
             return True
-        if key[0] != "transpose" or chunks:  # declined: the caller's other kernels run instead
+        if key[0] not in ("transpose", "delayed_update") or chunks:  # declined: the caller's
+            # other kernels run instead (these two: their compiled function)
             return False
     return _call_compiled(key, fn, args, dynamic, capturing)
 
@@ -428,11 +436,15 @@ class AmaxHistory:
     default fp8_recipe): the amaxes of its last `length` quantizations (oldest first) and
     the scale pair the next one uses (`scale_pair`), on the device, at fixed addresses (a
     replayed pass updates them in place). A new history quantizes with scale 1, as TE's
-    does."""
+    does. `history`, `scale`: views to keep them in (a row of a layer's block, which
+    `update_scales` updates with one kernel), else allocations of their own."""
 
-    def __init__(self, length: int, device: torch.device):
-        self.history = torch.zeros(length, dtype=torch.float32, device=device)
-        self.scale = torch.ones(PAIR, dtype=torch.float32, device=device)
+    def __init__(self, length: int, device: torch.device,
+                 history: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None):
+        self.history = (torch.zeros(length, dtype=torch.float32, device=device)
+                        if history is None else history.zero_())
+        self.scale = (torch.ones(PAIR, dtype=torch.float32, device=device)
+                      if scale is None else scale.fill_(1.0))
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.history, self.scale
@@ -496,33 +508,51 @@ def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
 
 
 def _update_by(use_max: bool, fp8_max: float, margin: int, history: torch.Tensor,
-               a: torch.Tensor, scale: torch.Tensor) -> None:
-    """TE's update: the newest amax in, the oldest out; the scale maps the window's max
-    ('max') or the newest ('most_recent') to fp8_max / 2^margin, in fp64 (compiled and
-    eager alike, as torchao's amax_to_scale), at most float32's largest; an amax of 0 or
-    inf keeps the scale. A NaN amax is recorded as 0 (TE's reductions, fmaxf, skip NaN):
-    it keeps the scale, and leaves a window's max to the other amaxes. `scale`: the
-    pair, its inverse written with it."""
-    history.copy_(torch.cat([history[1:], torch.nan_to_num(a.reshape(1), nan=0.0,
-                                                           posinf=float("inf"))]))
-    a = history[-1]
-    ref = (history.max() if use_max else a).to(torch.float64)
+               every: torch.Tensor, scale: torch.Tensor) -> None:
+    """TE's update, for n histories at once (`history` [n, L], `scale` [n, 2] pairs):
+    `every` [world, n], each TP rank's amaxes, whose max (NaN kept) is the new amax; it
+    goes in, the oldest out; the scale maps the window's max ('max') or the newest
+    ('most_recent') to fp8_max / 2^margin, in fp64 (compiled and eager alike, as
+    torchao's amax_to_scale), at most float32's largest; an amax of 0 or inf keeps the
+    scale. A NaN amax is recorded as 0 (TE's reductions, fmaxf, skip NaN): it keeps the
+    scale, and leaves a window's max to the other amaxes. The pair's inverse is written
+    with its scale."""
+    a = torch.nan_to_num(every.amax(0), nan=0.0, posinf=float("inf"))
+    history.copy_(torch.cat([history[:, 1:], a[:, None]], dim=1))
+    ref = (history.amax(1) if use_max else history[:, -1]).to(torch.float64)
     new = (fp8_max / ref / 2.0 ** margin).clamp(max=torch.finfo(torch.float32).max)
     new = new.to(torch.float32)
-    scale.copy_(torch.where((ref > 0) & torch.isfinite(ref), pair_of(new), scale))
+    parts = [new, new]
+    parts[fp8_kernels.INVERSE_AT] = inverse(new)
+    ok = ((ref > 0) & torch.isfinite(ref))[:, None]
+    scale.copy_(torch.where(ok, torch.stack(parts, dim=1), scale))
+
+
+def update_scales(history: torch.Tensor, scale: torch.Tensor, every: torch.Tensor,
+                  dtype: torch.dtype, margin: int, algo: str) -> None:
+    """Record the new amaxes of n histories (`history` [n, L], `scale` [n, 2]: rows of a
+    layer's block; `every` [world, n]: each TP rank's amaxes, the exchange's result as it
+    is) and set the scales their next quantizations use (`algo`: 'max' over the history,
+    or 'most_recent'). On a GPU one Triton kernel for all of it ('delayed_update',
+    overlap/fp8_kernels.py), one program a history: a pass's group max and the updates
+    of its two histories, each compiled on its own, were about seven kernels, each a
+    dependent launch on the pass's stream. Where it does not run, compiled for the block's
+    shape (a model's histories share one length: compiled for any length, the window's max
+    was a loop of one thread block, 24 us a call for 1024 amaxes on an H200)."""
+    fp8_max = float(torch.finfo(dtype).max)
+    fn = functools.partial(_update_by, algo == "max", fp8_max, margin)
+    key = ("delayed_update", algo, dtype, margin, *history.shape, every.shape[0])
+    if not _run_compiled(key, fn, history, every, scale, dynamic=False,
+                         consts=dict(fp8_max=fp8_max, margin=margin, algo=algo)):
+        fn(history, every, scale)
 
 
 def update_scale(state: AmaxHistory, a: torch.Tensor, dtype: torch.dtype, margin: int,
                  algo: str) -> None:
-    """Record amax `a` (float32 scalar: the TP group's) in `state` and set the scale its
-    next quantization uses (`algo`: 'max' over the history, or 'most_recent'). On a GPU
-    compiled for the history's length (a model's histories share one): compiled for any
-    length, the window's max was a loop of one thread block (24 us a call for 1024 amaxes,
-    H200) where one known length is a single load and reduction."""
-    fn = functools.partial(_update_by, algo == "max", float(torch.finfo(dtype).max), margin)
-    key = ("delayed_update", algo, dtype, margin, state.history.numel())
-    if not _run_compiled(key, fn, state.history, a, state.scale, dynamic=False):
-        fn(state.history, a, state.scale)
+    """`update_scales` for one history and its amax `a` (a float32 scalar, the TP
+    group's)."""
+    update_scales(state.history.view(1, -1), state.scale.view(1, -1),
+                  a.reshape(1, 1), dtype, margin, algo)
 
 
 def row_scales(x: torch.Tensor, dtype: torch.dtype, dim: int = -1) -> torch.Tensor:

@@ -17,6 +17,10 @@ compiled ones (`overlap.fp8._run_compiled`) move more bytes than they need:
   the pipeline's GEMMs read them in place where they were copied together before.
 - `transpose`: 1-byte values transposed. Inductor's kernel moved them at ~1.3 TB/s on an
   H100 (its fp8 layers' transposes), this one at ~2.9 TB/s.
+- `delayed_update`: delayed scaling's update of a pass's histories at its end (rows of
+  a layer's block): the group's max of each amax, the history shifted, the scale pair
+  from the window, one program a history, where inductor's compile of the same function
+  was several kernels, each a dependent launch on the pass's stream.
 - `amax`: current scaling's max |x|, the same atomic reduction over tiles as the delayed
   cast's, into a scalar zeroed first. torch's reduction (`linalg.vector_norm`, one memset
   and one kernel as well) read an 8192 x 8192 bf16 tensor at ~2.4 TB/s on an H100, and
@@ -44,7 +48,7 @@ import torch
 log = logging.getLogger("megatron_overlap")
 
 KERNELS = ("cast_transpose", "current_cast", "current_cast_t", "delayed_cast_amax",
-           "delayed_cast_amax_t", "transpose", "amax")
+           "delayed_cast_amax_t", "transpose", "amax", "delayed_update")
 BLOCK = (64, 128, 4)  # rows, columns, warps of a tile: the probe's best over a layer's tensors
 AMAX_BLOCK = (8192, 8)  # elements, warps of an amax program
 _kernels: Optional[dict] = None  # the Triton kernels by name, made at the first call
@@ -55,7 +59,8 @@ _broken: set = set()  # names that failed once: not tried again (the caller's pa
 def _make() -> dict:
     from . import fp8_triton  # (imports Triton)
 
-    return {"cast_t": fp8_triton.cast_t, "amax": fp8_triton.fp8_amax}
+    return {"cast_t": fp8_triton.cast_t, "amax": fp8_triton.fp8_amax,
+            "delayed_update": fp8_triton.delayed_update}
 
 
 def _flat2d(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -72,6 +77,7 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second axis (the tiles across the
 PAIR = (2,)
 INVERSE_AT, SCALE_AT = 0, 1
 MAX_AMAXES = 1024  # the most amaxes (a TP group's) a current cast reduces for its scale
+MAX_HISTORY = 8192  # the longest amax history `delayed_update` takes (one program a row)
 
 
 def triton_pow2(n: int) -> int:
@@ -101,6 +107,24 @@ def _amax_launch(args: tuple) -> Optional[Launch]:
                   (-(-x.numel() // block),), warps)
 
 
+def _update_launch(args: tuple, consts: dict) -> Optional[Launch]:
+    """`delayed_update` on (history [n, L], every [world, n], scale [n, 2]), `consts` its
+    fp8_max, margin and algo; None where the tensors are not fp32 rows it takes."""
+    h, every, s = args
+    if (h.dim() != 2 or s.shape != (h.shape[0], *PAIR) or every.dim() != 2
+            or every.shape[1] != h.shape[0] or any(t.dtype != torch.float32 for t in args)
+            or not (h.is_contiguous() and s.is_contiguous()) or every.stride(1) != 1
+            or not 0 < h.shape[1] <= MAX_HISTORY or not 0 < every.shape[0] <= MAX_AMAXES
+            or h.shape[0] == 0 or not h.device == every.device == s.device):
+        return None
+    bl = triton_pow2(h.shape[1])
+    return Launch("delayed_update", (h, every, s), (h.shape[1], every.shape[0], every.stride(0)),
+                  dict(FMAX=consts["fp8_max"], DIV=2.0 ** consts["margin"],
+                       USE_MAX=consts["algo"] == "max", BL=bl,
+                       BW=triton_pow2(every.shape[0])),
+                  (h.shape[0],), 1 if bl <= 1024 else 4)
+
+
 def _cast_layout(x: torch.Tensor, o: torch.Tensor, ot: Optional[torch.Tensor]
                  ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
     """(x, o) as the [rows, last dim] matrices a cast reads and writes, or None where o is
@@ -113,14 +137,18 @@ def _cast_layout(x: torch.Tensor, o: torch.Tensor, ot: Optional[torch.Tensor]
     return x2, o2
 
 
-def _launch(name: str, args: tuple, chunks: tuple[int, int] = (1, 1)) -> Optional[Launch]:
+def _launch(name: str, args: tuple, chunks: tuple[int, int] = (1, 1),
+            consts: Optional[dict] = None) -> Optional[Launch]:
     """The launch that runs kernel `name` on `args`, or None where it does not run these
     tensors: a layout or shape it does not take (each output exactly the input's shape,
     or its transpose's), a scale per row, scalars not float32 (a cast's scale one value,
     delayed's scale and the one it copies out pairs, a current cast's amaxes a vector of
     at most MAX_AMAXES and its scale out a pair), no elements, more column tiles than a
     grid holds. `chunks` (blocks, chunks per block): a cast's output rows chunk-major
-    (`overlap.fp8.chunk_major`); rows that do not divide into them are not taken."""
+    (`overlap.fp8.chunk_major`); rows that do not divide into them are not taken.
+    `consts`: what a kernel takes beside its tensors (`delayed_update`'s rule)."""
+    if name == "delayed_update":
+        return _update_launch(args, consts) if chunks == (1, 1) else None
     if name == "amax":
         return _amax_launch(args) if chunks == (1, 1) else None
     if name == "transpose":
@@ -177,16 +205,18 @@ def _launch(name: str, args: tuple, chunks: tuple[int, int] = (1, 1)) -> Optiona
                   (-(-m // bm), -(-n // bn)), warps)
 
 
-def run(name: str, args: tuple, capturing: bool, chunks: tuple[int, int] = (1, 1)) -> bool:
+def run(name: str, args: tuple, capturing: bool, chunks: tuple[int, int] = (1, 1),
+        consts: Optional[dict] = None) -> bool:
     """Kernel `name` on `args` (the layout of its eager definition in overlap.fp8); False
     where it does not run: Triton missing, tensors it does not take, a failure before
     (logged once), or, inside a CUDA-graph capture, a launch signature not compiled yet
     (a compile there could break the capture: the caller's kernels run instead, as
-    `_run_compiled`'s do). `chunks`: a cast's output rows chunk-major (`_launch`)."""
+    `_run_compiled`'s do). `chunks`: a cast's output rows chunk-major (`_launch`);
+    `consts`: its constants beside the tensors (`_launch`)."""
     global _kernels
     if name in _broken:
         return False
-    launch = _launch(name, args, chunks)
+    launch = _launch(name, args, chunks, consts)
     if launch is None:
         return False
     t = launch.tensors

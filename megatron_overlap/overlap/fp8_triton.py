@@ -10,6 +10,7 @@ from . import fp8_kernels
 # where a scale pair keeps its inverse and its scale (fp8_kernels.PAIR)
 INVERSE_AT = tl.constexpr(fp8_kernels.INVERSE_AT)
 SCALE_AT = tl.constexpr(fp8_kernels.SCALE_AT)
+F32_MAX = tl.constexpr(3.4028234663852886e38)  # float32's largest value
 
 
 # NaN-keeping max and clamp as selects, not tl.maximum / tl.minimum with
@@ -120,3 +121,38 @@ def fp8_amax(x_ptr, amax_ptr, n, BLOCK: tl.constexpr):
     """max |x| of BLOCK elements of flat x [n] into the float32 at amax_ptr."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     amax_into(tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32), amax_ptr)
+
+
+@triton.jit
+def delayed_update(h_ptr, every_ptr, s_ptr, length, world, every_stride, FMAX: tl.constexpr,
+                   DIV: tl.constexpr, USE_MAX: tl.constexpr, BL: tl.constexpr,
+                   BW: tl.constexpr):
+    """overlap.fp8._update_by for row `program_id` of n histories ([n, length], each row's
+    scale pair at s_ptr + 2 * row): the new amax the max over the `world` ranks' (column
+    `row` of every [world, every_stride]), NaN kept there and then recorded as 0; the
+    history shifted one place, the amax last; the scale from the window's max (USE_MAX)
+    or the new amax, in fp64, divided by DIV (2^margin), at most float32's largest; kept
+    where that amax is 0 or not finite. One program reads its whole row before any of it
+    is written (the barrier): a program's warps shift across each other's elements."""
+    row = tl.program_id(0)
+    w = tl.arange(0, BW)
+    a = tl.reduce(tl.load(every_ptr + w * every_stride + row, mask=w < world, other=0.0),
+                  0, max_nan)
+    a = tl.where(a != a, 0.0, a)
+    i = tl.arange(0, BL)
+    base = h_ptr + row.to(tl.int64) * length
+    h = tl.where(i == length - 1, a, tl.load(base + i + 1, mask=i + 1 < length, other=0.0))
+    tl.debug_barrier()
+    tl.store(base + i, h, mask=i < length)
+    if USE_MAX:
+        ref = tl.max(tl.where(i < length, h, 0.0), 0)
+    else:
+        ref = a
+    ref = ref.to(tl.float64)
+    new = FMAX / ref / DIV
+    new = tl.where(new > F32_MAX, F32_MAX, new).to(tl.float32)
+    inv = (1.0 / new.to(tl.float64)).to(tl.float32)
+    pair = tl.arange(0, 2)
+    old = tl.load(s_ptr + 2 * row + pair)
+    ok = (ref > 0) & (ref <= F32_MAX)  # (ref is a float32's value: finite, at most its max)
+    tl.store(s_ptr + 2 * row + pair, tl.where(ok, tl.where(pair == INVERSE_AT, inv, new), old))

@@ -29,9 +29,9 @@ nothing, which this table does not model):
   the transposed layout where the tensorwise cast would): the wide tensor read once, no
   scale kernel, no exchange before a gather. At the end of the pass the amaxes it took
   (`DELAYED_AMAXES`: the input's and the weight's place; the gradient's) are exchanged
-  over the TP group, the max over the group's taken (one kernel, TP > 1), and each
-  quantized tensor's history updated (one compiled kernel each). The histories' bytes (8
-  a kept amax) are left out with the scalars.
+  over the TP group, and one kernel takes the group's max and updates the pass's
+  histories (`overlap.fp8.update_scales`). The histories' bytes (8 a kept amax) are left
+  out with the scalars.
 - The amax counts as one kernel; on a GPU it also launches a memset (tensorwise: the
   Triton amax's scalar zeroed, as torch's reduction also does).
 - Row-wise: the amax along each row (torchao: |x| written, then reduced) and eight small
@@ -111,10 +111,11 @@ def quantize(elems: int, p: int, scaling: str = "tensorwise", rows: int = 0,
     return Work(p * elems + (p + written) * elems, TENSORWISE_KERNELS)
 
 
-def delayed_record(tensors: int, tp: int) -> Work:
-    """Delayed scaling at a pass's end: its amaxes reduced over the group (the max of the
-    group's, at TP > 1), and `tensors` histories updated."""
-    return Work(0, int(tp > 1) + tensors)
+def delayed_record() -> Work:
+    """Delayed scaling at a quantizing pass's end: one kernel takes the group's max of the
+    pass's amaxes (exchanged before it) and updates its histories, the input's and the
+    weight's together."""
+    return Work(0, 1)
 
 
 def gathered(pass_name: str, column: bool) -> bool:
@@ -152,14 +153,13 @@ def pass_work(pass_name: str, column: bool, tokens: int, tp: int, k: int, n: int
         rows = tokens // tp if column else tokens
         act = quantize(rows * k, p, scaling, rows, col=own_t and not column) + gemm
         weight = quantize(n * k, p, scaling, n, col=not rowwise)  # with the dgrad's layout
-        if delayed:  # the input's update; the weight's where it is quantized
-            act += delayed_record(1, tp)
-            weight += delayed_record(1, 1)
+        if delayed:  # the pass's update (the weight's history with the input's, where quantized)
+            act += delayed_record()
         return PassWork(act, weight) if cached else PassWork(act + weight)
     if pass_name == "dgrad":
         rows = tokens if column else tokens // tp
         act = (quantize(rows * n, p, scaling, rows, col=own_t and column) + gemm
-               + (delayed_record(1, tp) if delayed else Work()))
+               + (delayed_record() if delayed else Work()))
         if rowwise:  # the weight again, per column (its copy out transposes it); no tails
             act += quantize(n * k, p, "rowwise", k, scales_out=False)
         return PassWork(act)
