@@ -141,3 +141,31 @@ def test_a_history_of_another_length_keeps_its_newest_amaxes():
         assert d.get("input", torch.device("cpu")).history.data_ptr() == ptr
         assert float(scale_value(st.scale)) == 5.0 and st.history.tolist() == want
         assert d.state()["amax_history"]["input"].tolist() == want
+
+
+def test_a_layer_s_histories_are_rows_of_one_block_and_a_pass_updates_its_own():
+    """`DelayedScales` keeps every role's history and scale pair as rows of one block (one
+    kernel updates a pass's), each made at its first use; a record updates only its
+    roles' rows, with the group's max of the amaxes exchanged (here one rank: its own),
+    and refuses roles that are not adjacent rows of one FP8 type."""
+    from megatron_overlap.comm.null import NullTransport
+    from megatron_overlap.layers.fp8 import DelayedScales
+    from megatron_overlap.layers.precision import Precision
+    from megatron_overlap.overlap.fp8 import scale_value
+
+    d = DelayedScales(Precision("delayed", torch.float8_e4m3fn, torch.float8_e5m2,
+                                history=2, algo="max"))
+    cpu = torch.device("cpu")
+    rows = {r: d.get(r, cpu) for r in ("grad", "input", "weight")}
+    base = rows["input"].history.untyped_storage().data_ptr()
+    assert all(st.history.untyped_storage().data_ptr() == base for st in rows.values())
+    tp = NullTransport(1, 0)
+    d.record(("input", "weight"), torch.tensor([4.0, 448.0]), tp, "qkv_fprop")
+    assert [float(scale_value(rows[r].scale)) for r in ("input", "weight", "grad")] == [
+        112.0, 1.0, 1.0]
+    d.record(("grad",), torch.tensor([57344.0 / 8]), tp, "qkv_dgrad")
+    assert rows["grad"].history.tolist() == [0.0, 7168.0]
+    assert float(scale_value(rows["grad"].scale)) == 8.0
+    for bad in (("weight", "input"), ("input", "grad"), ("weight", "grad")):
+        with pytest.raises(ValueError, match="adjacent roles of one FP8 type"):
+            d.record(bad, torch.ones(2), tp, "qkv_fprop")

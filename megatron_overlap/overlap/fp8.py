@@ -1,6 +1,6 @@
 """FP8 at the GEMM seam: tensors quantized with per-tensor scales (current scaling,
 Transformer Engine's and Megatron's 'tensorwise' recipe; or delayed scaling, their
-'delayed': `AmaxHistory`, `delayed_quantize`, `update_scale`) or per-row scales
+'delayed': `AmaxHistory`, `delayed_quantize`, `update_scales`) or per-row scales
 (torchao's 'rowwise'), and the scaled GEMMs that multiply them, which a schedule takes as its
 `gemm`: the schedules stay one.
 
@@ -16,7 +16,7 @@ Transformer Engine's and Megatron's 'tensorwise' recipe; or delayed scaling, the
   `set_fused` turns all of them off.
 - A per-tensor scale is kept as a pair, [1 / scale, scale] (`scale_pair`): the cast
   multiplies by the scale, the scaled GEMM takes the inverse, written by the kernel that
-  makes the scale (`scale_for`; delayed scaling's `update_scale`), so no GEMM launches
+  makes the scale (`scale_for`; delayed scaling's `update_scales`), so no GEMM launches
   reciprocals of its own (two a GEMM: 24 kernels a layer's step).
 - Own code, and why:
   - `ScaledGemm` calls `torch._scaled_mm` itself: the schedules write every chunk's
@@ -84,7 +84,7 @@ def amax(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
 
 def group_amaxes(x: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     """Every rank's max |x| ([world], fp32), whose max is the amax of the tensor a gather
-    of `x` makes (`group_max` without its max, which the current cast takes itself).
+    of `x` makes (its max the current cast takes itself).
     Collective over the TP group, inside the caller's transport pass."""
     return _gathered(amax(x).reshape(1), tp, op)
 
@@ -108,13 +108,6 @@ def _gathered(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
 def every_rank(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
     """`local` (fp32, [n]) of every rank of `tp`, [world, n] (one exchange)."""
     return _gathered(local, tp, op).view(tp.world_size, -1)
-
-
-def group_max(local: torch.Tensor, tp: Transport, op: str) -> torch.Tensor:
-    """The elementwise max of `local` (fp32, [n]) over every rank of `tp`."""
-    if tp.world_size == 1:
-        return local
-    return every_rank(local, tp, op).amax(0)
 
 
 PAIR = fp8_kernels.PAIR  # a scale pair's shape (its layout: fp8_kernels.INVERSE_AT, SCALE_AT)
@@ -475,7 +468,7 @@ def delayed_quantize(x: torch.Tensor, state: AmaxHistory, dtype: torch.dtype,
     """`x` quantized with the scale `state` holds now (from past amaxes: no pass over x
     before the cast), its pair copied into `used` (a scale pair); x's own amax into
     `amax_out` (a 0-d float32
-    tensor; a view into a larger one will do), for `update_scale` once it is the TP
+    tensor; a view into a larger one will do), for `update_scales` once it is the TP
     group's. `out_t`: the FP8 values transposed there too; `chunks`: `out`'s rows
     chunk-major (`quantize_current`'s). On a GPU one Triton kernel
     ('delayed_cast_amax', overlap/fp8_kernels.py) reads `x` once for all of it; else the
