@@ -7,8 +7,9 @@ shapes, and the variants they were chosen from.
 - `delayed`: `delayed_quantize` (torch's amax reduction, then the compiled cast);
 - `delayed_fused_amax`: the cast and the amax compiled as one function (what
   `delayed_quantize` did before: inductor makes the amax a reduction of its own);
-- `update_compiled` / `update_eager`: `update_scale` compiled, and its function eagerly,
-  for histories of 16 and 1024.
+- `update_compiled` / `update_eager`: `update_scale` as a GPU runs it (compiled when the
+  results of 2026-12-05 were taken; the Triton kernel `delayed_update` since), and its
+  function eagerly, for histories of 16 and 1024.
 
     python benchmarks/probe_fp8_delayed.py --out $OUT [--reps 50]
 

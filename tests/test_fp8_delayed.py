@@ -160,9 +160,14 @@ def test_a_layer_s_histories_are_rows_of_one_block_and_a_pass_updates_its_own():
     base = rows["input"].history.untyped_storage().data_ptr()
     assert all(st.history.untyped_storage().data_ptr() == base for st in rows.values())
     tp = NullTransport(1, 0)
-    d.record(("input", "weight"), torch.tensor([4.0, 448.0]), tp, "qkv_fprop")
+    d.record(("input", "weight"), torch.tensor([4.0, 224.0]), tp, "qkv_fprop")
     assert [float(scale_value(rows[r].scale)) for r in ("input", "weight", "grad")] == [
-        112.0, 1.0, 1.0]
+        112.0, 2.0, 1.0]
+    assert [rows[r].history.tolist() for r in ("input", "weight", "grad")] == [
+        [0.0, 4.0], [0.0, 224.0], [0.0, 0.0]]
+    d.record(("input",), torch.tensor([8.0, 99.0]), tp, "qkv_fprop")  # the weight's place unread
+    assert rows["input"].history.tolist() == [4.0, 8.0] and float(scale_value(rows["input"].scale)) == 56.0
+    assert rows["weight"].history.tolist() == [0.0, 224.0]
     d.record(("grad",), torch.tensor([57344.0 / 8]), tp, "qkv_dgrad")
     assert rows["grad"].history.tolist() == [0.0, 7168.0]
     assert float(scale_value(rows["grad"].scale)) == 8.0

@@ -84,8 +84,9 @@ class DelayedScales:
         self._block: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def get(self, role: str, device: torch.device) -> AmaxHistory:
-        """`role`'s history, made on `device` at its first use (from a loaded checkpoint
-        where there was one)."""
+        """`role`'s history, made at its first use (from a loaded checkpoint where there
+        was one), a row of the layer's block, which the first use of any role makes on
+        `device`."""
         st = self._states.get(role)
         if st is None:
             if self._block is None:

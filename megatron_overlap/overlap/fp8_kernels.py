@@ -111,7 +111,7 @@ def _update_launch(args: tuple, consts: dict) -> Optional[Launch]:
     """`delayed_update` on (history [n, L], every [world, n], scale [n, 2]), `consts` its
     fp8_max, margin and algo; None where the tensors are not fp32 rows it takes."""
     h, every, s = args
-    if (h.dim() != 2 or s.shape != (h.shape[0], *PAIR) or every.dim() != 2
+    if (consts is None or h.dim() != 2 or s.shape != (h.shape[0], *PAIR) or every.dim() != 2
             or every.shape[1] != h.shape[0] or any(t.dtype != torch.float32 for t in args)
             or not (h.is_contiguous() and s.is_contiguous()) or every.stride(1) != 1
             or not 0 < h.shape[1] <= MAX_HISTORY or not 0 < every.shape[0] <= MAX_AMAXES

@@ -145,7 +145,8 @@ def delayed_update(h_ptr, every_ptr, s_ptr, length, world, every_stride, FMAX: t
     tl.debug_barrier()
     tl.store(base + i, h, mask=i < length)
     if USE_MAX:
-        ref = tl.max(tl.where(i < length, h, 0.0), 0)
+        ref = tl.reduce(tl.where(i < length, h, 0.0), 0, max_nan)  # (a NaN a checkpoint
+        # brought into the history kept, as torch's amax keeps it: the scale stays)
     else:
         ref = a
     ref = ref.to(tl.float64)

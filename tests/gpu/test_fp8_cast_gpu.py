@@ -314,8 +314,9 @@ def test_a_pass_s_update_is_one_kernel_with_eagers_bits(length, algo, margin, fp
     rank's amaxes a column slice of the exchange's result (4 ranks, row stride 3): the
     Triton kernel ('delayed_update', one launch), the compiled function (the kernel turned
     off) and eager give the same histories and scale pairs, bit for bit, over steps whose
-    amaxes take in NaN from one rank, inf, 0, a subnormal and float32's largest; the row
-    not updated is untouched."""
+    amaxes take in NaN from one rank, inf, 0, a subnormal and float32's largest, from
+    histories one of which holds a NaN (as a checkpoint could bring: under 'max' its scale
+    stays until the NaN leaves the window); the row not updated is untouched."""
     pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
     from torch.profiler import ProfilerActivity, profile
 
@@ -327,7 +328,10 @@ def test_a_pass_s_update_is_one_kernel_with_eagers_bits(length, algo, margin, fp
     steps[1][2, 0] = float("nan")
     steps[3][0, 1] = float("inf")
     steps[4][:, 1] = 0.0
-    h0 = torch.rand(3, length, generator=g).cuda()
+    steps[5][2, 0] = torch.finfo(torch.float32).max
+    h0 = torch.rand(3, length, generator=g)
+    h0[2, 0] = float("nan")
+    h0 = h0.cuda()
     s0 = torch.tensor([[0.5, 2.0], [0.25, 4.0], [0.125, 8.0]], device="cuda")
     runs = {}
     for how in ("triton", "compiled", "eager"):
@@ -342,6 +346,9 @@ def test_a_pass_s_update_is_one_kernel_with_eagers_bits(length, algo, margin, fp
                 f.update_scales(h[1:], s[1:], every, fp8, margin, algo)
                 seen.append((h.clone(), s.clone()))
             runs[how] = seen
+            if how == "compiled":  # (a failed compile would have run eagerly: nothing compared)
+                assert any(key[0] == "delayed_update" and fn is not None
+                           for key, fn in f._compiled.items()), f._compiled
         finally:
             f.set_fused(before)
             fp8_kernels._broken.clear()
