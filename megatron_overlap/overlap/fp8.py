@@ -121,10 +121,11 @@ def scale_pair(device: torch.device | str) -> torch.Tensor:
 
 
 def pair_of(scale: torch.Tensor, inv: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """A new scale pair of `scale` (0-d) and its inverse (`inverse(scale)` unless given)."""
+    """A new scale pair of `scale` (0-d) and its inverse (`inverse(scale)` unless given);
+    of a vector of n scales, n pairs ([n, 2])."""
     parts = [scale, scale]
     parts[fp8_kernels.INVERSE_AT] = inverse(scale) if inv is None else inv
-    return torch.stack(parts)
+    return torch.stack(parts, dim=-1)
 
 
 def inverse(s: torch.Tensor) -> torch.Tensor:
@@ -514,11 +515,8 @@ def _update_by(use_max: bool, fp8_max: float, margin: int, history: torch.Tensor
     history.copy_(torch.cat([history[:, 1:], a[:, None]], dim=1))
     ref = (history.amax(1) if use_max else history[:, -1]).to(torch.float64)
     new = (fp8_max / ref / 2.0 ** margin).clamp(max=torch.finfo(torch.float32).max)
-    new = new.to(torch.float32)
-    parts = [new, new]
-    parts[fp8_kernels.INVERSE_AT] = inverse(new)
     ok = ((ref > 0) & torch.isfinite(ref))[:, None]
-    scale.copy_(torch.where(ok, torch.stack(parts, dim=1), scale))
+    scale.copy_(torch.where(ok, pair_of(new.to(torch.float32)), scale))
 
 
 def update_scales(history: torch.Tensor, scale: torch.Tensor, every: torch.Tensor,
