@@ -6,10 +6,12 @@ input casts to), so a byte left unwritten never passes for a right one, as a reu
 allocation's stale copy of the expected bytes once did in the suite.
 
 `--old FILE`: also a previous version of the kernel module, e.g.
-`git show 8ec52c4:megatron_overlap/overlap/fp8_triton.py > /tmp/old_fp8_triton.py`,
-launched side by side (its flags as that version takes them); and both timed on one
-[8192, 7168] cast with its transposed copy, interleaved (CUDA events over 20 launches,
-median of 5).
+`git show bf9a1ea:megatron_overlap/overlap/fp8_triton.py > /tmp/old_fp8_triton.py`,
+checked side by side (its flags as that version takes them). Every module is timed,
+interleaved (CUDA events over 20 launches, median of 5), on a gathered fc1 output's
+[8192, 7168] and a rank's sequence-parallel [2048, 4096], bf16 and float32: the cast
+with its transposed copy, the same reducing delayed scaling's amax, and current scaling's
+amax alone (`KINDS`; an old module timed must take the current kernels' flags).
 
     python benchmarks/probe_cast_t.py --reps 20 [--old /tmp/old_fp8_triton.py] [--out DIR]
 
@@ -94,25 +96,56 @@ def check(mod, reps: int, gen: torch.Generator) -> dict:
     return out
 
 
+KINDS = ("cast_t", "cast_t_amax", "amax")  # what `timed` launches, each as the layers do
+TIMED_SHAPES = ((8192, 7168), (2048, 4096))  # a gathered fc1 output's; a rank's SP input
+
+
+def launch_kind(mod, kind: str, x: torch.Tensor, bufs: dict) -> None:
+    """One launch of `kind` as overlap/fp8_kernels.py makes it, on `mod`'s kernels: the
+    cast with its transposed copy at a given scale (tensorwise once its scale is made),
+    the same with delayed scaling's amax reduced in it, or current scaling's amax alone."""
+    from megatron_overlap.overlap import fp8_kernels
+
+    if kind == "cast_t":
+        return launch(mod, x, bufs["scale"], bufs["o"], bufs["ot"], True)
+    if kind == "amax":
+        bufs["amax"].zero_()  # (as fp8_kernels.run does before it)
+        args, kernel = (x, bufs["amax"]), mod.fp8_amax
+        name = "amax"
+    else:
+        bufs["amax"].zero_()  # (as the layers zero it before a pass)
+        args = (x, bufs["pair"], bufs["used"], bufs["amax"], bufs["o"], bufs["ot"])
+        kernel, name = mod.cast_t, "delayed_cast_amax_t"
+    ln = fp8_kernels._launch(name, args)
+    kernel[ln.grid](*ln.tensors, *ln.sizes, num_warps=ln.warps, **ln.flags)
+
+
 def timed(kernels: dict, reps: int = 5, inner: int = 20) -> dict:
-    """µs per cast with its transposed copy of a [8192, 7168] tensor, per kernel and dtype."""
+    """µs per launch, per shape, input dtype, kind (KINDS) and kernel module, the modules
+    interleaved (CUDA events over `inner` launches, median of `reps`)."""
     res = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        x = torch.randn(8192, 7168, device="cuda", dtype=dtype)
-        scale = torch.tensor(3.0, device="cuda")
-        o, ot = unwritten(x.shape, FP8S[0]), unwritten(x.shape[::-1], FP8S[0])
-        ts = {k: [] for k in kernels}
-        for r in range(reps):
-            for name in (list(kernels) if r % 2 else list(kernels)[::-1]):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                launch(kernels[name], x, scale, o, ot, True)  # compiled, cached
-                a.record()
-                for _ in range(inner):
-                    launch(kernels[name], x, scale, o, ot, True)
-                b.record()
-                b.synchronize()
-                ts[name].append(a.elapsed_time(b) / inner * 1e3)
-        res[str(dtype)[6:]] = {k: statistics.median(v) for k, v in ts.items()}
+    for shape in TIMED_SHAPES:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(*shape, device="cuda", dtype=dtype)
+            bufs = dict(scale=torch.tensor(3.0, device="cuda"),
+                        pair=torch.tensor([1 / 3.0, 3.0], device="cuda"),
+                        used=torch.zeros(2, device="cuda"), amax=torch.zeros((), device="cuda"),
+                        o=unwritten(shape, FP8S[0]), ot=unwritten(shape[::-1], FP8S[0]))
+            for kind in KINDS:
+                ts = {k: [] for k in kernels}
+                for r in range(reps):
+                    for name in (list(kernels) if r % 2 else list(kernels)[::-1]):
+                        a = torch.cuda.Event(enable_timing=True)
+                        b = torch.cuda.Event(enable_timing=True)
+                        launch_kind(kernels[name], kind, x, bufs)  # compiled, cached
+                        a.record()
+                        for _ in range(inner):
+                            launch_kind(kernels[name], kind, x, bufs)
+                        b.record()
+                        b.synchronize()
+                        ts[name].append(a.elapsed_time(b) / inner * 1e3)
+                key = f"{shape[0]}x{shape[1]} {str(dtype)[6:]} {kind}"
+                res[key] = {k: statistics.median(v) for k, v in ts.items()}
     return res
 
 
@@ -132,14 +165,14 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     doc = {"reps": args.reps, "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "checks": {k: check(m, args.reps, gen) for k, m in kernels.items()},
-           "us_per_cast_t_8192x7168": timed(kernels)}
+           "us_per_launch": timed(kernels)}
     for k, cases in doc["checks"].items():
         bad = {c: v for c, v in cases.items() if v["wrong_launches"]}
         print(f"{k}: {len(bad)} of {len(cases)} cases with a wrong byte (of {args.reps} launches each)")
         for c, v in bad.items():
             print(f"  {c}: {v['wrong_launches']} launches; transposed rows wrong first {v['first_wrong_rows_t']}")
-    for dtype, t in doc["us_per_cast_t_8192x7168"].items():
-        print(f"[8192, 7168] {dtype}: " + ", ".join(f"{k} {v:.1f} us" for k, v in t.items()))
+    for case, t in doc["us_per_launch"].items():
+        print(f"{case}: " + ", ".join(f"{k} {v:.1f} us" for k, v in t.items()))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "probe_cast_t.json"), "w") as f:
         json.dump(doc, f, indent=1)
