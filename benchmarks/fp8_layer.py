@@ -36,6 +36,9 @@ around the GEMMs, which FP8 does not speed up, is then larger in both arms.
 --profile N (default 12; 0: off): after timing, each arm's kernels over eager steps
 (torch.profiler), in groups (GEMM, attention, compiled, copy, reduction, other) and the fp8
 arm's N largest: where FP8's time goes, beside benchmarks/layer_ledger.py's byte counts.
+On a GPU it then profiles one graphed replay of the bf16, fp8 and fp8_delayed arms: each
+group's time outside the GEMMs (kernels on the chunk GEMMs' other streams run beside them),
+where a graphed step's time goes, which the summed kernel times do not say.
 
 Writes <out>/fp8_layer_<tag>.json and prints a table; exit status 2 when a check failed.
 """
@@ -210,6 +213,116 @@ def kernel_times(arms, e, top: int, steps: int = 3) -> dict:
     return out
 
 
+TIMELINE_ARMS = ("bf16", "fp8", "fp8_delayed")
+
+
+def _union(spans: list) -> list:
+    """Intervals [(start, end)] merged into disjoint ones, in order."""
+    out: list = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _length(spans: list) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _minus(spans: list, cover: list) -> float:
+    """How long disjoint `spans` run outside disjoint `cover`."""
+    inside, j = 0.0, 0
+    for a, b in spans:
+        while j < len(cover) and cover[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < b:
+            inside += min(b, cover[k][1]) - max(a, cover[k][0])
+            k += 1
+    return _length(spans) - inside
+
+
+def replay_timeline(events: list) -> dict:
+    """One graph replay's device activity (chrome-trace events: ts, dur in us, stream,
+    name): its span, the kernels' summed time, the time some kernel ran (their union),
+    the time the GEMMs ran, and per group of kernels (`kernel_group`) its summed time and
+    how long it ran while no GEMM did: what the step waits on beside its GEMMs."""
+    t0 = min(ev["ts"] for ev in events)
+    span = max(ev["ts"] + ev["dur"] for ev in events) - t0
+    by_group: dict = {}
+    for ev in events:
+        by_group.setdefault(kernel_group(ev["name"]), []).append((ev["ts"], ev["ts"] + ev["dur"]))
+    gemm = _union(by_group.get("gemm", []))
+    streams = sorted({ev["stream"] for ev in events})
+    return {"span_us": span, "kernel_sum_us": sum(ev["dur"] for ev in events),
+            "busy_us": _length(_union([s for v in by_group.values() for s in v])),
+            "gemm_busy_us": _length(gemm), "streams": len(streams),
+            "groups": {g: {"sum_us": sum(b - a for a, b in v),
+                           "outside_gemm_us": _minus(_union(v), gemm) if g != "gemm" else 0.0}
+                       for g, v in sorted(by_group.items())},
+            "kernels": [[streams.index(ev["stream"]), round(ev["ts"] - t0, 1), round(ev["dur"], 1),
+                         ev["name"][:80]] for ev in sorted(events, key=lambda ev: ev["ts"])]}
+
+
+def graph_timelines(arms, e, replays: int = 3) -> dict:
+    """TIMELINE_ARMS' steps captured as one CUDA graph each (as `time_shape` graphs them),
+    each replay profiled alone (torch.profiler's CUDA activity, exported as a chrome
+    trace): per arm the median replay's `replay_timeline`. Where the graphed ratio differs
+    from the kernel times' (`kernel_times`, eager), this shows which kernels run beside
+    the GEMMs (on other streams) and which hold the step up."""
+    import json
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_overlap.tune.measure import graphed
+
+    out = {}
+    for arm in (a for a in arms if a.name in TIMELINE_ARMS):
+        replay, _ = graphed(lambda arm=arm: arm.step(e))
+        for _ in range(3):
+            replay()
+        torch.cuda.synchronize()
+        runs = []
+        for _ in range(replays):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                replay()
+                torch.cuda.synchronize()
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                prof.export_chrome_trace(f.name)
+                trace = json.load(open(f.name))["traceEvents"]
+            events = [{"ts": float(ev["ts"]), "dur": float(ev["dur"]), "name": ev["name"],
+                       "stream": ev.get("args", {}).get("stream", -1)} for ev in trace
+                      if ev.get("ph") == "X" and ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+            if events:
+                runs.append(replay_timeline(events))
+        del replay
+        torch.cuda.synchronize()
+        if runs:
+            runs.sort(key=lambda r: r["span_us"])
+            out[arm.name] = {**runs[len(runs) // 2], "spans_us": [r["span_us"] for r in runs]}
+    return out
+
+
+def timeline_lines(r: dict) -> list[str]:
+    """graph_timelines' result: per arm the span, busy and GEMM time, and each group's time
+    outside the GEMMs."""
+    if not r.get("timeline"):
+        return []
+    if "error" in r["timeline"]:
+        return [f"{'':18s} graphed replay's timeline failed: {r['timeline']['error']}"]
+    lines = [f"{'':18s} one graphed replay (torch.profiler): span / kernels summed / busy / GEMMs "
+             f"busy, us; per group: us outside the GEMMs (of its sum)"]
+    for a, t in r["timeline"].items():
+        lines.append(f"{'':18s}   {a} {t['span_us']:.0f} / {t['kernel_sum_us']:.0f} / {t['busy_us']:.0f} / "
+                     f"{t['gemm_busy_us']:.0f} on {t['streams']} streams; " + ", ".join(
+                         f"{g} {v['outside_gemm_us']:.0f} ({v['sum_us']:.0f})"
+                         for g, v in t["groups"].items() if g != "gemm"))
+    return lines
+
+
 def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
     with lc.last_rank(shape, args, dtype, device, build_arms) as (emu, arms, extras):
         row = {**lc.shape_row(shape), "check": check(emu, arms, extras),
@@ -223,6 +336,10 @@ def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
                             for mode in ("graph", "eager")}
             if args.profile:
                 row["kernels"] = kernel_times(arms, extras, args.profile)
+                try:  # (a diagnostic: its failure keeps the run's timings)
+                    row["timeline"] = graph_timelines(arms, extras)
+                except Exception as exc:  # noqa: BLE001
+                    row["timeline"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         else:
             row["skipped"] = "timing and memory: CPU (the check ran; times and peaks need a GPU)"
             if args.profile:
@@ -276,6 +393,7 @@ def table(doc: dict) -> str:
         for goal, (value, met) in r["goals"].items():
             lines.append(f"{'':18s} goal {goal}: {f(value, 3)} {'met' if met else 'NOT MET'}")
         lines += profile_lines(r, "kernel us per step (eager, torch.profiler)")
+        lines += timeline_lines(r)
     lines.append("x bf16 = bf16 ms / arm ms, same mode. eager: calls queued back to back; graph: the layer's "
                  "fwd+bwd in one CUDA graph. GiB step: a steady-state step's peak beyond what the arm keeps; kept: "
                  "buffers kept once per process. Every arm on the mirror transport.")
@@ -286,7 +404,8 @@ def main(argv=None) -> int:
     ap = al.arguments(__doc__, SHAPES, fusions="megatron_lm")
     ap.add_argument("--profile", type=int, default=12, metavar="N",
                     help="each arm's kernels per step (torch.profiler), the fp8 arm's N largest "
-                         "printed (0: no profile; on CPU: aten ops, functional only)")
+                         "printed, and on a GPU one graphed replay's timeline per arm (0: neither; "
+                         "on CPU: aten ops, functional only)")
     args = ap.parse_args(argv)
     return al.run("fp8_layer", args, SHAPES, run_shape, table, torch.bfloat16)  # FP8 against bf16, on CPU too
 

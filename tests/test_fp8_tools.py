@@ -80,6 +80,30 @@ def test_fp8_layer_cpu(tmp_path):
     assert 1e-3 < row["check"]["max_rel_err"] <= row["check"]["tol_rel_norm"], row["check"]
 
 
+def test_fp8_layer_timeline_splits_a_replay_by_what_runs_beside_the_gemms():
+    """fp8_layer's --timeline arithmetic on a replay laid out by hand (us): two GEMMs on
+    two streams, a cast before them, a copy under the first and past its end, a gap."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import fp8_layer
+
+    ev = lambda ts, dur, stream, name: dict(ts=ts, dur=dur, stream=stream, name=name)  # noqa: E731
+    t = fp8_layer.replay_timeline([
+        ev(100.0, 10.0, 7, "cast_t"),                       # alone: 10 outside the GEMMs
+        ev(110.0, 40.0, 7, "nvjet_sm90_gemm_a"),            # GEMMs 110-150 and 130-170
+        ev(130.0, 40.0, 9, "nvjet_sm90_gemm_b"),
+        ev(140.0, 50.0, 11, "Memcpy DtoD (Device -> Device)"),  # 20 of it past the GEMMs
+        ev(200.0, 5.0, 7, "delayed_update"),                # after a 10 us gap
+    ])
+    assert t["span_us"] == 105.0 and t["streams"] == 3
+    assert t["kernel_sum_us"] == 145.0
+    assert t["busy_us"] == 95.0  # 100-190 and 200-205
+    assert t["gemm_busy_us"] == 60.0
+    assert t["groups"]["copy"] == {"sum_us": 50.0, "outside_gemm_us": 20.0}
+    assert t["groups"]["other"] == {"sum_us": 15.0, "outside_gemm_us": 15.0}
+    assert [k[:3] for k in t["kernels"]] == [[0, 0.0, 10.0], [0, 10.0, 40.0], [1, 30.0, 40.0],
+                                             [2, 40.0, 50.0], [0, 100.0, 5.0]]
+
+
 def test_fp8_train_cpu(tmp_path):
     r = _run("benchmarks/fp8_train.py", "--device", "cpu", "--layers", "2", "--hidden", "64",
              "--heads", "4", "--seq", "32", "--micro-batch", "2", "--vocab", "128", "--steps", "4",
