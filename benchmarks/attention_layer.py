@@ -40,6 +40,8 @@ ours causal over the whole sequence.
 capture at every position equally often (layer_compute's `time_shape`). --ub-cfgs: the
 overlapped linears' settings (install()'s ub_cfgs; default TE's); the timing transport
 cannot emulate a ring reduce-scatter, so a YAML that picks one for a row-parallel forward stops at the check.
+--timeline: then one graphed replay of sdpa_ref and ours profiled (graph_timeline.py):
+span, busy and GEMM time, each kernel group's time outside the GEMMs.
 
 Writes <out>/attention_layer_<tag>.json and prints a table; exit status 2 when a check failed.
 """
@@ -61,6 +63,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import graph_timeline as gt  # noqa: E402  (a graphed replay's timeline, --timeline)
 import layer_compute as lc  # noqa: E402  (the layer set-up and timing of the linears' benchmark)
 from megatron_overlap.cli_args import positive_int  # noqa: E402
 from megatron_overlap.simulate.shapes import PRESETS, ModelDims  # noqa: E402
@@ -72,6 +75,7 @@ GOALS = {"70b_tp8_s4096_b2": 1.45, "8b_tp4_s4096_b2": 1.9, "70b_tp8_s16384_b1": 
 GOAL_REF, GOAL_MEM = 0.97, 1.05  # within 3% of the reference's time, 5% of its memory
 ARMS = ("megatron", "sdpa_ref", "ours_attention", "ours")  # ours last: attention_alone's packed case
 DOCS = 4  # documents per packed sequence
+TIMELINE_ARMS = ("sdpa_ref", "ours")  # each one graphed replay profiled (--timeline)
 
 
 def arms_of(args) -> tuple[str, ...]:
@@ -325,6 +329,12 @@ def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
             row["arms"] = lc.time_shape(emu, arms, extras, args, lc.timing_transport(emu, args.timing))
             row["attention_alone_ms"] = attention_alone(shape, arms, dtype, device, args.reps)
             row["goals"] = goals(shape.name, row)
+            if args.timeline:
+                try:  # (a diagnostic: its failure keeps the run's timings)
+                    row["timeline"] = gt.graph_timelines([a for a in arms if a.name in TIMELINE_ARMS],
+                                                         extras)
+                except Exception as exc:  # noqa: BLE001
+                    row["timeline"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         else:
             row["skipped"] = "timing and memory: CPU (the check ran; times and peaks need a GPU)"
         del arms
@@ -384,6 +394,7 @@ def table(doc: dict) -> str:
                      f"{packed:.2f} ms ({r['attention_alone_ms']['packed_ran']})")
         for goal, (value, met) in r["goals"].items():
             lines.append(f"{'':18s}   {goal}: {value:.3f} {'met' if met else 'NOT MET'}")
+        lines += gt.timeline_lines(r.get("timeline"))
     lines.append("x meg = megatron ms / arm ms, same mode. eager: calls queued back to back; graph: the "
                  "layer's fwd+bwd in one CUDA graph; every arm on the " + doc["config"]["timing"] + " transport. "
                  "GiB step: a steady-state step's peak beyond what the arm keeps; kept: buffers it "
@@ -454,6 +465,9 @@ def main(argv=None) -> int:
                     help="one more arm, ours_streamsN: ours with every overlapped layer's chunk "
                          "GEMMs on N streams (the gemm_streams key), side by side with ours on "
                          "install()'s default")
+    ap.add_argument("--timeline", action="store_true",
+                    help="after timing, one graphed replay of sdpa_ref and ours profiled "
+                         "(graph_timeline.py): each kernel group's time outside the GEMMs")
     return run("attention_layer", ap.parse_args(argv), SHAPES, run_shape, table)
 
 

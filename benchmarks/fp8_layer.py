@@ -54,6 +54,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import attention_layer as al  # noqa: E402  (its shapes, memory measure and command line)
+import graph_timeline as gt  # noqa: E402  (kernel groups, a graphed replay's timeline)
 import layer_compute as lc  # noqa: E402  (the layer set-up and timing)
 
 FP8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
@@ -63,6 +64,7 @@ DELAYED = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
 ARMS = ("bf16", "fp8", "fp8_eager_kernels", "fp8_later_micro", "fp8_delayed")
 SHAPES = ("70b_tp8_s4096_b2", "8b_tp4_s4096_b2")
 GOAL, TOL, TOL_KERNELS = 1.35, 0.25, 1e-2
+TIMELINE_ARMS = ("bf16", "fp8", "fp8_delayed")  # each one graphed replay profiled (--profile)
 
 
 def build_arms(shape: lc.LayerShape, args, dtype, device):
@@ -172,17 +174,6 @@ def check(emu, arms, e) -> dict:
             and precision["bf16"] == ["bf16"] and kernels <= TOL_KERNELS}
 
 
-KERNEL_GROUPS = (("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas")),
-                 ("attention", ("flash", "fmha", "attn", "cudnn")),
-                 ("compiled (triton)", ("triton",)), ("copy", ("copy", "memcpy", "memset")),
-                 ("reduction", ("reduce", "norm")))
-
-
-def kernel_group(name: str) -> str:
-    low = name.lower()
-    return next((g for g, keys in KERNEL_GROUPS if any(k in low for k in keys)), "other")
-
-
 def kernel_times(arms, e, top: int, steps: int = 3) -> dict:
     """Each arm's device time per kernel over eager fwd+bwd steps (torch.profiler, CUDA
     activity; per step): where the FP8 layer's time goes, beside benchmarks/
@@ -205,122 +196,12 @@ def kernel_times(arms, e, top: int, steps: int = 3) -> dict:
         rows.sort(key=lambda r: -r["us"])
         groups: dict = {}
         for r in rows:
-            g = groups.setdefault(kernel_group(r["kernel"]), {"calls": 0.0, "us": 0.0})
+            g = groups.setdefault(gt.kernel_group(r["kernel"]), {"calls": 0.0, "us": 0.0})
             g["calls"] += r["calls"]
             g["us"] += r["us"]
         out[arm.name] = {"total_us": sum(r["us"] for r in rows), "groups": groups, "top": rows[:top],
                          "kernels": len(rows)}
     return out
-
-
-TIMELINE_ARMS = ("bf16", "fp8", "fp8_delayed")
-
-
-def _union(spans: list) -> list:
-    """Intervals [(start, end)] merged into disjoint ones, in order."""
-    out: list = []
-    for a, b in sorted(spans):
-        if out and a <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return out
-
-
-def _length(spans: list) -> float:
-    return sum(b - a for a, b in spans)
-
-
-def _minus(spans: list, cover: list) -> float:
-    """How long disjoint `spans` run outside disjoint `cover`."""
-    inside, j = 0.0, 0
-    for a, b in spans:
-        while j < len(cover) and cover[j][1] <= a:
-            j += 1
-        k = j
-        while k < len(cover) and cover[k][0] < b:
-            inside += min(b, cover[k][1]) - max(a, cover[k][0])
-            k += 1
-    return _length(spans) - inside
-
-
-def replay_timeline(events: list) -> dict:
-    """One graph replay's device activity (chrome-trace events: ts, dur in us, stream,
-    name): its span, the kernels' summed time, the time some kernel ran (their union),
-    the time the GEMMs ran, and per group of kernels (`kernel_group`) its summed time and
-    how long it ran while no GEMM did: what the step waits on beside its GEMMs."""
-    t0 = min(ev["ts"] for ev in events)
-    span = max(ev["ts"] + ev["dur"] for ev in events) - t0
-    by_group: dict = {}
-    for ev in events:
-        by_group.setdefault(kernel_group(ev["name"]), []).append((ev["ts"], ev["ts"] + ev["dur"]))
-    gemm = _union(by_group.get("gemm", []))
-    streams = sorted({ev["stream"] for ev in events})
-    return {"span_us": span, "kernel_sum_us": sum(ev["dur"] for ev in events),
-            "busy_us": _length(_union([s for v in by_group.values() for s in v])),
-            "gemm_busy_us": _length(gemm), "streams": len(streams),
-            "groups": {g: {"sum_us": sum(b - a for a, b in v),
-                           "outside_gemm_us": _minus(_union(v), gemm) if g != "gemm" else 0.0}
-                       for g, v in sorted(by_group.items())},
-            "kernels": [[streams.index(ev["stream"]), round(ev["ts"] - t0, 1), round(ev["dur"], 1),
-                         ev["name"][:80]] for ev in sorted(events, key=lambda ev: ev["ts"])]}
-
-
-def graph_timelines(arms, e, replays: int = 3) -> dict:
-    """TIMELINE_ARMS' steps captured as one CUDA graph each (as `time_shape` graphs them),
-    each replay profiled alone (torch.profiler's CUDA activity, exported as a chrome
-    trace): per arm the median replay's `replay_timeline`. Where the graphed ratio differs
-    from the kernel times' (`kernel_times`, eager), this shows which kernels run beside
-    the GEMMs (on other streams) and which hold the step up."""
-    import json
-    import tempfile
-
-    from torch.profiler import ProfilerActivity, profile
-
-    from megatron_overlap.tune.measure import graphed
-
-    out = {}
-    for arm in (a for a in arms if a.name in TIMELINE_ARMS):
-        replay, _ = graphed(lambda arm=arm: arm.step(e))
-        for _ in range(3):
-            replay()
-        torch.cuda.synchronize()
-        runs = []
-        for _ in range(replays):
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                replay()
-                torch.cuda.synchronize()
-            with tempfile.NamedTemporaryFile(suffix=".json") as f:
-                prof.export_chrome_trace(f.name)
-                trace = json.load(open(f.name))["traceEvents"]
-            events = [{"ts": float(ev["ts"]), "dur": float(ev["dur"]), "name": ev["name"],
-                       "stream": ev.get("args", {}).get("stream", -1)} for ev in trace
-                      if ev.get("ph") == "X" and ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-            if events:
-                runs.append(replay_timeline(events))
-        del replay
-        torch.cuda.synchronize()
-        if runs:
-            runs.sort(key=lambda r: r["span_us"])
-            out[arm.name] = {**runs[len(runs) // 2], "spans_us": [r["span_us"] for r in runs]}
-    return out
-
-
-def timeline_lines(r: dict) -> list[str]:
-    """graph_timelines' result: per arm the span, busy and GEMM time, and each group's time
-    outside the GEMMs."""
-    if not r.get("timeline"):
-        return []
-    if "error" in r["timeline"]:
-        return [f"{'':18s} graphed replay's timeline failed: {r['timeline']['error']}"]
-    lines = [f"{'':18s} one graphed replay (torch.profiler): span / kernels summed / busy / GEMMs "
-             f"busy, us; per group: us outside the GEMMs (of its sum)"]
-    for a, t in r["timeline"].items():
-        lines.append(f"{'':18s}   {a} {t['span_us']:.0f} / {t['kernel_sum_us']:.0f} / {t['busy_us']:.0f} / "
-                     f"{t['gemm_busy_us']:.0f} on {t['streams']} streams; " + ", ".join(
-                         f"{g} {v['outside_gemm_us']:.0f} ({v['sum_us']:.0f})"
-                         for g, v in t["groups"].items() if g != "gemm"))
-    return lines
 
 
 def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
@@ -337,7 +218,8 @@ def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
             if args.profile:
                 row["kernels"] = kernel_times(arms, extras, args.profile)
                 try:  # (a diagnostic: its failure keeps the run's timings)
-                    row["timeline"] = graph_timelines(arms, extras)
+                    row["timeline"] = gt.graph_timelines([a for a in arms if a.name in TIMELINE_ARMS],
+                                                         extras)
                 except Exception as exc:  # noqa: BLE001
                     row["timeline"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
         else:
@@ -393,7 +275,7 @@ def table(doc: dict) -> str:
         for goal, (value, met) in r["goals"].items():
             lines.append(f"{'':18s} goal {goal}: {f(value, 3)} {'met' if met else 'NOT MET'}")
         lines += profile_lines(r, "kernel us per step (eager, torch.profiler)")
-        lines += timeline_lines(r)
+        lines += gt.timeline_lines(r.get("timeline"))
     lines.append("x bf16 = bf16 ms / arm ms, same mode. eager: calls queued back to back; graph: the layer's "
                  "fwd+bwd in one CUDA graph. GiB step: a steady-state step's peak beyond what the arm keeps; kept: "
                  "buffers kept once per process. Every arm on the mirror transport.")

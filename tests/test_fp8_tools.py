@@ -80,14 +80,15 @@ def test_fp8_layer_cpu(tmp_path):
     assert 1e-3 < row["check"]["max_rel_err"] <= row["check"]["tol_rel_norm"], row["check"]
 
 
-def test_fp8_layer_timeline_splits_a_replay_by_what_runs_beside_the_gemms():
-    """fp8_layer's --timeline arithmetic on a replay laid out by hand (us): two GEMMs on
-    two streams, a cast before them, a copy under the first and past its end, a gap."""
+def test_a_replays_timeline_splits_it_by_what_runs_beside_the_gemms():
+    """benchmarks/graph_timeline.py's arithmetic (fp8_layer --profile, attention_layer
+    --timeline) on a replay laid out by hand (us): two GEMMs on two streams, a cast before
+    them, a copy under the first and past its end, a gap."""
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import fp8_layer
+    import graph_timeline
 
     ev = lambda ts, dur, stream, name: dict(ts=ts, dur=dur, stream=stream, name=name)  # noqa: E731
-    t = fp8_layer.replay_timeline([
+    t = graph_timeline.replay_timeline([
         ev(100.0, 10.0, 7, "cast_t"),                       # alone: 10 outside the GEMMs
         ev(110.0, 40.0, 7, "nvjet_sm90_gemm_a"),            # GEMMs 110-150 and 130-170
         ev(130.0, 40.0, 9, "nvjet_sm90_gemm_b"),
