@@ -87,7 +87,7 @@ def graph_timelines(arms, e, replays: int = 3) -> dict:
 
     out = {}
     for arm in arms:
-        replay, _ = graphed(lambda arm=arm: arm.step(e))
+        replay = graphed(lambda arm=arm: arm.step(e))
         for _ in range(3):
             replay()
         torch.cuda.synchronize()

@@ -8,7 +8,7 @@ allocation's stale copy of the expected bytes once did in the suite.
 `--old FILE`: also a previous version of the kernel module, e.g.
 `git show bf9a1ea:megatron_overlap/overlap/fp8_triton.py > /tmp/old_fp8_triton.py`,
 checked side by side (its flags as that version takes them). Every module is timed,
-interleaved (CUDA events over 20 launches, median of 5), on a gathered fc1 output's
+interleaved (CUDA events around a CUDA graph of 20 launches, median of 5), on a gathered fc1 output's
 [8192, 7168] and a rank's sequence-parallel [2048, 4096], bf16 and float32: the cast
 with its transposed copy, the same reducing delayed scaling's amax, and current scaling's
 amax alone (`KINDS`; an old module timed must take the current kernels' flags).
@@ -120,9 +120,23 @@ def launch_kind(mod, kind: str, x: torch.Tensor, bufs: dict) -> None:
     kernel[ln.grid](*ln.tensors, *ln.sizes, num_warps=ln.warps, **ln.flags)
 
 
+def launches_graphed(mod, kind: str, x: torch.Tensor, bufs: dict, inner: int):
+    """`inner` launches of `kind` captured in one CUDA graph (compiled first): timed by
+    replays, the host's launch cost (tens of us a Triton launch, more than a small
+    tensor's kernel) stays out of the device time."""
+    launch_kind(mod, kind, x, bufs)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(inner):
+            launch_kind(mod, kind, x, bufs)
+    g.replay()
+    return g
+
+
 def timed(kernels: dict, reps: int = 5, inner: int = 20) -> dict:
     """µs per launch, per shape, input dtype, kind (KINDS) and kernel module, the modules
-    interleaved (CUDA events over `inner` launches, median of `reps`)."""
+    interleaved (CUDA events around a graph of `inner` launches, median of `reps`)."""
     res = {}
     for shape in TIMED_SHAPES:
         for dtype in (torch.bfloat16, torch.float32):
@@ -133,14 +147,13 @@ def timed(kernels: dict, reps: int = 5, inner: int = 20) -> dict:
                         o=unwritten(shape, FP8S[0]), ot=unwritten(shape[::-1], FP8S[0]))
             for kind in KINDS:
                 ts = {k: [] for k in kernels}
+                graphs = {k: launches_graphed(kernels[k], kind, x, bufs, inner) for k in kernels}
                 for r in range(reps):
                     for name in (list(kernels) if r % 2 else list(kernels)[::-1]):
                         a = torch.cuda.Event(enable_timing=True)
                         b = torch.cuda.Event(enable_timing=True)
-                        launch_kind(kernels[name], kind, x, bufs)  # compiled, cached
                         a.record()
-                        for _ in range(inner):
-                            launch_kind(kernels[name], kind, x, bufs)
+                        graphs[name].replay()
                         b.record()
                         b.synchronize()
                         ts[name].append(a.elapsed_time(b) / inner * 1e3)

@@ -32,9 +32,9 @@ def clamp_nan(y, lo, hi):
 def amax_into(x, amax_ptr):
     """max |x| of a float32 block into the float32 at amax_ptr: an integer max of the
     bits with the sign bit cleared (|x| orders as its bits; a NaN, above inf, wins
-    whatever its sign), in the block as across blocks (the atomic). tl.max of integers is
-    a native reduction, where a float max that keeps NaN needs a combine function of its
-    own (`max_nan`), which cost the delayed cast ~15% against the plain one."""
+    whatever its sign), in the block as across blocks (the atomic): tl.max of integers, a
+    native reduction, where a float max that keeps NaN needs a combine function of its own
+    (`max_nan`). Bit for bit the same; no faster on an H100 (benchmarks/probe_cast_t.py)."""
     top = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=None)
     tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), top)
 
