@@ -148,8 +148,14 @@ def delayed_update(h_ptr, every_ptr, s_ptr, length, world, every_stride, FMAX: t
     tl.debug_barrier()
     tl.store(base + i, h, mask=i < length)
     if USE_MAX:
-        ref = tl.reduce(tl.where(i < length, h, 0.0), 0, max_nan)  # (a NaN a checkpoint
-        # brought into the history kept, as torch's amax keeps it: the scale stays)
+        # the window's max as a signed integer max of the bits, a native reduction (the
+        # combine of `max_nan` took twice as long): non-negative floats order as their
+        # bits, negative ones below them (out of order among themselves, but a max <= 0
+        # keeps the scale whichever it is); a NaN a checkpoint brought into the history
+        # is made the largest integer, a NaN, and kept, as torch's amax keeps it: the
+        # scale stays
+        bits = tl.where(h != h, 0x7FFFFFFF, h.to(tl.int32, bitcast=True))
+        ref = tl.max(tl.where(i < length, bits, 0), 0).to(tl.float32, bitcast=True)
     else:
         ref = a
     ref = ref.to(tl.float64)
