@@ -65,19 +65,27 @@ def replay_timeline(events: list) -> dict:
     return {"span_us": span, "kernel_sum_us": sum(ev["dur"] for ev in events),
             "busy_us": _length(_union([s for v in by_group.values() for s in v])),
             "gemm_busy_us": _length(gemm), "streams": len(streams),
-            "groups": {g: {"sum_us": sum(b - a for a, b in v),
+            "groups": {g: {"sum_us": _length(v),
                            "outside_gemm_us": _minus(_union(v), gemm) if g != "gemm" else 0.0}
                        for g, v in sorted(by_group.items())},
             "kernels": [[streams.index(ev["stream"]), round(ev["ts"] - t0, 1), round(ev["dur"], 1),
                          ev["name"][:80]] for ev in sorted(events, key=lambda ev: ev["ts"])]}
 
 
-def graph_timelines(arms, e, replays: int = 3) -> dict:
-    """Each arm's step captured as one CUDA graph (as layer_compute.time_shape graphs it),
-    each replay profiled alone (torch.profiler's CUDA activity, exported as a chrome
-    trace): per arm the median replay's `replay_timeline`. Where the graphed ratio differs
-    from the kernel times' (`kernel_times`, eager), this shows which kernels run beside
-    the GEMMs (on other streams) and which hold the step up."""
+def graph_timelines(arms, e, names: tuple[str, ...], replays: int = 3) -> dict:
+    """The step of each arm named in `names` captured as one CUDA graph (as
+    layer_compute.time_shape graphs it), each replay profiled alone (torch.profiler's CUDA
+    activity, exported as a chrome trace): per arm the median replay's `replay_timeline`.
+    Where the graphed ratio differs from the kernel times' (`kernel_times`, eager), this
+    shows which kernels run beside the GEMMs (on other streams) and which hold the step
+    up. A diagnostic: where it fails, {"error": ...}, and the run keeps its timings."""
+    try:
+        return _timelines([a for a in arms if a.name in names], e, replays)
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"[:500]}
+
+
+def _timelines(arms, e, replays: int) -> dict:
     import json
     import tempfile
 
@@ -98,7 +106,8 @@ def graph_timelines(arms, e, replays: int = 3) -> dict:
                 torch.cuda.synchronize()
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 prof.export_chrome_trace(f.name)
-                trace = json.load(open(f.name))["traceEvents"]
+                with open(f.name) as g:
+                    trace = json.load(g)["traceEvents"]
             events = [{"ts": float(ev["ts"]), "dur": float(ev["dur"]), "name": ev["name"],
                        "stream": ev.get("args", {}).get("stream", -1)} for ev in trace
                       if ev.get("ph") == "X" and ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
