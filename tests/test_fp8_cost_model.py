@@ -208,7 +208,7 @@ def test_eager_fp8_launches_its_kernels_and_exchanges_its_amaxes():
     collective's latency; no other pass, row-wise or bf16 does."""
     gemm = GemmModel(HW)
     spec = PassSpec(_shapes(HYBRID)["fc1"], "fprop")
-    kernels = fp8_work(spec, None, LAYOUT).total.kernels
+    kernels = fp8_work(spec, None, LAYOUT).total.issued[1]
     for mode, extra in (("eager", 10.0 * kernels), ("graph", 0.0)):
         layout = dataclasses.replace(LAYOUT, mode=mode)
         quiet, loud = (simulate_pass(spec, None, HW.replace(eager_kernel_us=us), layout, gemm)
@@ -219,7 +219,7 @@ def test_eager_fp8_launches_its_kernels_and_exchanges_its_amaxes():
     eager = dataclasses.replace(LAYOUT, mode="eager")
     r = simulate_pass(trial.spec, trial.candidate.settings, HW, eager,
                       GemmModel(HW, Calibration(host=_Host(5.0))))
-    calls = fp8_work(trial.spec, trial.candidate.settings, eager).total.kernels
+    calls = fp8_work(trial.spec, trial.candidate.settings, eager).total.issued[1]
     assert r.host_us == pytest.approx(5.0 + calls * HW.eager_kernel_us)
     kinds = ("fprop", "dgrad", "wgrad")
     gathered = {(b, p) for b in ("qkv", "proj", "fc1", "fc2") for p in kinds

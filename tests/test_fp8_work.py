@@ -116,13 +116,12 @@ def _record(rank, world):
         work = {p: fp8_work(PassSpec(shape, p), getattr(plan, p), Layout(world, backend="torch_p2p"),
                             accumulates=main_grad)
                 for p in ("fprop", "dgrad", "wgrad")}
-        both = lambda a, b: (a.bytes + b.bytes, a.kernels + b.kernels)  # noqa: E731
-        backward = both(work["dgrad"].total, work["wgrad"].total)
-        model = {"forward2": (work["fprop"].total.bytes, work["fprop"].total.kernels),
-                 "forward3": (work["fprop"].activations.bytes, work["fprop"].activations.kernels),
+        backward = (work["dgrad"].total + work["wgrad"].total).issued
+        model = {"forward2": work["fprop"].total.issued,
+                 "forward3": work["fprop"].activations.issued,
                  "backward2": backward, "backward3": backward}
         out.append({"case": (scaling, kind, variant, fp8_wgrad, main_grad), "measured": measured,
-                    "model": model, "weight_part": work["fprop"].weight.bytes})
+                    "model": model, "weight_part": work["fprop"].weight.issued[0]})
     return out
 
 

@@ -24,11 +24,15 @@ along the contracted dimension; the wgrad in the parameters' dtype).
   the parameters per column of W (g @ W contracts over W's rows).
 - A transposed copy (`col_major`) is what cuBLAS needs for the second operand of every
   FP8 GEMM (column-major) and for the wgrad's first (row-major g^T): Transformer
-  Engine keeps the same 'columnwise' copies. Transposing FP8 data is exact. A tensor
-  quantized on this rank and read transposed (the weight by the dgrad; a row layer's
-  input and a column layer's gradient by the wgrad) gets that copy from its cast's own
-  kernel (TE's cast-transpose); only a gathered one (a column layer's input, a row
-  layer's gradient) is transposed after its gather, in the wgrad pass.
+  Engine keeps the same 'columnwise' copies. Transposing FP8 data is exact. None of
+  them is read by the GEMM that runs when it can be made, so it is made beside a GEMM
+  on a side stream (`overlap.streams.beside`), off the pass's critical path: the weight's
+  (for the dgrad) beside the forward's GEMMs; a column layer's gradient and gathered
+  input, and a row layer's gathered gradient (for the wgrad), beside the dgrad's. A row
+  layer's own input (read by its wgrad) gets its copy from its cast's own kernel (TE's
+  cast-transpose: its forward's GEMMs read it chunk-major). With `set_beside(False)`
+  each cast writes the copy of its own tensor and the gathered ones are transposed in
+  the wgrad pass, in line.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from ..overlap.fp8 import (PAIR, TAIL, AmaxHistory, RowScaledGemm, ScaledGemm, a
                            delayed_quantize, every_rank, group_amaxes, pair_of, quantize,
                            quantize_current, row_scales, rows_dequantized, rows_quantized,
                            scale_pair, scale_value, transposed, update_scales)
+from ..overlap.streams import beside_enabled
 from .precision import Precision
 
 
@@ -230,7 +235,7 @@ class Fp8WeightCache:
 class Fp8Forward:
     """What an FP8 forward pass writes for its backward: the FP8 input rows and weight,
     with their scales. `rows`: the input flattened to [tokens, k]. Tensorwise, the weight
-    is also written transposed (`w8t`, the dgrad's layout) by its cast's kernel (with
+    is also written transposed (`w8t`, the dgrad's layout; `weight_layout`) (with
     `weight_t`; always into a `cache`: the layer's Fp8WeightCache, whose weight this pass
     quantizes, or, with `reuse`, only reads). `input_t` (tensorwise): the input's cast also
     writes it transposed (`x8t`), what a wgrad on this rank's own, ungathered input takes,
@@ -259,6 +264,9 @@ class Fp8Forward:
                             else scale_pair(weight.device))
             self.w8t = (None if self.rowwise or not weight_t else
                         torch.empty(weight.shape[::-1], dtype=p.fwd, device=weight.device))
+        # the dgrad's transposed weight: copied from w8 beside the forward's GEMMs
+        # (`weight_layout`), else written by the weight's cast
+        self._w8t_beside = self.w8t is not None and self.quantize_weight and beside_enabled()
         self.roles = ("input", "weight") if self.quantize_weight else ("input",)
         if delayed is not None:  # made before the pass: its replay key holds their addresses
             for role in self.roles:
@@ -273,6 +281,15 @@ class Fp8Forward:
         group's), the next scales set. Nothing to do otherwise."""
         if self.delayed is not None:
             self.delayed.record(self.roles, self._amaxes, tp, op)
+
+    def weight_layout(self):
+        """The work that writes w8t from w8, for `streams.beside` around the forward's
+        GEMMs (none read it: the backward's dgrad does), or None where the cast wrote it."""
+        return self.transpose_weight if self._w8t_beside else None
+
+    def transpose_weight(self) -> None:
+        """w8t, the dgrad's layout, copied from w8 (`weight_layout`)."""
+        transposed(self.w8, out=self.w8t)
 
     def kept_input(self) -> torch.Tensor:
         """The FP8 input the backward's wgrad reads: column-major where the cast wrote it
@@ -307,13 +324,13 @@ class Fp8Forward:
                        out_t=self.x8t, chunks=chunks)
             if self.quantize_weight:
                 d.quantize("weight", weight, fwd, self.w_scale, self._amaxes[1], out=self.w8,
-                           out_t=self.w8t)
+                           out_t=None if self._w8t_beside else self.w8t)
             return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
         a = group_amaxes(x2, tp, f"{op}_amax") if gathered else amax(x2)
         quantize_current(x2, a, fwd, self.x_scale, out=self.x8, out_t=self.x8t, chunks=chunks)
         if self.quantize_weight:  # with the dgrad's layout (cached: made once per step)
             quantize_current(weight, amax(weight), fwd, self.w_scale, out=self.w8,
-                             out_t=self.w8t)
+                             out_t=None if self._w8t_beside else self.w8t)
         return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
 
 

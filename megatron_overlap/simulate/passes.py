@@ -17,8 +17,9 @@ A pass's GEMM runs in its shape's `numerics` (FP8 or the parameters' dtype) and 
 transfer moves the bytes of the dtype it carries (`numerics.py`: FP8 gathers one byte
 per element, row-wise scale tails included; reductions the parameters' dtype). An FP8
 pass also pays its memory-bound FP8 work (`fp8_work.py`: amaxes, casts, transposed
-copies), on the GEMMs' stream, in both paths; launched from Python (eager) each of its
-kernels costs `eager_kernel_us` of host time; a tensorwise amax exchange (before a
+copies), on the GEMMs' stream, in both paths, but for the transposed copies made beside
+the GEMMs (`Work.side`: no time added); launched from Python (eager) each of its
+kernels, side ones included, costs `eager_kernel_us` of host time; a tensorwise amax exchange (before a
 gather) costs one small collective's latency.
 
 Each pass kind multiplies its operands in one layout (`PassSpec.gemm_layout`,
@@ -362,7 +363,7 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
     eager = layout.mode == "eager"
     # each FP8 kernel launched from Python costs host time: the pass's own where no host
     # time is measured (as eager mode counts every launch), else added to the measured one
-    launch = lambda w: w.kernels * hw.eager_kernel_us if eager else 0.0  # noqa: E731
+    launch = lambda w: w.issued[1] * hw.eager_kernel_us if eager else 0.0  # noqa: E731
     device = lambda w: w.us(hw) + (launch(w) if host is None else 0.0)  # noqa: E731
     base_work = fp8_work(spec, None, layout)
     base_gpu, base_host = base_us + device(base_work.total) + exchange, None
