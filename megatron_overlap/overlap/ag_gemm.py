@@ -15,7 +15,7 @@ import torch
 from ..comm.transport import Transport
 from .gemm import Gemm, matmul, out_dtype
 from .gemm_rs import spans_nodes
-from .streams import ChunkStreams, beside, plain
+from .streams import ChunkStreams, beside, follow, mark, plain
 
 Landed = Optional[Callable[[torch.Tensor], object]]  # work on the whole gathered input
 
@@ -70,7 +70,8 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     wire: start(i+1) -> gemm(i) -> wait(i+1), the wait enqueued on the stream that runs
     gemm(i+1). Blocks land in a transport workspace ([world * rows, k], valid until the
     transport's next pass), which is returned. `aggregate`: `ring_steps`' pairs.
-    `landed(gathered)` runs beside the last step's GEMM, every block arrived."""
+    `landed(gathered)` runs beside the last step's GEMM, ordered after every block's wait
+    (each on the stream of the GEMM that reads it)."""
     world, rank, rows = tp.world_size, tp.rank, x.shape[0]
     gathered = tp.workspace((world * rows, x.shape[1]), x.dtype, x.device)
     out = x.new_empty(world * rows, w.shape[0], dtype=out_dtype(gemm, x)) if out is None else out
@@ -81,6 +82,7 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
 
     def of(t: torch.Tensor, blocks: list[int]) -> torch.Tensor:  # adjacent blocks' rows
         return t[blocks[0] * rows:(blocks[-1] + 1) * rows]
+    arrived: list = []  # with `landed`: an event after each block's wait
     with streams or plain() as st:
         for i, blocks in enumerate(steps):
             handle = None
@@ -90,11 +92,13 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
                                      [(of(gathered, b), peer) for b, peer in recvs],
                                      op=op, chunk=i + 1)
             work = (lambda: landed(gathered)) if landed and i + 1 == len(steps) else None
-            with st.chunk(i), beside(work):
+            with st.chunk(i), beside(work, work and (lambda: follow(arrived))):
                 gemm(of(gathered, blocks), wt, of(out, blocks), op=op, chunk=i)
             if handle is not None:
                 with st.chunk(i + 1):
                     handle.wait()
+                    if landed is not None:
+                        arrived.append(mark())
     return out, gathered
 
 

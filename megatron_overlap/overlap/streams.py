@@ -155,6 +155,23 @@ def beside(work: Optional[Callable[[], object]], after: Optional[Callable[[], No
         main.wait_stream(side)
 
 
+def mark() -> Optional[torch.cuda.Event]:
+    """An event recorded on the current stream (None without CUDA): `follow` orders another
+    stream after what this one has enqueued so far (a transfer's wait, on a chunk stream)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def follow(marks: list) -> None:
+    """The current stream ordered after each of `mark`'s events."""
+    for event in marks:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
 def _side_stream() -> Optional[torch.cuda.Stream]:
     """This device's side stream for `beside` (None on CPU), of the highest priority: the
     GEMM it runs beside is what the pass waits for, and its work is short."""
