@@ -321,7 +321,7 @@ def test_layer_ledger_counts_what_the_fp8_layer_adds(tmp_path):
     # the four weights; the column layers' (qkv, fc1) gradients and gathered inputs; the row
     # layers' (proj, fc2) gathered gradients
     at = "overlap/fp8.py:transposed <- "
-    assert sites == {at + "layers/fp8.py:transpose_weight": 4,
+    assert sites == {at + "layers/fp8.py:after_casts": 4,
                      at + "layers/functions.py:transpose_operands": 4,
                      at + "layers/functions.py:landed": 2}, sites
     assert fp8["transpose"]["launches"] == bf16["transpose"]["launches"] + 10

@@ -120,9 +120,10 @@ class DelayedScales:
         """The amaxes `local` (this rank's; the first len(roles) are `roles`', adjacent in
         ROLES and of one FP8 type: the input's and weight's, or the gradient's) exchanged
         over the TP group (one exchange, '<op>_amax') and recorded, and each role's next
-        scale set: one update of their rows. Called at the end of the pass: nothing in it
-        reads the histories' scales after its casts, so the exchange waits on nothing the
-        pass's transfers need."""
+        scale set: one update of their rows. Called once the pass's casts are done, beside
+        its GEMMs (`Fp8Forward.beside_gemms`): nothing in the pass reads the histories'
+        scales after its casts (its GEMMs read the scales the casts used), so the exchange
+        waits on nothing the pass's transfers need."""
         first = self.ROLES.index(roles[0])
         rows = slice(first, first + len(roles))
         if self.ROLES[rows] != tuple(roles) or ("grad" in roles and len(roles) > 1):
@@ -235,7 +236,7 @@ class Fp8WeightCache:
 class Fp8Forward:
     """What an FP8 forward pass writes for its backward: the FP8 input rows and weight,
     with their scales. `rows`: the input flattened to [tokens, k]. Tensorwise, the weight
-    is also written transposed (`w8t`, the dgrad's layout; `weight_layout`) (with
+    is also written transposed (`w8t`, the dgrad's layout; `beside_gemms`) (with
     `weight_t`; always into a `cache`: the layer's Fp8WeightCache, whose weight this pass
     quantizes, or, with `reuse`, only reads). `input_t` (tensorwise): the input's cast also
     writes it transposed (`x8t`), what a wgrad on this rank's own, ungathered input takes,
@@ -265,7 +266,7 @@ class Fp8Forward:
             self.w8t = (None if self.rowwise or not weight_t else
                         torch.empty(weight.shape[::-1], dtype=p.fwd, device=weight.device))
         # the dgrad's transposed weight: copied from w8 beside the forward's GEMMs
-        # (`weight_layout`), else written by the weight's cast
+        # (`beside_gemms`), else written by the weight's cast
         self._w8t_beside = self.w8t is not None and self.quantize_weight and beside_enabled()
         self.roles = ("input", "weight") if self.quantize_weight else ("input",)
         if delayed is not None:  # made before the pass: its replay key holds their addresses
@@ -277,19 +278,24 @@ class Fp8Forward:
         return (self.x8, self.x8t, self.w8, self.x_scale, self.w_scale, self.w8t, *held)
 
     def record(self, tp: Transport, op: str) -> None:
-        """Delayed scaling, at the end of the forward pass: its amaxes recorded (the TP
+        """Delayed scaling, after the forward's casts: its amaxes recorded (the TP
         group's), the next scales set. Nothing to do otherwise."""
         if self.delayed is not None:
             self.delayed.record(self.roles, self._amaxes, tp, op)
 
-    def weight_layout(self):
-        """The work that writes w8t from w8, for `streams.beside` around the forward's
-        GEMMs (none read it: the backward's dgrad does), or None where the cast wrote it."""
-        return self.transpose_weight if self._w8t_beside else None
+    def beside_gemms(self, tp: Transport, op: str):
+        """What the forward pass `op` runs beside its GEMMs once its casts are done
+        (`streams.beside`; none of its GEMMs reads it): w8t, the dgrad's layout, copied
+        from w8 where the cast did not write it, and delayed scaling's `record`. None:
+        neither."""
+        if not self._w8t_beside and self.delayed is None:
+            return None
 
-    def transpose_weight(self) -> None:
-        """w8t, the dgrad's layout, copied from w8 (`weight_layout`)."""
-        transposed(self.w8, out=self.w8t)
+        def after_casts() -> None:
+            if self._w8t_beside:
+                transposed(self.w8, out=self.w8t)
+            self.record(tp, op)
+        return after_casts
 
     def kept_input(self) -> torch.Tensor:
         """The FP8 input the backward's wgrad reads: column-major where the cast wrote it
@@ -370,10 +376,15 @@ class Fp8Backward:
         return g8, g_scale, (None if t is None else t.t())
 
     def record(self, tp: Transport, op: str) -> None:
-        """Delayed scaling, at the end of the backward pass: the gradient's amax recorded
-        (the TP group's), its next scale set. Nothing to do otherwise."""
+        """Delayed scaling, after the gradient's cast: its amax recorded (the TP group's),
+        its next scale set. Nothing to do otherwise."""
         if self._amax is not None:
             self.delayed.record(("grad",), self._amax.reshape(1), tp, op)
+
+    def beside_gemms(self, tp: Transport, op: str):
+        """What the backward pass `op` runs beside its GEMMs once the gradient's cast is
+        done (`streams.beside`): delayed scaling's `record`; None otherwise."""
+        return None if self.delayed is None else (lambda: self.record(tp, op))
 
     def dgrad(self, g_scale: Optional[torch.Tensor], out_dtype: torch.dtype
               ) -> tuple[torch.Tensor, ScaledGemm | RowScaledGemm]:

@@ -103,8 +103,8 @@ def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
     late = None
     if q is not None:
         x2, weight, gemm = q.operands(x2, weight, tp, op, plan.sequence_parallel, out.dtype)
-        late = q.weight_layout()
-    with beside(late):  # the dgrad's FP8 weight, transposed beside the GEMMs
+        late = q.beside_gemms(tp, op)
+    with beside(late):
         if plan.sequence_parallel and plan.fprop is not None:
             all_gather_matmul(x2, weight, tp, plan.fprop.method, op=op,
                               aggregate=plan.fprop.aggregate, streams=streams, nodes=nodes,
@@ -117,8 +117,6 @@ def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
             gemm(x2, weight.t(), out, op=op)
     if bias is not None:
         out.add_(bias)
-    if q is not None:
-        q.record(tp, op)
 
 
 def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams,
@@ -245,14 +243,14 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
             wgemm = q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse))
         if ahead:
             gw, landed, x_t = _wgrad_operands_beside(gd, full)
-    inp, pending = column_dgrad(gd, x2, wd, grad_in, plan, tp, nodes, streams, dname,
-                                allreduce_dgrad, wgrad, dgemm, full, landed)
-    inp = inp if x_t is None else x_t
-    column_wgrad(gw, inp, weight, grad_w, grad_in, pending, plan, tp, fuse, wgrad, wgemm, fp8_w)
+    with beside(q and q.beside_gemms(tp, dname)):
+        inp, pending = column_dgrad(gd, x2, wd, grad_in, plan, tp, nodes, streams, dname,
+                                    allreduce_dgrad, wgrad, dgemm, full, landed)
+        inp = inp if x_t is None else x_t
+        column_wgrad(gw, inp, weight, grad_w, grad_in, pending, plan, tp, fuse, wgrad, wgemm,
+                     fp8_w)
     if grad_b is not None:
         torch.sum(g, 0, out=grad_b)
-    if q is not None:
-        q.record(tp, dname)
 
 
 def row_input_order(plan: LayerPlan, tp: Transport, nodes, scaling: str | None
@@ -284,8 +282,8 @@ def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
     late = None
     if q is not None:
         x2, weight, gemm = q.operands(x2, weight, tp, op, False, out.dtype, chunks)
-        late = q.weight_layout()
-    with beside(late):  # the dgrad's FP8 weight, transposed beside the GEMMs
+        late = q.beside_gemms(tp, op)
+    with beside(late):
         if s is not None:
             matmul_reduce_scatter(x2, weight, tp, s.method, s.splits(tp.world_size), op=op,
                                   scatter=sp, streams=streams, nodes=nodes, out=out, gemm=gemm,
@@ -295,8 +293,6 @@ def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
                                   gemm=gemm)
     if bias is not None:
         out.add_(bias)
-    if q is not None:
-        q.record(tp, op)
 
 
 def row_dgrad(g, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams, op: str,
@@ -356,13 +352,15 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
 
             def landed(g_full: torch.Tensor) -> None:  # g_full: g8 gathered under SP
                 transposed(g_full, out=g_col.t())
-        g_full = row_dgrad(g8, w8t.t(), grad_in, plan, tp, nodes, streams, dname, dgemm, landed)
-        if fp8_w:
-            row_wgrad(g_full if g_col is None else g_col, x2, weight, grad_w, plan, fuse,
-                      q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse)), fp8=True)
-        elif wgrad:
-            row_wgrad(q.dequantized(g_full, g_scale, x2.dtype), x2, weight, grad_w, plan, fuse)
-        q.record(tp, dname)
+        with beside(q.beside_gemms(tp, dname)):
+            g_full = row_dgrad(g8, w8t.t(), grad_in, plan, tp, nodes, streams, dname, dgemm,
+                               landed)
+            if fp8_w:
+                row_wgrad(g_full if g_col is None else g_col, x2, weight, grad_w, plan, fuse,
+                          q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse)), fp8=True)
+            elif wgrad:
+                row_wgrad(q.dequantized(g_full, g_scale, x2.dtype), x2, weight, grad_w, plan,
+                          fuse)
     if grad_b is not None:
         torch.sum(g, 0, out=grad_b)
 

@@ -40,7 +40,7 @@ import torch
 from ..config import LayerSettings
 from ..overlap import ring_steps
 from ..overlap.fp8 import row_input_chunks
-from .fp8_work import DELAYED_AMAXES, PassWork, Work, batched, gathered, pass_work
+from .fp8_work import PassWork, Work, batched, gathered, pass_work
 from .gemm import GemmModel
 from .numerics import dtype_name
 from .hardware import Hardware, Layout
@@ -318,15 +318,15 @@ def fp8_work(spec: PassSpec, s: LayerSettings | None, layout: Layout,
 
 
 def amax_exchange_us(spec: PassSpec, hw: Hardware, layout: Layout) -> float:
-    """An FP8 pass's exchange of the TP group's amaxes (a float or two a rank). Tensorwise:
-    before the tensor it scales is gathered (a column forward's input, a row dgrad's
-    gradient). Delayed: at the end of every pass that quantizes (forward: the input's and
-    the weight's; dgrad: the gradient's), after its GEMMs, for the next scales."""
+    """What an FP8 pass's exchange of the TP group's amaxes (a float a rank) adds to it.
+    Tensorwise: before the tensor it scales is gathered (a column forward's input, a row
+    dgrad's gradient), one small collective's latency. Delayed: nothing; every pass that
+    quantizes exchanges its amaxes for the next scales beside its GEMMs
+    (`layers.fp8.Fp8Forward.beside_gemms`)."""
     num, shape = spec.shape.numerics, spec.shape
-    if not num.fp8 or layout.tp == 1 or num.scaling == "rowwise":
+    if not num.fp8 or layout.tp == 1 or num.scaling in ("rowwise", "delayed"):
         return 0.0
-    floats = (DELAYED_AMAXES.get(spec.pass_name, 0) if num.scaling == "delayed"
-              else int(gathered(spec.pass_name, shape.column)))
+    floats = int(gathered(spec.pass_name, shape.column))
     return Sim(hw, layout, Engine("sm", hw.nccl_sms)).collective_us(4 * floats) if floats else 0.0
 
 
