@@ -15,13 +15,11 @@ layer at a step's later micro-batches under Megatron's schedules, its FP8 weight
 their dgrad transposes) made at the step's first and reused (`is_first_microbatch`): what
 a step of several micro-batches mostly runs. fp8_delayed is Megatron's default recipe,
 delayed scaling (the largest of 1024 amaxes, TP reduction), primed by two steps: its casts
-read no amax first. fp8_delayed_in_line is that arm with the transposed FP8 copies a later
-GEMM reads made in line on the pass's stream (`overlap.streams.set_beside(False)`: the
-weight's and a column layer's gradient's by their casts, the gathered tensors' in the
-wgrad) instead of on a side stream beside the GEMMs: what running them beside wins.
-fp8_eager_kernels and fp8_later_micro compute the fp8 arm's numbers, fp8_delayed_in_line
-the fp8_delayed arm's (1e-2 relative at most: the attention backward's own run-to-run
-differences). Measured: eager
+read no amax first. fp8_delayed_in_line is that arm with each pass's amax exchange and
+history update in line after its GEMMs (`overlap.streams.set_beside(False)`) instead of
+beside them on a side stream: what running them beside wins. fp8_eager_kernels and
+fp8_later_micro compute the fp8 arm's numbers, fp8_delayed_in_line the fp8_delayed arm's
+(1e-2 relative at most: the attention backward's own run-to-run differences). Measured: eager
 back to back and graphed (medians of --repeat samples of --reps calls; ratio = bf16 ms /
 fp8 ms), memory per arm (attention_layer's `memory`: per step, kept, pools). Before timing, the fp8 arm
 against the bf16 arm on the mirror transport: output, input grad and every parameter
@@ -141,7 +139,7 @@ class DelayedArm(lc.Arm):
 
 
 class InLineArm(DelayedArm):
-    """The delayed arm with its transposed FP8 copies made in line on the pass's stream
+    """The delayed arm with each pass's amax exchange and update in line after its GEMMs
     (`overlap.streams.set_beside(False)`, around every call, its captures included)."""
 
     def step(self, e: lc.Extras) -> torch.Tensor:

@@ -121,7 +121,7 @@ def _record(rank, world):
                  "forward3": work["fprop"].activations.issued,
                  "backward2": backward, "backward3": backward}
         out.append({"case": (scaling, kind, variant, fp8_wgrad, main_grad), "measured": measured,
-                    "model": model, "weight_part": work["fprop"].weight.issued[0]})
+                    "model": model, "weight_part": work["fprop"].weight.bytes})
     return out
 
 

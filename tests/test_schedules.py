@@ -39,13 +39,9 @@ def _traces(rank, world):
     for name, kw in [("ring", dict(method="ring_exchange")),
                      ("ring_aggregate", dict(method="ring_exchange", aggregate=True)),
                      ("bulk", dict(method="bulk"))]:
-        landed = []  # (events traced before it, what it was given)
         with trace.recording() as ev:
-            y, gathered = all_gather_matmul(x_local, w, tp, op="ag",
-                                            landed=lambda t: landed.append((len(ev), t.clone())),
-                                            **kw)
+            y, gathered = all_gather_matmul(x_local, w, tp, op="ag", **kw)
         out[f"ag_{name}"] = [(e.kind, e.chunk) for e in ev]
-        out[f"ag_{name}_landed"] = [(n, torch.equal(t, x_full)) for n, t in landed]
         errs[f"ag_{name}"] = max(rel_error(y, ref_ag), rel_error(gathered, x_full))
     # GEMM->RS: every rank has different partial inputs; the reference sums them.
     xp = torch.randn(world * 8, 16, generator=torch.Generator().manual_seed(10 + rank))
@@ -73,13 +69,11 @@ def _traces(rank, world):
                               num_splits=1)
     out["rs_ring_bf16"] = {"equal_once": torch.equal(y, once),
                            "once_is_running": torch.equal(once, running)}
-    landed = []
     with trace.recording() as ev:
         buf = torch.empty(world * 8, 16)
         hide(lambda: tp.all_gather(buf, x_local, op="ag"), lambda: gemm(x_local, w.t(), op="dgrad"),
-             overlap=True, landed=lambda: landed.append((len(ev), torch.equal(buf, x_full))))
+             overlap=True)
     out["bulk_hide"] = [(e.kind, e.op) for e in ev]
-    out["bulk_hide_landed"] = landed
     tdist.destroy_process_group()
     return out, errs
 
@@ -194,17 +188,6 @@ def test_bulk_overlap_hides_collective_under_unrelated_gemm(traced):
     _, per_rank = traced
     for ev, _ in per_rank:
         assert ev["bulk_hide"] == [("start", "ag"), ("gemm", "dgrad"), ("wait", "ag")]
-        # the work on what landed (beside the GEMM on a GPU), on the host after the wait
-        assert ev["bulk_hide_landed"] == [(3, True)]
-
-
-def test_the_gathered_input_is_given_once_whole_after_the_gemm_of_its_last_block(traced):
-    """`landed(gathered)` (the FP8 wgrad's transposed copy): called once, with every block
-    arrived; on the host after the last GEMM is enqueued (beside it on a GPU)."""
-    _, per_rank = traced
-    for ev, _ in per_rank:
-        for name in ("ring", "ring_aggregate", "bulk"):
-            assert ev[f"ag_{name}_landed"] == [(len(ev[f"ag_{name}"]), True)], name
 
 
 def _silent_peer(rank, world):
@@ -233,17 +216,17 @@ def test_peer_that_never_answers_times_out_with_diagnostic():
     assert "MEGATRON_OVERLAP_TIMEOUT_S=2s" in msg, msg
 
 
-def test_beside_orders_the_block_then_the_wait_then_its_work_on_the_host():
-    """`overlap.streams.beside` (no GPU here: one stream): the block, then `after` (a
-    transfer's wait), then the work, as a transport whose wait blocks the host needs; no
-    work: the block and `after`. `set_beside` returns the previous setting."""
+def test_beside_orders_the_block_then_its_work_on_the_host():
+    """`overlap.streams.beside` (no GPU here: one stream): the block, then the work, which
+    starts its transfers after the block's, as every rank issues them; no work: the block.
+    `set_beside` returns the previous setting."""
     from megatron_overlap.overlap import streams
 
     log = []
-    with streams.beside(lambda: log.append("work"), lambda: log.append("wait")):
+    with streams.beside(lambda: log.append("work")):
         log.append("block")
-    with streams.beside(None, lambda: log.append("wait")):
+    with streams.beside(None):
         log.append("block")
-    assert log == ["block", "wait", "work", "block", "wait"]
-    assert streams.set_beside(False) is True and streams.beside_enabled() is False
-    assert streams.set_beside(True) is False and streams.beside_enabled() is True
+    assert log == ["block", "work", "block"]
+    assert streams.set_beside(False) is True
+    assert streams.set_beside(True) is False

@@ -24,15 +24,11 @@ along the contracted dimension; the wgrad in the parameters' dtype).
   the parameters per column of W (g @ W contracts over W's rows).
 - A transposed copy (`col_major`) is what cuBLAS needs for the second operand of every
   FP8 GEMM (column-major) and for the wgrad's first (row-major g^T): Transformer
-  Engine keeps the same 'columnwise' copies. Transposing FP8 data is exact. None of
-  them is read by the GEMM that runs when it can be made, so it is made beside a GEMM
-  on a side stream (`overlap.streams.beside`), off the pass's critical path: the weight's
-  (for the dgrad) beside the forward's GEMMs; a column layer's gradient and gathered
-  input, and a row layer's gathered gradient (for the wgrad), beside the dgrad's. A row
-  layer's own input (read by its wgrad) gets its copy from its cast's own kernel (TE's
-  cast-transpose: its forward's GEMMs read it chunk-major). With `set_beside(False)`
-  each cast writes the copy of its own tensor and the gathered ones are transposed in
-  the wgrad pass, in line.
+  Engine keeps the same 'columnwise' copies. Transposing FP8 data is exact. A tensor
+  quantized on this rank and read transposed (the weight by the dgrad; a row layer's
+  input and a column layer's gradient by the wgrad) gets that copy from its cast's own
+  kernel (TE's cast-transpose); only a gathered one (a column layer's input, a row
+  layer's gradient) is transposed after its gather, in the wgrad pass.
 """
 
 from __future__ import annotations
@@ -46,7 +42,6 @@ from ..overlap.fp8 import (PAIR, TAIL, AmaxHistory, RowScaledGemm, ScaledGemm, a
                            delayed_quantize, every_rank, group_amaxes, pair_of, quantize,
                            quantize_current, row_scales, rows_dequantized, rows_quantized,
                            scale_pair, scale_value, transposed, update_scales)
-from ..overlap.streams import beside_enabled
 from .precision import Precision
 
 
@@ -121,7 +116,7 @@ class DelayedScales:
         ROLES and of one FP8 type: the input's and weight's, or the gradient's) exchanged
         over the TP group (one exchange, '<op>_amax') and recorded, and each role's next
         scale set: one update of their rows. Called once the pass's casts are done, beside
-        its GEMMs (`Fp8Forward.beside_gemms`): nothing in the pass reads the histories'
+        its GEMMs (`Fp8Forward.after_casts`): nothing in the pass reads the histories'
         scales after its casts (its GEMMs read the scales the casts used), so the exchange
         waits on nothing the pass's transfers need."""
         first = self.ROLES.index(roles[0])
@@ -236,7 +231,7 @@ class Fp8WeightCache:
 class Fp8Forward:
     """What an FP8 forward pass writes for its backward: the FP8 input rows and weight,
     with their scales. `rows`: the input flattened to [tokens, k]. Tensorwise, the weight
-    is also written transposed (`w8t`, the dgrad's layout; `beside_gemms`) (with
+    is also written transposed (`w8t`, the dgrad's layout) by its cast's kernel (with
     `weight_t`; always into a `cache`: the layer's Fp8WeightCache, whose weight this pass
     quantizes, or, with `reuse`, only reads). `input_t` (tensorwise): the input's cast also
     writes it transposed (`x8t`), what a wgrad on this rank's own, ungathered input takes,
@@ -265,9 +260,6 @@ class Fp8Forward:
                             else scale_pair(weight.device))
             self.w8t = (None if self.rowwise or not weight_t else
                         torch.empty(weight.shape[::-1], dtype=p.fwd, device=weight.device))
-        # the dgrad's transposed weight: copied from w8 beside the forward's GEMMs
-        # (`beside_gemms`), else written by the weight's cast
-        self._w8t_beside = self.w8t is not None and self.quantize_weight and beside_enabled()
         self.roles = ("input", "weight") if self.quantize_weight else ("input",)
         if delayed is not None:  # made before the pass: its replay key holds their addresses
             for role in self.roles:
@@ -278,24 +270,15 @@ class Fp8Forward:
         return (self.x8, self.x8t, self.w8, self.x_scale, self.w_scale, self.w8t, *held)
 
     def record(self, tp: Transport, op: str) -> None:
-        """Delayed scaling, after the forward's casts: its amaxes recorded (the TP
+        """Delayed scaling, once the forward's casts are done: its amaxes recorded (the TP
         group's), the next scales set. Nothing to do otherwise."""
         if self.delayed is not None:
             self.delayed.record(self.roles, self._amaxes, tp, op)
 
-    def beside_gemms(self, tp: Transport, op: str):
+    def after_casts(self, tp: Transport, op: str):
         """What the forward pass `op` runs beside its GEMMs once its casts are done
-        (`streams.beside`; none of its GEMMs reads it): w8t, the dgrad's layout, copied
-        from w8 where the cast did not write it, and delayed scaling's `record`. None:
-        neither."""
-        if not self._w8t_beside and self.delayed is None:
-            return None
-
-        def after_casts() -> None:
-            if self._w8t_beside:
-                transposed(self.w8, out=self.w8t)
-            self.record(tp, op)
-        return after_casts
+        (`overlap.streams.beside`): delayed scaling's `record`; None otherwise."""
+        return None if self.delayed is None else (lambda: self.record(tp, op))
 
     def kept_input(self) -> torch.Tensor:
         """The FP8 input the backward's wgrad reads: column-major where the cast wrote it
@@ -330,13 +313,13 @@ class Fp8Forward:
                        out_t=self.x8t, chunks=chunks)
             if self.quantize_weight:
                 d.quantize("weight", weight, fwd, self.w_scale, self._amaxes[1], out=self.w8,
-                           out_t=None if self._w8t_beside else self.w8t)
+                           out_t=self.w8t)
             return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
         a = group_amaxes(x2, tp, f"{op}_amax") if gathered else amax(x2)
         quantize_current(x2, a, fwd, self.x_scale, out=self.x8, out_t=self.x8t, chunks=chunks)
         if self.quantize_weight:  # with the dgrad's layout (cached: made once per step)
             quantize_current(weight, amax(weight), fwd, self.w_scale, out=self.w8,
-                             out_t=None if self._w8t_beside else self.w8t)
+                             out_t=self.w8t)
         return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
 
 
@@ -376,14 +359,14 @@ class Fp8Backward:
         return g8, g_scale, (None if t is None else t.t())
 
     def record(self, tp: Transport, op: str) -> None:
-        """Delayed scaling, after the gradient's cast: its amax recorded (the TP group's),
-        its next scale set. Nothing to do otherwise."""
+        """Delayed scaling, once the gradient's cast is done: its amax recorded (the TP
+        group's), its next scale set. Nothing to do otherwise."""
         if self._amax is not None:
             self.delayed.record(("grad",), self._amax.reshape(1), tp, op)
 
-    def beside_gemms(self, tp: Transport, op: str):
+    def after_casts(self, tp: Transport, op: str):
         """What the backward pass `op` runs beside its GEMMs once the gradient's cast is
-        done (`streams.beside`): delayed scaling's `record`; None otherwise."""
+        done (`overlap.streams.beside`): delayed scaling's `record`; None otherwise."""
         return None if self.delayed is None else (lambda: self.record(tp, op))
 
     def dgrad(self, g_scale: Optional[torch.Tensor], out_dtype: torch.dtype

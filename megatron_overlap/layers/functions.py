@@ -14,7 +14,7 @@ gets back beyond those outputs is decided on the host, outside the pass.
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -22,16 +22,15 @@ from ..comm.transport import Transport
 from ..config import LayerSettings
 from ..config.effects import CAPS
 from ..overlap import all_gather_matmul, hide, matmul, matmul_reduce_scatter
-from ..overlap.fp8 import row_input_chunks, transposed
+from ..overlap.fp8 import row_input_chunks
 from ..overlap.replay import PassGraphs
-from ..overlap.streams import ChunkStreams, beside, beside_enabled, plain
+from ..overlap.streams import ChunkStreams, beside, plain
 from .fp8 import DelayedScales, Fp8Backward, Fp8Forward, col_major
 from .plan import LayerPlan
 from .precision import Precision
 from .wgrad import accumulates, grad_buffer, grad_for_autograd, main_grad_written, weight_grad
 
 Graphs = Optional[dict[str, PassGraphs]]
-Landed = Optional[Callable[[torch.Tensor], object]]  # work on a GEMM's input, beside the GEMM
 
 
 def pass_streams(tp: Transport, s: LayerSettings) -> tuple[int, ChunkStreams]:
@@ -100,11 +99,9 @@ def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
     TP group's amax under SP, and the gather moves FP8. (x2 and weight already FP8, with
     `gemm` their scaled GEMM: the tools' FP8 trial passes.)"""
     op, streams = begin(tp, plan, "fprop")
-    late = None
     if q is not None:
         x2, weight, gemm = q.operands(x2, weight, tp, op, plan.sequence_parallel, out.dtype)
-        late = q.beside_gemms(tp, op)
-    with beside(late):
+    with beside(q and q.after_casts(tp, op)):
         if plan.sequence_parallel and plan.fprop is not None:
             all_gather_matmul(x2, weight, tp, plan.fprop.method, op=op,
                               aggregate=plan.fprop.aggregate, streams=streams, nodes=nodes,
@@ -121,7 +118,7 @@ def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
 
 def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams,
                  op: str, allreduce_dgrad: bool, wgrad: bool = True, gemm=matmul,
-                 full: Optional[torch.Tensor] = None, landed: Landed = None):
+                 full: Optional[torch.Tensor] = None):
     """The column dgrad pass: g @ weight, with the input's all-gather (under SP, for the
     wgrad) hidden under it, or run beside its reduce-scatter into grad_in (rs_dgrad).
     Returns (the wgrad's input, what column_wgrad still reduces into grad_in or None).
@@ -133,27 +130,24 @@ def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, 
     peers read it where the GEMM wrote it, without the staging copy, in the place that copy
     would have taken (the pass's workspace high-water unchanged). `full`: where the gather
     lands (`gathered_input`), given by a caller that allocates it outside a replayed pass;
-    None: `gathered_input` here. `landed(inp)`: work on the wgrad's input (a gathered one
-    once it has landed), run beside the dgrad GEMM (`streams.beside`)."""
+    None: `gathered_input` here."""
     full = gathered_input(x2, plan, tp, wgrad) if full is None else full
     start = (lambda: tp.all_gather(full, x2, op=op)) if full is not None else None
     inp = x2 if full is None else full
-    work = (lambda: landed(inp)) if landed is not None else None
     if plan.sequence_parallel and plan.rs_dgrad:
         handle = start and start()
-        with beside(work, handle and handle.wait):
-            matmul_reduce_scatter(g, weight.t(), tp, plan.dgrad.method,
-                                  plan.dgrad.splits(tp.world_size), op=op, streams=streams,
-                                  nodes=nodes, out=grad_in, gemm=gemm)
+        matmul_reduce_scatter(g, weight.t(), tp, plan.dgrad.method, plan.dgrad.splits(tp.world_size),
+                              op=op, streams=streams, nodes=nodes, out=grad_in, gemm=gemm)
+        if handle is not None:
+            handle.wait()
         return inp, None
     if plan.sequence_parallel:
         with (streams or plain()).margin_only():  # bulk: num_sm SMs short where set_sm_margin acts
             dgrad = hide(start, lambda: gemm(g, weight, tp.workspace(
                 (g.shape[0], weight.shape[-1]), grad_in.dtype, g.device), op=op),
-                overlap=plan.dgrad is not None, landed=work)
+                overlap=plan.dgrad is not None)
         return inp, dgrad
-    with beside(work):
-        gemm(g, weight, grad_in, op=op)
+    gemm(g, weight, grad_in, op=op)
     return x2, (grad_in if allreduce_dgrad else None)
 
 
@@ -190,29 +184,6 @@ def _wgrad_layout(g: torch.Tensor, inp: torch.Tensor) -> tuple[torch.Tensor, tor
     return col_major(g), col_major(inp)
 
 
-def _t_buffer(like: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Where a [rows, cols] tensor of `like`'s type is copied column-major (a transposed
-    copy), allocated on the pass's stream (`beside`'s work writes it), as the [rows, cols]
-    view the wgrad reads."""
-    return like.new_empty(cols, rows).t()
-
-
-def _wgrad_operands_beside(g8: torch.Tensor, full: Optional[torch.Tensor]
-                           ) -> tuple[torch.Tensor, Landed, Optional[torch.Tensor]]:
-    """A column layer's FP8 wgrad operands made beside its dgrad GEMM: (g8 column-major,
-    the work that writes it and, under SP, the gathered input's column-major copy, that
-    copy or None). Neither is read before the wgrad pass: `beside` takes two
-    memory-bound copies off the pass's critical path."""
-    g_col = _t_buffer(g8, *g8.shape)
-    x_col = None if full is None else _t_buffer(full, *full.shape)
-
-    def transpose_operands(inp: torch.Tensor) -> None:
-        transposed(g8, out=g_col.t())
-        if x_col is not None:
-            transposed(inp, out=x_col.t())
-    return g_col, transpose_operands, x_col
-
-
 def _wgrad_dtype(weight, grad_w, fuse: bool) -> torch.dtype:
     """What an FP8 wgrad GEMM outputs: main_grad's dtype where it accumulates there."""
     return weight.main_grad.dtype if accumulates(weight, fuse) else grad_w.dtype
@@ -223,30 +194,23 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
                q: Fp8Backward | None = None, full: Optional[torch.Tensor] = None) -> None:
     """grad_in (reduce-scattered under SP, all-reduced when asked), grad_w (or main_grad;
     neither when `wgrad` is False: a frozen weight), grad_b: the dgrad pass, then the
-    wgrad pass, in one transport pass. FP8 (`q`): g is this rank's own, so its own amax;
-    the dgrad multiplies by the forward's FP8 weight; the wgrad runs in FP8 on the
-    gathered FP8 input (x2) when the recipe's fp8_wgrad says so, both its operands copied
-    column-major beside the dgrad GEMM (`_wgrad_operands_beside`; with `set_beside(False)`,
-    g's by its cast, the input's in the wgrad pass). `full`: the input's gather buffer
-    (`gathered_input`), or None."""
+    wgrad pass, in one transport pass. FP8 (`q`): g is this rank's own, so its own amax,
+    and its cast writes the wgrad's layout too; the dgrad multiplies by the forward's FP8
+    weight; the wgrad runs in FP8 on the gathered FP8 input (x2) when the recipe's
+    fp8_wgrad says so. `full`: the input's gather buffer (`gathered_input`), or None."""
     dname, streams = begin(tp, plan, "dgrad")
-    gd, wd, dgemm, gw, wgemm, fp8_w, landed, x_t = g, weight, matmul, g, matmul, False, None, None
-    full = gathered_input(x2, plan, tp, wgrad) if full is None else full
+    gd, wd, dgemm, gw, wgemm, fp8_w = g, weight, matmul, g, matmul, False
     if q is not None:
-        fp8_w = q.p.wgrad and wgrad  # g column-major for it
-        ahead = fp8_w and beside_enabled()  # made beside the dgrad GEMM, else by g's cast
-        gd, g_scale, g_col = q.grad(g, tp, dname, gathered=False, col=fp8_w and not ahead)
+        fp8_w = q.p.wgrad and wgrad  # g column-major for it, from the cast's kernel
+        gd, g_scale, g_col = q.grad(g, tp, dname, gathered=False, col=fp8_w)
         w8t, dgemm = q.dgrad(g_scale, grad_in.dtype)
         wd = w8t.t()
         if fp8_w:
             gw = g_col
             wgemm = q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse))
-        if ahead:
-            gw, landed, x_t = _wgrad_operands_beside(gd, full)
-    with beside(q and q.beside_gemms(tp, dname)):
+    with beside(q and q.after_casts(tp, dname)):
         inp, pending = column_dgrad(gd, x2, wd, grad_in, plan, tp, nodes, streams, dname,
-                                    allreduce_dgrad, wgrad, dgemm, full, landed)
-        inp = inp if x_t is None else x_t
+                                    allreduce_dgrad, wgrad, dgemm, full)
         column_wgrad(gw, inp, weight, grad_w, grad_in, pending, plan, tp, fuse, wgrad, wgemm,
                      fp8_w)
     if grad_b is not None:
@@ -279,11 +243,9 @@ def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
     op, streams = begin(tp, plan, "fprop")
     s, sp = plan.fprop, plan.sequence_parallel
     chunks = row_input_order(plan, tp, nodes, q.p.recipe if q is not None else scaling)
-    late = None
     if q is not None:
         x2, weight, gemm = q.operands(x2, weight, tp, op, False, out.dtype, chunks)
-        late = q.beside_gemms(tp, op)
-    with beside(late):
+    with beside(q and q.after_casts(tp, op)):
         if s is not None:
             matmul_reduce_scatter(x2, weight, tp, s.method, s.splits(tp.world_size), op=op,
                                   scatter=sp, streams=streams, nodes=nodes, out=out, gemm=gemm,
@@ -296,24 +258,23 @@ def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
 
 
 def row_dgrad(g, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams, op: str,
-              gemm=matmul, landed: Landed = None):
+              gemm=matmul):
     """The row dgrad pass: grad_in = gather_sp(g) @ weight, the gather hidden under it.
     Returns the gathered g, the wgrad's input (with overlap the transport's workspace:
     valid within this transport pass). FP8: g and weight FP8 (weight column-major),
-    `gemm` their scaled GEMM: the gather moves FP8. `landed(g_full)`: work on the
-    wgrad's input, beside the GEMM that reads its last block (`streams.beside`)."""
+    `gemm` their scaled GEMM: the gather moves FP8."""
     if plan.sequence_parallel and plan.dgrad is not None:
         _, g_full = all_gather_matmul(g, weight.t(), tp, plan.dgrad.method, op=op,
                                       aggregate=plan.dgrad.aggregate, streams=streams,
-                                      nodes=nodes, out=grad_in, gemm=gemm, landed=landed)
+                                      nodes=nodes, out=grad_in, gemm=gemm)
         return g_full
-    g_full = g
     if plan.sequence_parallel:
         g_full = _gathered(g, tp)
         tp.all_gather(g_full, g, op=op).wait()
-    with beside((lambda: landed(g_full)) if landed is not None else None):
         gemm(g_full, weight, grad_in, op=op)
-    return g_full
+        return g_full
+    gemm(g, weight, grad_in, op=op)
+    return g
 
 
 def row_wgrad(g_full, x2, weight, grad_w, plan: LayerPlan, fuse: bool, gemm=matmul,
@@ -332,30 +293,21 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
     finalize_model_grads sums the bias grad over the TP group): the dgrad pass, then the
     wgrad pass (none for a frozen weight, `wgrad=False`), in one transport pass.
     FP8 (`q`): g quantized once, with the TP group's amax under SP (it is gathered); the
-    wgrad reuses the gathered FP8 g, copied column-major beside the dgrad's last GEMM, with
-    the forward's FP8 input (x2) when fp8_wgrad is on, else it runs in the parameters'
-    dtype on g_full dequantized (what the dgrad saw)."""
+    wgrad reuses the gathered FP8 g with the forward's FP8 input (x2) when fp8_wgrad is
+    on, else it runs in the parameters' dtype on g_full dequantized (what the dgrad saw)."""
     dname, streams = begin(tp, plan, "dgrad")
     if q is None:
         g_full = row_dgrad(g, weight, grad_in, plan, tp, nodes, streams, dname)
         if wgrad:
             row_wgrad(g_full, x2, weight, grad_w, plan, fuse)
     else:
-        sp, fp8_w = plan.sequence_parallel, wgrad and q.p.wgrad
-        ahead = fp8_w and beside_enabled()  # g column-major beside the dgrad GEMM
-        # g gathered under SP; else its own, column-major from its cast unless `ahead`
-        g8, g_scale, g_col = q.grad(g, tp, dname, gathered=sp, col=not sp and fp8_w and not ahead)
+        sp = plan.sequence_parallel  # g gathered; else its own, column-major from its cast
+        g8, g_scale, g_col = q.grad(g, tp, dname, gathered=sp,
+                                    col=not sp and wgrad and q.p.wgrad)
         w8t, dgemm = q.dgrad(g_scale, grad_in.dtype)
-        landed = None
-        if ahead:
-            g_col = _t_buffer(g8, g8.shape[0] * (tp.world_size if sp else 1), g8.shape[1])
-
-            def landed(g_full: torch.Tensor) -> None:  # g_full: g8 gathered under SP
-                transposed(g_full, out=g_col.t())
-        with beside(q.beside_gemms(tp, dname)):
-            g_full = row_dgrad(g8, w8t.t(), grad_in, plan, tp, nodes, streams, dname, dgemm,
-                               landed)
-            if fp8_w:
+        with beside(q.after_casts(tp, dname)):
+            g_full = row_dgrad(g8, w8t.t(), grad_in, plan, tp, nodes, streams, dname, dgemm)
+            if wgrad and q.p.wgrad:
                 row_wgrad(g_full if g_col is None else g_col, x2, weight, grad_w, plan, fuse,
                           q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse)), fp8=True)
             elif wgrad:

@@ -8,16 +8,14 @@ row-parallel layer reuses the gathered output gradient for its wgrad).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Sequence
 
 import torch
 
 from ..comm.transport import Transport
 from .gemm import Gemm, matmul, out_dtype
 from .gemm_rs import spans_nodes
-from .streams import ChunkStreams, beside, follow, mark, plain
-
-Landed = Optional[Callable[[torch.Tensor], object]]  # work on the whole gathered input
+from .streams import ChunkStreams, plain
 
 
 def ring_steps(rank: int, world: int, aggregate: bool) -> list[list[int]]:
@@ -64,14 +62,12 @@ def ring_moves(rank: int, world: int, aggregate: bool,
 
 def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
                   aggregate: bool = False, streams: ChunkStreams | None = None,
-                  out: torch.Tensor | None = None, gemm: Gemm = matmul, landed: Landed = None
+                  out: torch.Tensor | None = None, gemm: Gemm = matmul
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring all-gather, each step's GEMM run while the next step's blocks are on the
     wire: start(i+1) -> gemm(i) -> wait(i+1), the wait enqueued on the stream that runs
     gemm(i+1). Blocks land in a transport workspace ([world * rows, k], valid until the
-    transport's next pass), which is returned. `aggregate`: `ring_steps`' pairs.
-    `landed(gathered)` runs beside the last step's GEMM, ordered after every block's wait
-    (each on the stream of the GEMM that reads it)."""
+    transport's next pass), which is returned. `aggregate`: `ring_steps`' pairs."""
     world, rank, rows = tp.world_size, tp.rank, x.shape[0]
     gathered = tp.workspace((world * rows, x.shape[1]), x.dtype, x.device)
     out = x.new_empty(world * rows, w.shape[0], dtype=out_dtype(gemm, x)) if out is None else out
@@ -82,7 +78,6 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
 
     def of(t: torch.Tensor, blocks: list[int]) -> torch.Tensor:  # adjacent blocks' rows
         return t[blocks[0] * rows:(blocks[-1] + 1) * rows]
-    arrived: list = []  # with `landed`: an event after each block's wait
     with streams or plain() as st:
         for i, blocks in enumerate(steps):
             handle = None
@@ -91,55 +86,44 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
                 handle = tp.exchange([(of(gathered, b), peer) for b, peer in sends],
                                      [(of(gathered, b), peer) for b, peer in recvs],
                                      op=op, chunk=i + 1)
-            work = (lambda: landed(gathered)) if landed and i + 1 == len(steps) else None
-            with st.chunk(i), beside(work, work and (lambda: follow(arrived))):
+            with st.chunk(i):
                 gemm(of(gathered, blocks), wt, of(out, blocks), op=op, chunk=i)
             if handle is not None:
                 with st.chunk(i + 1):
                     handle.wait()
-                    if landed is not None:
-                        arrived.append(mark())
     return out, gathered
 
 
 def bulk(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
-         out: torch.Tensor | None = None, gemm: Gemm = matmul, landed: Landed = None
-         ) -> tuple[torch.Tensor, torch.Tensor]:
+         out: torch.Tensor | None = None, gemm: Gemm = matmul) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather everything, then one GEMM: no overlap at all (the plain path, for layers
     where nothing else is there to hide the gather under). Not ub_cfgs' `bulk`, which
     exists only on the column backward and hides the whole collective under another
-    GEMM (`overlap.bulk.hide`; `config.names.BULK_HIDES`). `landed(gathered)` runs beside
-    the GEMM."""
+    GEMM (`overlap.bulk.hide`; `config.names.BULK_HIDES`)."""
     gathered = x.new_empty(tp.world_size * x.shape[0], x.shape[1])
     tp.all_gather(gathered, x, op=op).wait()
     if out is None:
         out = x.new_empty(gathered.shape[0], w.shape[0], dtype=out_dtype(gemm, x))
-    with beside((lambda: landed(gathered)) if landed else None):
-        gemm(gathered, w.t(), out, op=op)
+    gemm(gathered, w.t(), out, op=op)
     return out, gathered
 
 
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: str, *,
                       op: str, aggregate: bool = False, streams: ChunkStreams | None = None,
                       nodes: Sequence[Sequence[int]] | None = None,
-                      out: torch.Tensor | None = None, gemm: Gemm = matmul,
-                      landed: Landed = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      out: torch.Tensor | None = None, gemm: Gemm = matmul
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch on the layer's `method`; returns (output, gathered input). `nodes`: the
     group's ranks per node, for the hierarchical ring order (None or one node: flat).
-    `out`: where the output goes ([world * rows, n]; new when None). `landed(gathered)`:
-    work on the gathered input, beside the GEMM that reads its last block (after the
-    hierarchical ring, in line)."""
+    `out`: where the output goes ([world * rows, n]; new when None)."""
     if method == "ring_exchange" and spans_nodes(nodes):
         from . import hierarchical
-        out, gathered = hierarchical.all_gather_matmul(x, w, tp, nodes, op=op, streams=streams,
-                                                       out=out, gemm=gemm)
-        if landed is not None:
-            landed(gathered)
-        return out, gathered
+        return hierarchical.all_gather_matmul(x, w, tp, nodes, op=op, streams=streams, out=out,
+                                              gemm=gemm)
     if method == "ring_exchange":
         return ring_exchange(x, w, tp, op=op, aggregate=aggregate, streams=streams, out=out,
-                             gemm=gemm, landed=landed)
+                             gemm=gemm)
     if method == "bulk":
-        return bulk(x, w, tp, op=op, out=out, gemm=gemm, landed=landed)
+        return bulk(x, w, tp, op=op, out=out, gemm=gemm)
     raise ValueError(f"{op}: method '{method}' cannot overlap an all-gather with a GEMM; "
                      f"use ring_exchange or bulk")

@@ -8,9 +8,9 @@
   schedule runs, so an SM-based communication kernel is never starved.
 The streams join back into the caller's stream when the schedule ends.
 
-`beside` runs a pass's layout work (an FP8 operand's transposed copy, which a later
-GEMM of the pass reads) on a side stream of its own, beside the GEMM the caller
-enqueues meanwhile, instead of in line before or after it.
+`beside` runs a pass's small bookkeeping that none of its GEMMs reads (delayed
+scaling's amax exchange and history update) on a side stream, beside the GEMMs,
+instead of after them on the pass's stream.
 """
 
 from __future__ import annotations
@@ -115,69 +115,42 @@ _side: dict[int, torch.cuda.Stream] = {}
 
 def set_beside(enabled: bool) -> bool:
     """Whether `beside` runs its work on a side stream (the default) or in line on the
-    caller's stream after the block, as the layers did before; returns the previous
-    setting. For side-by-side benchmarks: a pass captured for replay keeps the order it was
-    captured with."""
+    caller's stream after the block; returns the previous setting. For side-by-side
+    benchmarks: a pass captured for replay keeps the order it was captured with."""
     global _beside
     before, _beside = _beside, bool(enabled)
     return before
 
 
-def beside_enabled() -> bool:
-    """`set_beside`'s setting: where a pass may leave layout work to `beside` rather than
-    to a kernel on its own stream (a cast's second layout)."""
-    return _beside
-
-
 @contextlib.contextmanager
-def beside(work: Optional[Callable[[], object]], after: Optional[Callable[[], None]] = None
-           ) -> Iterator[None]:
-    """Run `work` beside what the caller enqueues in the block (a memory-bound layout copy
-    beside a GEMM): on a side stream ordered after the caller's stream as it was at entry
-    and after `after` (a transfer's wait, which enqueues there), and the caller's stream
-    ordered after `work` at exit, before anything it enqueues later. On the host, `after`
-    and `work` are called after the block, where the caller would have waited, so a
-    transport whose wait blocks the host still sees the block enqueued first. What `work`
-    writes must be allocated before the block, on the caller's stream. `work` None: the
-    block, then `after`. On CPU, or with `set_beside(False)`: the block, `after`, `work`,
-    all on the caller's stream."""
+def beside(work: Optional[Callable[[], object]]) -> Iterator[None]:
+    """Run `work` beside what the caller enqueues in the block: on a side stream ordered
+    after the caller's stream as it was at entry, and the caller's stream ordered after
+    `work` at exit. On the host `work` is called after the block, so transfers it starts
+    come after the block's, in the order every rank issues them. `work` None: the block
+    alone. On CPU, or with `set_beside(False)`: the block, then `work`, on the caller's
+    stream.
+
+    It wins only what needs no SM while the GEMMs run (copies on the copy engines, a
+    transfer's latency): cuBLAS's Hopper GEMMs hold every SM for their whole run, so a
+    kernel beside one starts at its last wave, or, started first, delays it."""
     side = _side_stream() if work is not None and _beside else None
     main = torch.cuda.current_stream() if side is not None else None
     if side is not None:
         side.wait_stream(main)
     yield
     with torch.cuda.stream(side) if side is not None else _NOTHING:
-        if after is not None:
-            after()
         if work is not None:
             work()
     if side is not None:
         main.wait_stream(side)
 
 
-def mark() -> Optional[torch.cuda.Event]:
-    """An event recorded on the current stream (None without CUDA): `follow` orders another
-    stream after what this one has enqueued so far (a transfer's wait, on a chunk stream)."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
-def follow(marks: list) -> None:
-    """The current stream ordered after each of `mark`'s events."""
-    for event in marks:
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-
-
 def _side_stream() -> Optional[torch.cuda.Stream]:
-    """This device's side stream for `beside` (None on CPU), of the highest priority: the
-    GEMM it runs beside is what the pass waits for, and its work is short."""
+    """This device's side stream for `beside` (None on CPU)."""
     if not torch.cuda.is_available() or not torch.cuda.is_initialized():
         return None
     dev = torch.cuda.current_device()
     if dev not in _side:
-        _side[dev] = torch.cuda.Stream(device=dev, priority=torch.cuda.Stream.priority_range()[1])
+        _side[dev] = torch.cuda.Stream(device=dev)
     return _side[dev]

@@ -13,24 +13,22 @@ nothing, which this table does not model):
 |---|---|---|
 | fprop | its input block [T/W, K]; the weight [N, K] | its input [T, K]; the weight |
 | dgrad | the output gradient [T, N] | its block of the gradient [T/W, N] |
-| wgrad | the product added into main_grad | without fp8_wgrad the gathered gradient dequantized |
+| wgrad | a transposed copy of the gathered input [T, K] (fp8_wgrad), the product added into main_grad | a transposed copy of the gathered gradient [T, N]; without fp8_wgrad the gathered gradient dequantized |
 
 - Tensorwise (`quantize_current`): the amax read (a gathered tensor's: the TP group's,
   exchanged), then one cast kernel that makes its scale from the amax (the max of the
-  group's) and writes the scale pair (the scaled GEMM launches nothing of its own).
-- Transposed layouts, which an FP8 GEMM of a later pass reads: a row layer's input (for
-  its wgrad, with fp8_wgrad) is cast into both layouts by one kernel (`quantize(...,
-  out_t=)`: overlap/fp8_kernels.py's cast-transpose, the wide tensor read once). The
-  others are FP8 values copied transposed (`transpose`) on a side stream beside the
-  pass's GEMMs (`overlap.streams.beside`), `Work.side`: the weight (for the dgrad) beside
-  the forward's; with fp8_wgrad, a column layer's gradient and its gathered input, and a
-  row layer's gathered gradient, beside the dgrad's. Side work is issued (its bytes and
-  kernels count) but adds no time to the pass (`Work.us`).
+  group's) and writes the scale pair (the scaled GEMM launches nothing of its own). A
+  tensor that an FP8 GEMM reads
+  transposed and that is not gathered (the weight, for the dgrad; with fp8_wgrad a row
+  layer's input and a column layer's gradient, for the wgrad) is cast into both layouts
+  by one kernel (`quantize(..., out_t=)`: overlap/fp8_kernels.py's cast-transpose, the
+  wide tensor read once); a gathered one is transposed in the wgrad (a `transpose` of its
+  FP8 values).
 - Delayed (`delayed_quantize`): the amax scalar zeroed, then one kernel that casts with
   the history's scale, reduces the amax and copies the scale pair for the GEMMs (and writes
   the transposed layout where the tensorwise cast would): the wide tensor read once, no
   scale kernel, no exchange before a gather. Once its casts are done, beside its GEMMs
-  (side work), the amaxes the pass took (`DELAYED_AMAXES`: the input's and the weight's
+  (`Work.side`), the amaxes the pass took (`DELAYED_AMAXES`: the input's and the weight's
   place; the gradient's) are exchanged over the TP group, and one kernel takes the
   group's max and updates the pass's histories (`overlap.fp8.update_scales`). The histories' bytes (8 a kept amax) are left
   out with the scalars.
@@ -74,7 +72,7 @@ ACCUMULATE = 12  # main_grad.add_(fp32 product): bytes an element (two fp32 read
 @dataclass(frozen=True)
 class Work:
     """Memory-bound work: bytes read + written, kernels launched, on the pass's stream;
-    `side`: the same beside its GEMMs, on a side stream (module docstring)."""
+    `side`: the same beside its GEMMs (`overlap.streams.beside`: delayed scaling's update)."""
 
     bytes: int = 0
     kernels: int = 0
@@ -91,8 +89,8 @@ class Work:
 
     def us(self, hw: Hardware) -> float:
         """What it adds to the pass: its part on the pass's stream at the HBM bandwidth,
-        each kernel `hw.kernel_us` (launch gap, prologue, tail). The side part runs beside
-        a GEMM, which leaves the bandwidth it needs."""
+        each kernel `hw.kernel_us` (launch gap, prologue, tail). The side part is a few
+        scalars' (no bytes), run at the end of a GEMM it waited beside."""
         return self.bytes / (hw.hbm_gbs * 1e3) + self.kernels * hw.kernel_us
 
 
@@ -137,9 +135,8 @@ def gathered(pass_name: str, column: bool) -> bool:
 
 
 def transpose(elems: int) -> Work:
-    """An FP8 tensor's transposed copy (one byte read and written an element), beside the
-    pass's GEMMs (`Work.side`)."""
-    return Work(side=(2 * elems, 1))
+    """An FP8 tensor's transposed copy (one byte read and written an element)."""
+    return Work(2 * elems, 1)
 
 
 def batched(rows: int, row_bytes: int, chunks: int) -> Work:
@@ -165,18 +162,14 @@ def pass_work(pass_name: str, column: bool, tokens: int, tp: int, k: int, n: int
     if pass_name == "fprop":
         rows = tokens // tp if column else tokens
         act = quantize(rows * k, p, scaling, rows, col=own_t and not column) + gemm
-        weight = quantize(n * k, p, scaling, n)
-        if not rowwise:  # the dgrad's layout
-            weight += transpose(n * k)
+        weight = quantize(n * k, p, scaling, n, col=not rowwise)  # with the dgrad's layout
         if delayed:  # the pass's update (the weight's history with the input's, where quantized)
             act += delayed_record()
         return PassWork(act, weight) if cached else PassWork(act + weight)
     if pass_name == "dgrad":
         rows = tokens if column else tokens // tp
-        act = (quantize(rows * n, p, scaling, rows) + gemm
+        act = (quantize(rows * n, p, scaling, rows, col=own_t and column) + gemm
                + (delayed_record() if delayed else Work()))
-        if own_t:  # the wgrad's layouts: the gradient, gathered or not, and a gathered input
-            act += transpose(tokens * n) + (transpose(tokens * k) if column else Work())
         if rowwise:  # the weight again, per column (its copy out transposes it); no tails
             act += quantize(n * k, p, "rowwise", k, scales_out=False)
         return PassWork(act)
@@ -186,5 +179,5 @@ def pass_work(pass_name: str, column: bool, tokens: int, tp: int, k: int, n: int
                             Work(tokens * n * (p + DEQUANT[1]) + (4 * tokens if rowwise else 0),
                                  DEQUANT[0]))
         add = Work(ACCUMULATE * n * k, 1) if accumulates else Work()
-        return PassWork(gemm + add)  # (its operands' layouts: the dgrad's side work)
+        return PassWork(transpose(tokens * (k if column else n)) + gemm + add)
     raise ValueError(f"pass {pass_name!r}: fprop, dgrad or wgrad")

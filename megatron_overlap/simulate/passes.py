@@ -17,9 +17,9 @@ A pass's GEMM runs in its shape's `numerics` (FP8 or the parameters' dtype) and 
 transfer moves the bytes of the dtype it carries (`numerics.py`: FP8 gathers one byte
 per element, row-wise scale tails included; reductions the parameters' dtype). An FP8
 pass also pays its memory-bound FP8 work (`fp8_work.py`: amaxes, casts, transposed
-copies), on the GEMMs' stream, in both paths, but for the transposed copies made beside
-the GEMMs (`Work.side`: no time added); launched from Python (eager) each of its
-kernels, side ones included, costs `eager_kernel_us` of host time; a tensorwise amax exchange (before a
+copies), on the GEMMs' stream, in both paths (delayed scaling's update beside the GEMMs:
+no time added); launched from Python (eager) each of its kernels costs `eager_kernel_us`
+of host time; a tensorwise amax exchange (before a
 gather) costs one small collective's latency.
 
 Each pass kind multiplies its operands in one layout (`PassSpec.gemm_layout`,
@@ -322,7 +322,7 @@ def amax_exchange_us(spec: PassSpec, hw: Hardware, layout: Layout) -> float:
     Tensorwise: before the tensor it scales is gathered (a column forward's input, a row
     dgrad's gradient), one small collective's latency. Delayed: nothing; every pass that
     quantizes exchanges its amaxes for the next scales beside its GEMMs
-    (`layers.fp8.Fp8Forward.beside_gemms`)."""
+    (`layers.fp8.Fp8Forward.after_casts`)."""
     num, shape = spec.shape.numerics, spec.shape
     if not num.fp8 or layout.tp == 1 or num.scaling in ("rowwise", "delayed"):
         return 0.0
