@@ -15,11 +15,8 @@ layer at a step's later micro-batches under Megatron's schedules, its FP8 weight
 their dgrad transposes) made at the step's first and reused (`is_first_microbatch`): what
 a step of several micro-batches mostly runs. fp8_delayed is Megatron's default recipe,
 delayed scaling (the largest of 1024 amaxes, TP reduction), primed by two steps: its casts
-read no amax first. fp8_delayed_in_line is that arm with each pass's amax exchange and
-history update in line after its GEMMs (`overlap.streams.set_beside(False)`) instead of
-beside them on a side stream: what running them beside wins. fp8_eager_kernels and
-fp8_later_micro compute the fp8 arm's numbers, fp8_delayed_in_line the fp8_delayed arm's
-(1e-2 relative at most: the attention backward's own run-to-run differences). Measured: eager
+read no amax first. fp8_eager_kernels and fp8_later_micro compute the fp8 arm's numbers (1e-2
+relative at most: the attention backward's own run-to-run differences). Measured: eager
 back to back and graphed (medians of --repeat samples of --reps calls; ratio = bf16 ms /
 fp8 ms), memory per arm (attention_layer's `memory`: per step, kept, pools). Before timing, the fp8 arm
 against the bf16 arm on the mirror transport: output, input grad and every parameter
@@ -64,10 +61,10 @@ FP8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
 # Megatron's default recipe as Transformer Engine users set it: the largest of 1024 amaxes
 DELAYED = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
                fp8_amax_compute_algo="max", tp_only_amax_red=True)
-ARMS = ("bf16", "fp8", "fp8_eager_kernels", "fp8_later_micro", "fp8_delayed", "fp8_delayed_in_line")
+ARMS = ("bf16", "fp8", "fp8_eager_kernels", "fp8_later_micro", "fp8_delayed")
 SHAPES = ("70b_tp8_s4096_b2", "8b_tp4_s4096_b2")
 GOAL, TOL, TOL_KERNELS = 1.35, 0.25, 1e-2
-TIMELINE_ARMS = ("bf16", "fp8", "fp8_delayed", "fp8_delayed_in_line")  # each one graphed replay profiled (--profile)
+TIMELINE_ARMS = ("bf16", "fp8", "fp8_delayed")  # each one graphed replay profiled (--profile)
 
 
 def build_arms(shape: lc.LayerShape, args, dtype, device):
@@ -77,7 +74,7 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
 
     mo.install(args.ub_cfgs, backend="torch_p2p")  # each layer's transport is replaced by mirror / null
     try:
-        config = {"bf16": {}, "fp8_delayed": DELAYED, "fp8_delayed_in_line": DELAYED}
+        config = {"bf16": {}, "fp8_delayed": DELAYED}
         layers = {a: lc.build_layer(shape, True, dtype, device, args.fusions, **config.get(a, FP8))
                   for a in ARMS}
     finally:
@@ -93,7 +90,7 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
                            rotary_base=500000)(d.seq_length).to(device)
     mask = None if device.type == "cuda" else torch.ones(d.seq_length, d.seq_length).triu(1).bool()[None, None]
     kinds = {"fp8_eager_kernels": EagerKernelsArm, "fp8_later_micro": LaterMicroArm,
-             "fp8_delayed": DelayedArm, "fp8_delayed_in_line": InLineArm}
+             "fp8_delayed": DelayedArm}
     arms = [kinds.get(a, lc.Arm)(a, layers[a], x.clone().requires_grad_(True), True) for a in ARMS]
     return arms, lc.Extras(g, rope, mask)
 
@@ -138,20 +135,6 @@ class DelayedArm(lc.Arm):
         return super().step(e)
 
 
-class InLineArm(DelayedArm):
-    """The delayed arm with each pass's amax exchange and update in line after its GEMMs
-    (`overlap.streams.set_beside(False)`, around every call, its captures included)."""
-
-    def step(self, e: lc.Extras) -> torch.Tensor:
-        from megatron_overlap.overlap import streams
-
-        before = streams.set_beside(False)
-        try:
-            return super().step(e)
-        finally:
-            streams.set_beside(before)
-
-
 class EagerKernelsArm(lc.Arm):
     """The FP8 layer with its casts and transposes as torch's eager kernels (`overlap.fp8.
     set_fused(False)`, around every call, its captures included): what the compiled
@@ -177,9 +160,8 @@ def check(emu, arms, e) -> dict:
     delayed = {k: rel(got["fp8_delayed"][k], v) for k, v in got["bf16"].items()}
     # the compiled kernels compute the eager ones' bits and the reused FP8 weight is the one
     # made: the FP8 arms agree but for the attention backward's own run-to-run differences
-    kernels = max([rel(got[a][k], v) for a in ("fp8_eager_kernels", "fp8_later_micro")
-                   for k, v in got["fp8"].items()]
-                  + [rel(got["fp8_delayed_in_line"][k], v) for k, v in got["fp8_delayed"].items()])
+    kernels = max(rel(got[a][k], v) for a in ("fp8_eager_kernels", "fp8_later_micro")
+                  for k, v in got["fp8"].items())
     precision = {a.name: sorted({m.precision.describe() for m in a.layer.modules() if hasattr(m, "precision")})
                  for a in arms}
     return {"tol_rel_norm": TOL, "rel_err": errs, "max_rel_err": max(errs.values()),

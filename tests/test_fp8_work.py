@@ -116,9 +116,10 @@ def _record(rank, world):
         work = {p: fp8_work(PassSpec(shape, p), getattr(plan, p), Layout(world, backend="torch_p2p"),
                             accumulates=main_grad)
                 for p in ("fprop", "dgrad", "wgrad")}
-        backward = (work["dgrad"].total + work["wgrad"].total).issued
-        model = {"forward2": work["fprop"].total.issued,
-                 "forward3": work["fprop"].activations.issued,
+        both = lambda a, b: (a.bytes + b.bytes, a.kernels + b.kernels)  # noqa: E731
+        backward = both(work["dgrad"].total, work["wgrad"].total)
+        model = {"forward2": (work["fprop"].total.bytes, work["fprop"].total.kernels),
+                 "forward3": (work["fprop"].activations.bytes, work["fprop"].activations.kernels),
                  "backward2": backward, "backward3": backward}
         out.append({"case": (scaling, kind, variant, fp8_wgrad, main_grad), "measured": measured,
                     "model": model, "weight_part": work["fprop"].weight.bytes})

@@ -214,19 +214,3 @@ def test_peer_that_never_answers_times_out_with_diagnostic():
     msg, _ = dist.run(_silent_peer, 2, env={"MEGATRON_OVERLAP_TIMEOUT_S": "2"})
     assert "rank 0/2" in msg and "'qkv_fprop' chunk 1" in msg and "from 1" in msg, msg
     assert "MEGATRON_OVERLAP_TIMEOUT_S=2s" in msg, msg
-
-
-def test_beside_orders_the_block_then_its_work_on_the_host():
-    """`overlap.streams.beside` (no GPU here: one stream): the block, then the work, which
-    starts its transfers after the block's, as every rank issues them; no work: the block.
-    `set_beside` returns the previous setting."""
-    from megatron_overlap.overlap import streams
-
-    log = []
-    with streams.beside(lambda: log.append("work")):
-        log.append("block")
-    with streams.beside(None):
-        log.append("block")
-    assert log == ["block", "work", "block"]
-    assert streams.set_beside(False) is True
-    assert streams.set_beside(True) is False

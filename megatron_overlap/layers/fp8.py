@@ -115,10 +115,9 @@ class DelayedScales:
         """The amaxes `local` (this rank's; the first len(roles) are `roles`', adjacent in
         ROLES and of one FP8 type: the input's and weight's, or the gradient's) exchanged
         over the TP group (one exchange, '<op>_amax') and recorded, and each role's next
-        scale set: one update of their rows. Called once the pass's casts are done, beside
-        its GEMMs (`Fp8Forward.after_casts`): nothing in the pass reads the histories'
-        scales after its casts (its GEMMs read the scales the casts used), so the exchange
-        waits on nothing the pass's transfers need."""
+        scale set: one update of their rows. Called at the end of the pass: nothing in it
+        reads the histories' scales after its casts, so the exchange waits on nothing the
+        pass's transfers need."""
         first = self.ROLES.index(roles[0])
         rows = slice(first, first + len(roles))
         if self.ROLES[rows] != tuple(roles) or ("grad" in roles and len(roles) > 1):
@@ -270,15 +269,10 @@ class Fp8Forward:
         return (self.x8, self.x8t, self.w8, self.x_scale, self.w_scale, self.w8t, *held)
 
     def record(self, tp: Transport, op: str) -> None:
-        """Delayed scaling, once the forward's casts are done: its amaxes recorded (the TP
+        """Delayed scaling, at the end of the forward pass: its amaxes recorded (the TP
         group's), the next scales set. Nothing to do otherwise."""
         if self.delayed is not None:
             self.delayed.record(self.roles, self._amaxes, tp, op)
-
-    def after_casts(self, tp: Transport, op: str):
-        """What the forward pass `op` runs beside its GEMMs once its casts are done
-        (`overlap.streams.beside`): delayed scaling's `record`; None otherwise."""
-        return None if self.delayed is None else (lambda: self.record(tp, op))
 
     def kept_input(self) -> torch.Tensor:
         """The FP8 input the backward's wgrad reads: column-major where the cast wrote it
@@ -359,15 +353,10 @@ class Fp8Backward:
         return g8, g_scale, (None if t is None else t.t())
 
     def record(self, tp: Transport, op: str) -> None:
-        """Delayed scaling, once the gradient's cast is done: its amax recorded (the TP
-        group's), its next scale set. Nothing to do otherwise."""
+        """Delayed scaling, at the end of the backward pass: the gradient's amax recorded
+        (the TP group's), its next scale set. Nothing to do otherwise."""
         if self._amax is not None:
             self.delayed.record(("grad",), self._amax.reshape(1), tp, op)
-
-    def after_casts(self, tp: Transport, op: str):
-        """What the backward pass `op` runs beside its GEMMs once the gradient's cast is
-        done (`overlap.streams.beside`): delayed scaling's `record`; None otherwise."""
-        return None if self.delayed is None else (lambda: self.record(tp, op))
 
     def dgrad(self, g_scale: Optional[torch.Tensor], out_dtype: torch.dtype
               ) -> tuple[torch.Tensor, ScaledGemm | RowScaledGemm]:

@@ -24,7 +24,7 @@ from ..config.effects import CAPS
 from ..overlap import all_gather_matmul, hide, matmul, matmul_reduce_scatter
 from ..overlap.fp8 import row_input_chunks
 from ..overlap.replay import PassGraphs
-from ..overlap.streams import ChunkStreams, beside, plain
+from ..overlap.streams import ChunkStreams, plain
 from .fp8 import DelayedScales, Fp8Backward, Fp8Forward, col_major
 from .plan import LayerPlan
 from .precision import Precision
@@ -101,19 +101,19 @@ def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
     op, streams = begin(tp, plan, "fprop")
     if q is not None:
         x2, weight, gemm = q.operands(x2, weight, tp, op, plan.sequence_parallel, out.dtype)
-    with beside(q and q.after_casts(tp, op)):
-        if plan.sequence_parallel and plan.fprop is not None:
-            all_gather_matmul(x2, weight, tp, plan.fprop.method, op=op,
-                              aggregate=plan.fprop.aggregate, streams=streams, nodes=nodes,
-                              out=out, gemm=gemm)
-        elif plan.sequence_parallel:
-            full = _gathered(x2, tp)
-            tp.all_gather(full, x2, op=op).wait()
-            gemm(full, weight.t(), out, op=op)
-        else:
-            gemm(x2, weight.t(), out, op=op)
+    if plan.sequence_parallel and plan.fprop is not None:
+        all_gather_matmul(x2, weight, tp, plan.fprop.method, op=op, aggregate=plan.fprop.aggregate,
+                          streams=streams, nodes=nodes, out=out, gemm=gemm)
+    elif plan.sequence_parallel:
+        full = _gathered(x2, tp)
+        tp.all_gather(full, x2, op=op).wait()
+        gemm(full, weight.t(), out, op=op)
+    else:
+        gemm(x2, weight.t(), out, op=op)
     if bias is not None:
         out.add_(bias)
+    if q is not None:
+        q.record(tp, op)
 
 
 def column_dgrad(g, x2, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams,
@@ -208,13 +208,13 @@ def column_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Tran
         if fp8_w:
             gw = g_col
             wgemm = q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse))
-    with beside(q and q.after_casts(tp, dname)):
-        inp, pending = column_dgrad(gd, x2, wd, grad_in, plan, tp, nodes, streams, dname,
-                                    allreduce_dgrad, wgrad, dgemm, full)
-        column_wgrad(gw, inp, weight, grad_w, grad_in, pending, plan, tp, fuse, wgrad, wgemm,
-                     fp8_w)
+    inp, pending = column_dgrad(gd, x2, wd, grad_in, plan, tp, nodes, streams, dname,
+                                allreduce_dgrad, wgrad, dgemm, full)
+    column_wgrad(gw, inp, weight, grad_w, grad_in, pending, plan, tp, fuse, wgrad, wgemm, fp8_w)
     if grad_b is not None:
         torch.sum(g, 0, out=grad_b)
+    if q is not None:
+        q.record(tp, dname)
 
 
 def row_input_order(plan: LayerPlan, tp: Transport, nodes, scaling: str | None
@@ -245,16 +245,16 @@ def row_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
     chunks = row_input_order(plan, tp, nodes, q.p.recipe if q is not None else scaling)
     if q is not None:
         x2, weight, gemm = q.operands(x2, weight, tp, op, False, out.dtype, chunks)
-    with beside(q and q.after_casts(tp, op)):
-        if s is not None:
-            matmul_reduce_scatter(x2, weight, tp, s.method, s.splits(tp.world_size), op=op,
-                                  scatter=sp, streams=streams, nodes=nodes, out=out, gemm=gemm,
-                                  chunk_major=chunks is not None)
-        else:
-            matmul_reduce_scatter(x2, weight, tp, "bulk", 1, op=op, scatter=sp, out=out,
-                                  gemm=gemm)
+    if s is not None:
+        matmul_reduce_scatter(x2, weight, tp, s.method, s.splits(tp.world_size), op=op,
+                              scatter=sp, streams=streams, nodes=nodes, out=out, gemm=gemm,
+                              chunk_major=chunks is not None)
+    else:
+        matmul_reduce_scatter(x2, weight, tp, "bulk", 1, op=op, scatter=sp, out=out, gemm=gemm)
     if bias is not None:
         out.add_(bias)
+    if q is not None:
+        q.record(tp, op)
 
 
 def row_dgrad(g, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams, op: str,
@@ -305,14 +305,13 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
         g8, g_scale, g_col = q.grad(g, tp, dname, gathered=sp,
                                     col=not sp and wgrad and q.p.wgrad)
         w8t, dgemm = q.dgrad(g_scale, grad_in.dtype)
-        with beside(q.after_casts(tp, dname)):
-            g_full = row_dgrad(g8, w8t.t(), grad_in, plan, tp, nodes, streams, dname, dgemm)
-            if wgrad and q.p.wgrad:
-                row_wgrad(g_full if g_col is None else g_col, x2, weight, grad_w, plan, fuse,
-                          q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse)), fp8=True)
-            elif wgrad:
-                row_wgrad(q.dequantized(g_full, g_scale, x2.dtype), x2, weight, grad_w, plan,
-                          fuse)
+        g_full = row_dgrad(g8, w8t.t(), grad_in, plan, tp, nodes, streams, dname, dgemm)
+        if wgrad and q.p.wgrad:
+            row_wgrad(g_full if g_col is None else g_col, x2, weight, grad_w, plan, fuse,
+                      q.wgrad(g_scale, _wgrad_dtype(weight, grad_w, fuse)), fp8=True)
+        elif wgrad:
+            row_wgrad(q.dequantized(g_full, g_scale, x2.dtype), x2, weight, grad_w, plan, fuse)
+        q.record(tp, dname)
     if grad_b is not None:
         torch.sum(g, 0, out=grad_b)
 

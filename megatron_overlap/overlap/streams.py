@@ -7,17 +7,11 @@
 - `sm_margin`: with `set_sm_margin`, cuBLAS is held `num_sm` SMs short while the
   schedule runs, so an SM-based communication kernel is never starved.
 The streams join back into the caller's stream when the schedule ends.
-
-`beside` runs a pass's small bookkeeping that none of its GEMMs reads (delayed
-scaling's amax exchange and history update) on a side stream, beside the GEMMs,
-instead of after them on the pass's stream.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator, Optional
-
 import torch
 
 _cache: dict[tuple[int, int, int], torch.cuda.Stream] = {}
@@ -107,50 +101,3 @@ class ChunkStreams:
 def plain() -> ChunkStreams:
     """The caller's stream only (CPU, tests, or a layer without GPU settings)."""
     return ChunkStreams(n=1)
-
-
-_beside = True  # set_beside
-_side: dict[int, torch.cuda.Stream] = {}
-
-
-def set_beside(enabled: bool) -> bool:
-    """Whether `beside` runs its work on a side stream (the default) or in line on the
-    caller's stream after the block; returns the previous setting. For side-by-side
-    benchmarks: a pass captured for replay keeps the order it was captured with."""
-    global _beside
-    before, _beside = _beside, bool(enabled)
-    return before
-
-
-@contextlib.contextmanager
-def beside(work: Optional[Callable[[], object]]) -> Iterator[None]:
-    """Run `work` beside what the caller enqueues in the block: on a side stream ordered
-    after the caller's stream as it was at entry, and the caller's stream ordered after
-    `work` at exit. On the host `work` is called after the block, so transfers it starts
-    come after the block's, in the order every rank issues them. `work` None: the block
-    alone. On CPU, or with `set_beside(False)`: the block, then `work`, on the caller's
-    stream.
-
-    It wins only what needs no SM while the GEMMs run (copies on the copy engines, a
-    transfer's latency): cuBLAS's Hopper GEMMs hold every SM for their whole run, so a
-    kernel beside one starts at its last wave, or, started first, delays it."""
-    side = _side_stream() if work is not None and _beside else None
-    main = torch.cuda.current_stream() if side is not None else None
-    if side is not None:
-        side.wait_stream(main)
-    yield
-    with torch.cuda.stream(side) if side is not None else _NOTHING:
-        if work is not None:
-            work()
-    if side is not None:
-        main.wait_stream(side)
-
-
-def _side_stream() -> Optional[torch.cuda.Stream]:
-    """This device's side stream for `beside` (None on CPU)."""
-    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
-        return None
-    dev = torch.cuda.current_device()
-    if dev not in _side:
-        _side[dev] = torch.cuda.Stream(device=dev)
-    return _side[dev]

@@ -27,10 +27,10 @@ nothing, which this table does not model):
 - Delayed (`delayed_quantize`): the amax scalar zeroed, then one kernel that casts with
   the history's scale, reduces the amax and copies the scale pair for the GEMMs (and writes
   the transposed layout where the tensorwise cast would): the wide tensor read once, no
-  scale kernel, no exchange before a gather. Once its casts are done, beside its GEMMs
-  (`Work.side`), the amaxes the pass took (`DELAYED_AMAXES`: the input's and the weight's
-  place; the gradient's) are exchanged over the TP group, and one kernel takes the
-  group's max and updates the pass's histories (`overlap.fp8.update_scales`). The histories' bytes (8 a kept amax) are left
+  scale kernel, no exchange before a gather. At the end of the pass the amaxes it took
+  (`DELAYED_AMAXES`: the input's and the weight's place; the gradient's) are exchanged
+  over the TP group, and one kernel takes the group's max and updates the pass's
+  histories (`overlap.fp8.update_scales`). The histories' bytes (8 a kept amax) are left
   out with the scalars.
 - The amax counts as one kernel; on a GPU it also launches a memset (tensorwise: the
   Triton amax's scalar zeroed, as torch's reduction also does).
@@ -61,7 +61,7 @@ from .hardware import Hardware
 
 TENSORWISE_KERNELS = 2  # amax, the cast making its scale (overlap.fp8.quantize_current)
 DELAYED_KERNELS = 2  # the amax zeroed, the cast reducing it (overlap/fp8_kernels.py)
-DELAYED_AMAXES = {"fprop": 2, "dgrad": 1}  # a pass's amaxes exchanged beside its GEMMs (delayed)
+DELAYED_AMAXES = {"fprop": 2, "dgrad": 1}  # a pass's amaxes exchanged at its end (delayed)
 ROW_SCALE_KERNELS = 10  # |x|, its amax along the row, eight on the [rows, 1] scales
 ROW_SCALE_BYTES = 100  # bytes per row of those eight and of the amax's output
 EAGER_CAST = (5, 27)  # kernels; bytes an element beyond p: fp32 upcast, multiply, clamp, cast, copy
@@ -71,26 +71,16 @@ ACCUMULATE = 12  # main_grad.add_(fp32 product): bytes an element (two fp32 read
 
 @dataclass(frozen=True)
 class Work:
-    """Memory-bound work: bytes read + written, kernels launched, on the pass's stream;
-    `side`: the same beside its GEMMs (`overlap.streams.beside`: delayed scaling's update)."""
+    """Memory-bound work: bytes read + written, kernels launched."""
 
     bytes: int = 0
     kernels: int = 0
-    side: tuple[int, int] = (0, 0)  # (bytes, kernels)
 
     def __add__(self, other: "Work") -> "Work":
-        return Work(self.bytes + other.bytes, self.kernels + other.kernels,
-                    (self.side[0] + other.side[0], self.side[1] + other.side[1]))
-
-    @property
-    def issued(self) -> tuple[int, int]:
-        """(bytes, kernels) of all of it, on either stream."""
-        return self.bytes + self.side[0], self.kernels + self.side[1]
+        return Work(self.bytes + other.bytes, self.kernels + other.kernels)
 
     def us(self, hw: Hardware) -> float:
-        """What it adds to the pass: its part on the pass's stream at the HBM bandwidth,
-        each kernel `hw.kernel_us` (launch gap, prologue, tail). The side part is a few
-        scalars' (no bytes), run at the end of a GEMM it waited beside."""
+        """At the HBM bandwidth, each kernel `hw.kernel_us` (launch gap, prologue, tail)."""
         return self.bytes / (hw.hbm_gbs * 1e3) + self.kernels * hw.kernel_us
 
 
@@ -122,10 +112,10 @@ def quantize(elems: int, p: int, scaling: str = "tensorwise", rows: int = 0,
 
 
 def delayed_record() -> Work:
-    """Delayed scaling once a quantizing pass's casts are done, beside its GEMMs: one
-    kernel takes the group's max of the pass's amaxes (exchanged before it) and updates
-    its histories, the input's and the weight's together."""
-    return Work(side=(0, 1))
+    """Delayed scaling at a quantizing pass's end: one kernel takes the group's max of the
+    pass's amaxes (exchanged before it) and updates its histories, the input's and the
+    weight's together."""
+    return Work(0, 1)
 
 
 def gathered(pass_name: str, column: bool) -> bool:

@@ -17,9 +17,8 @@ A pass's GEMM runs in its shape's `numerics` (FP8 or the parameters' dtype) and 
 transfer moves the bytes of the dtype it carries (`numerics.py`: FP8 gathers one byte
 per element, row-wise scale tails included; reductions the parameters' dtype). An FP8
 pass also pays its memory-bound FP8 work (`fp8_work.py`: amaxes, casts, transposed
-copies), on the GEMMs' stream, in both paths (delayed scaling's update beside the GEMMs:
-no time added); launched from Python (eager) each of its kernels costs `eager_kernel_us`
-of host time; a tensorwise amax exchange (before a
+copies), on the GEMMs' stream, in both paths; launched from Python (eager) each of its
+kernels costs `eager_kernel_us` of host time; a tensorwise amax exchange (before a
 gather) costs one small collective's latency.
 
 Each pass kind multiplies its operands in one layout (`PassSpec.gemm_layout`,
@@ -40,7 +39,7 @@ import torch
 from ..config import LayerSettings
 from ..overlap import ring_steps
 from ..overlap.fp8 import row_input_chunks
-from .fp8_work import PassWork, Work, batched, gathered, pass_work
+from .fp8_work import DELAYED_AMAXES, PassWork, Work, batched, gathered, pass_work
 from .gemm import GemmModel
 from .numerics import dtype_name
 from .hardware import Hardware, Layout
@@ -318,15 +317,15 @@ def fp8_work(spec: PassSpec, s: LayerSettings | None, layout: Layout,
 
 
 def amax_exchange_us(spec: PassSpec, hw: Hardware, layout: Layout) -> float:
-    """What an FP8 pass's exchange of the TP group's amaxes (a float a rank) adds to it.
-    Tensorwise: before the tensor it scales is gathered (a column forward's input, a row
-    dgrad's gradient), one small collective's latency. Delayed: nothing; every pass that
-    quantizes exchanges its amaxes for the next scales beside its GEMMs
-    (`layers.fp8.Fp8Forward.after_casts`)."""
+    """An FP8 pass's exchange of the TP group's amaxes (a float or two a rank). Tensorwise:
+    before the tensor it scales is gathered (a column forward's input, a row dgrad's
+    gradient). Delayed: at the end of every pass that quantizes (forward: the input's and
+    the weight's; dgrad: the gradient's), after its GEMMs, for the next scales."""
     num, shape = spec.shape.numerics, spec.shape
-    if not num.fp8 or layout.tp == 1 or num.scaling in ("rowwise", "delayed"):
+    if not num.fp8 or layout.tp == 1 or num.scaling == "rowwise":
         return 0.0
-    floats = int(gathered(spec.pass_name, shape.column))
+    floats = (DELAYED_AMAXES.get(spec.pass_name, 0) if num.scaling == "delayed"
+              else int(gathered(spec.pass_name, shape.column)))
     return Sim(hw, layout, Engine("sm", hw.nccl_sms)).collective_us(4 * floats) if floats else 0.0
 
 
@@ -363,7 +362,7 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
     eager = layout.mode == "eager"
     # each FP8 kernel launched from Python costs host time: the pass's own where no host
     # time is measured (as eager mode counts every launch), else added to the measured one
-    launch = lambda w: w.issued[1] * hw.eager_kernel_us if eager else 0.0  # noqa: E731
+    launch = lambda w: w.kernels * hw.eager_kernel_us if eager else 0.0  # noqa: E731
     device = lambda w: w.us(hw) + (launch(w) if host is None else 0.0)  # noqa: E731
     base_work = fp8_work(spec, None, layout)
     base_gpu, base_host = base_us + device(base_work.total) + exchange, None

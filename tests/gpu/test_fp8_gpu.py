@@ -141,7 +141,7 @@ def _layers_replay(rank, world):
     import megatron_overlap as mo
     from helpers import fp8_layers as fl
     from helpers.layers import VARIANTS
-    from megatron_overlap.overlap import replay, streams
+    from megatron_overlap.overlap import replay
 
     out = {}
     for (kind, variant), recipe in itertools.product(REPLAY_CASES, ("tensorwise", "delayed")):
@@ -179,7 +179,6 @@ def _layers_replay(rank, world):
         graphed += [run(s[1]) for s in steps]  # the stored graphs replayed again
         after = replay.totals()
         replay.set_enabled(False)
-        streams.set_beside(False)  # eager, delayed scaling's updates in line after the GEMMs
         try:
             if recipe == "delayed":  # the same 8 steps on a layer that never replays
                 eager = [run(s[1], fresh) for s in steps + steps]
@@ -187,7 +186,6 @@ def _layers_replay(rank, world):
                 eager = [run(s[1]) for s in steps] * 2
         finally:
             replay.set_enabled(None)
-            streams.set_beside(True)
         torch.cuda.synchronize()
         want = [{k: v.cpu() for k, v in fl.reference(case, rank, world, *s[0]).items()}
                 for s in steps] if recipe == "tensorwise" else None
@@ -269,9 +267,7 @@ def test_fp8_schedules_on_symm_match_one_whole_scaled_mm(results):
 @pytest.mark.parametrize("case", REPLAY_CASES, ids=lambda c: "-".join(c))
 def test_fp8_layers_replay_equal_eager_and_the_reference(results, case, recipe):
     """Replayed passes give eager's bits (delayed scaling: a twin layer run eagerly through
-    the same 8 steps, its histories updated alike, in line after each pass's GEMMs where
-    the replayed passes update them beside: `overlap.streams.beside`); tensorwise also
-    against the reference
+    the same 8 steps, its histories updated alike); tensorwise also against the reference
     (delayed's own, step after step on the GPU: test_delayed_layers_on_the_gpu_...)."""
     for rank, r in enumerate(results):
         got = r["replay"][(*case, recipe)]
