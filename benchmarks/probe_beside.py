@@ -12,7 +12,8 @@ interleaved):
 - beside: the transpose on a side stream forked before the GEMM, joined after it (the
   GEMM launched first);
 - beside_first_high: the transpose launched first, on a high-priority side stream;
-- beside_margin: beside, the GEMM held 16 SMs short (`set_sm_margin`'s carve-out);
+- beside_margin: beside, the GEMM held 16 SMs short (`set_sm_margin`'s carve-out,
+  `overlap.streams.ChunkStreams`; left out where torch has no carve-out);
 - copy_beside: the copy on a side stream beside the GEMM.
 
 `saved` = serial - beside (the transpose's time hidden; 0: none).
@@ -54,6 +55,7 @@ def _graph(fn) -> torch.cuda.CUDAGraph:
 
 def arms() -> dict:
     from megatron_overlap.overlap.fp8 import transposed
+    from megatron_overlap.overlap.streams import ChunkStreams
 
     dev = torch.device("cuda")
     g8 = torch.randn(M, K, device=dev).to(torch.float8_e5m2)
@@ -74,34 +76,29 @@ def arms() -> dict:
     def copy_bytes():
         copy.copy_(full)
 
-    def on(stream, work, first=None):
+    def on(stream, work, work_first=False):
         main = torch.cuda.current_stream()
         stream.wait_stream(main)
-        if first is None:
+        if not work_first:
             gemm()
         with torch.cuda.stream(stream):
             work()
-        if first is not None:
-            first()
+        if work_first:
+            gemm()
         main.wait_stream(stream)
 
-    def margin():
-        carve = getattr(torch._C, "_set_sm_carveout_experimental", None)
-        before = torch._C._get_sm_carveout_experimental() if carve else None
-        if carve:
-            carve(MARGIN)
-        try:
+    def margin():  # the layers' own carve-out (set_sm_margin's)
+        with ChunkStreams(n=1, sm_margin=MARGIN):
             on(low, transpose)
-        finally:
-            if carve:
-                carve(before)
 
-    return {"gemm": gemm, "transpose": transpose, "copy": copy_bytes,
-            "serial": lambda: (gemm(), transpose()),
-            "beside": lambda: on(low, transpose),
-            "beside_first_high": lambda: on(high, transpose, first=gemm),
-            "beside_margin": margin,
-            "copy_beside": lambda: on(low, copy_bytes)}
+    out = {"gemm": gemm, "transpose": transpose, "copy": copy_bytes,
+           "serial": lambda: (gemm(), transpose()),
+           "beside": lambda: on(low, transpose),
+           "beside_first_high": lambda: on(high, transpose, work_first=True),
+           "copy_beside": lambda: on(low, copy_bytes)}
+    if hasattr(torch._C, "_set_sm_carveout_experimental"):  # (else no margin to measure)
+        out["beside_margin"] = margin
+    return out
 
 
 def time_graphs(graphs: dict, reps: int) -> dict:
@@ -132,7 +129,7 @@ def main(argv=None) -> int:
     doc = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "gemm_mkn": [M, K, N], "margin_sms": MARGIN, "reps": args.reps, "us": us,
            "saved_us": {k: us["serial"] - us[k] for k in ("beside", "beside_first_high",
-                                                           "beside_margin")},
+                                                           "beside_margin") if k in us},
            "copy_saved_us": us["gemm"] + us["copy"] - us["copy_beside"]}
     print(f"probe_beside: {doc['gpu']}, GEMM {M}x{K}x{N} FP8, median of {args.reps} (us)")
     for k, v in us.items():
