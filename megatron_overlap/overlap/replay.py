@@ -43,6 +43,7 @@ import torch
 
 from ..comm import stats, trace
 from ..comm.transport import Transport
+from . import streams
 
 _tokens = itertools.count()
 _pools: dict[int, tuple] = {}  # device index -> (scratch pool, capture stream, keeper graph, its tensor)
@@ -99,11 +100,15 @@ def pool_memory(dev: Optional[int] = None) -> tuple[int, int]:
 
 
 def _pool(dev: int) -> tuple:
-    """The device's shared scratch pool of pass graphs. A pool whose graphs are all gone
-    cannot take a new capture (the caching allocator asserts), and layers come and go, so
-    a one-node graph captured into it at creation keeps it alive."""
+    """The device's shared scratch pool of pass graphs and the stream passes are captured
+    on. A pool whose graphs are all gone cannot take a new capture (the caching allocator
+    asserts), and layers come and go, so a one-node graph captured into it at creation
+    keeps it alive. The stream is chunk stream 0 (`streams.stream`): a GEMM captured on a
+    stream of its own took a cuBLAS workspace (32 MiB on Hopper) per capturing thread,
+    the forward's and autograd's, into this pool for the whole run; on the chunk stream
+    it uses the one the chunk GEMMs made (`_capture`)."""
     if dev not in _pools:
-        pool, stream, keeper = torch.cuda.graph_pool_handle(), torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        pool, stream, keeper = torch.cuda.graph_pool_handle(), streams.stream(dev, 0), torch.cuda.CUDAGraph()
         flag = torch.zeros(1, device=torch.device("cuda", dev))
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -244,6 +249,8 @@ class PassGraphs:
         graph = torch.cuda.CUDAGraph()
         before = stats.snapshot(reset=False)
         stream.wait_stream(main)  # before the capture: the pass's inputs are ready
+        with torch.cuda.stream(stream):  # this thread's cuBLAS workspace for the stream,
+            torch.cuda.current_blas_handle()  # made outside the capture if none is yet
         with trace.recording() as events, tp.recording_waits() as waits, torch.cuda.stream(stream):
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:

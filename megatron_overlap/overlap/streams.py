@@ -64,7 +64,8 @@ class ChunkStreams:
             dev = torch.cuda.current_device()
             self._streams = [self._stream(dev, i) for i in range(self.n)]
             for s in self._streams:
-                s.wait_stream(main)
+                if s != main:  # (the pass replay captures on stream 0)
+                    s.wait_stream(main)
         if self.sm_margin and hasattr(torch._C, "_set_sm_carveout_experimental"):
             self._carved, self._previous = True, torch._C._get_sm_carveout_experimental()
             torch._C._set_sm_carveout_experimental(self.sm_margin)
@@ -73,7 +74,8 @@ class ChunkStreams:
     def __exit__(self, *exc) -> None:
         main = torch.cuda.current_stream() if self._streams else None
         for s in self._streams:
-            main.wait_stream(s)
+            if s != main:
+                main.wait_stream(s)
         self._streams = []
         if self._carved:
             torch._C._set_sm_carveout_experimental(self._previous)
@@ -91,11 +93,19 @@ class ChunkStreams:
         return torch.cuda.stream(self._streams[i % len(self._streams)])
 
     def _stream(self, device: int, i: int) -> torch.cuda.Stream:
-        key = (device, i, self.priority)
-        if key not in _cache:
-            lo, hi = torch.cuda.Stream.priority_range()
-            _cache[key] = torch.cuda.Stream(device=device, priority=min(max(self.priority, hi), lo))
-        return _cache[key]
+        return stream(device, i, self.priority)
+
+
+def stream(device: int, i: int = 0, priority: int = 0) -> torch.cuda.Stream:
+    """The process's chunk stream i of `priority` on `device`, made at the first call. The
+    pass replay captures on stream 0 (`overlap.replay`): cuBLAS keeps a workspace per
+    (thread's handle, stream), so a GEMM captured on a stream the chunk GEMMs already ran
+    on reuses theirs, where a stream of its own would take another."""
+    key = (device, i, priority)
+    if key not in _cache:
+        lo, hi = torch.cuda.Stream.priority_range()
+        _cache[key] = torch.cuda.Stream(device=device, priority=min(max(priority, hi), lo))
+    return _cache[key]
 
 
 def plain() -> ChunkStreams:

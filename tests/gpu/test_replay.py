@@ -253,3 +253,75 @@ def test_the_column_backward_gather_is_not_kept_in_the_scratch_pool():
         assert 0 < frozen <= trained, (frozen, trained)  # the pool is seen (the passes captured)
         assert 0 < replays[0] < replays[1], replays  # both kinds of backward replayed
         assert trained - frozen < gathered // 2, (frozen, trained, gathered)
+
+
+WORKSPACE_CONFIG = ":4100:8"  # cuBLAS workspaces of a size no tensor here has
+WORKSPACE_BYTES = 4100 * 1024 * 8
+
+
+def _workspaces() -> tuple[int, int]:
+    """(in the pass graphs' pool, elsewhere): the cuBLAS workspaces the process holds, as
+    blocks allocated at the size CUBLAS_WORKSPACE_CONFIG gives them."""
+    import torch
+
+    from megatron_overlap.overlap import replay
+
+    dev = torch.cuda.current_device()
+    pool = tuple(replay._pools[dev][0]) if dev in replay._pools else None
+    counts = [0, 0]
+    for seg in torch.cuda.memory_snapshot():
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated" and \
+                    block.get("requested_size", block["size"]) == WORKSPACE_BYTES:
+                counts[tuple(seg.get("segment_pool_id", ())) != pool] += 1
+    return counts[0], counts[1]
+
+
+def _workspaces_after_steps(rank, world):
+    """A column layer feeding a row layer under SP, TE's settings (GEMMs on three
+    streams): the cuBLAS workspaces held after one eager step, then after steps that
+    capture and replay every pass, and each pass's (captures, replays)."""
+    import dataclasses
+
+    import torch
+
+    import megatron_overlap as mo
+    from helpers.layers import Case, build, make_input
+
+    _init(world)
+    col_case = Case("column", True, "bfloat16", False, False, "default", seq=512, batch=2)
+    row_case = dataclasses.replace(col_case, kind="row")
+    mo.install()
+    try:
+        col = build(col_case, world, overlap=True, name_in=1024, name_out=1536).cuda()
+        row = build(row_case, world, overlap=True, name_in=1024, name_out=1536).cuda()
+    finally:
+        mo.uninstall()
+    x = make_input(col_case, rank, world, col, seed=5).detach().cuda()
+
+    def step():
+        xi = x.detach().requires_grad_(True)
+        y = row(col(xi)[0])[0]
+        y.backward(torch.ones_like(y))
+        del y, xi
+        torch.cuda.synchronize()
+
+    step()
+    eager = _workspaces()
+    for _ in range(5):
+        step()
+    graphs = {f"{layer}.{p}": (g.captures, g.replays)
+              for layer, m in (("column", col), ("row", row)) for p, g in m.pass_graphs.items()}
+    return eager, _workspaces(), graphs
+
+
+def test_captures_take_no_cublas_workspace():
+    """Passes are captured on the stream the chunk GEMMs run on (chunk stream 0), so a
+    captured GEMM uses the cuBLAS workspace its thread made there eagerly: capturing
+    takes none into the pass graphs' pool, and no more are held once every pass replays.
+    (On a capture stream of its own, the column backward's GEMMs took one per capture.)"""
+    env = {**gpu.ENV, "CUBLAS_WORKSPACE_CONFIG": WORKSPACE_CONFIG}
+    for eager, replayed, graphs in dist.run(_workspaces_after_steps, 2, env=env, timeout=240):
+        assert all(c >= 1 and r >= 1 for c, r in graphs.values()), graphs  # every pass replays
+        assert eager[0] == 0 and eager[1] >= 2, eager  # the forward thread's and autograd's at least
+        assert replayed == (0, eager[1]), (eager, replayed)
