@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 
 from ..comm.transport import FLOAT8
+from ..overlap.streams import off_capture
 
 try:  # apex's CUDA extension; optional
     import fused_weight_gradient_mlp_cuda as _apex_wgrad  # type: ignore
@@ -46,7 +47,8 @@ def weight_grad(weight: torch.Tensor, grad_out: torch.Tensor, inp: torch.Tensor,
     if _apex_wgrad is not None and main_grad.is_cuda:
         kernel = (_apex_wgrad.wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32
                   else _apex_wgrad.wgrad_gemm_accum_fp16)
-        kernel(inp, grad_out, main_grad)
+        with off_capture():  # a cuBLAS GEMM too
+            kernel(inp, grad_out, main_grad)
     else:
         main_grad.add_(gemm(grad_out.t().to(main_grad.dtype), inp.to(main_grad.dtype)))
 

@@ -52,6 +52,7 @@ import torch
 from ..comm import trace
 from ..comm.transport import FLOAT8, Transport
 from . import fp8_kernels
+from .streams import off_capture
 
 
 def _ao():
@@ -621,15 +622,17 @@ class ScaledGemm:
         trace.record("gemm", op, chunk)
         _check(a, b, op)
         dtype = out.dtype if out is not None else self.out_dtype
-        if a.dim() == 3:
+        if a.dim() == 3 and out is None:
+            out = a.new_empty(a.shape[0], a.shape[1], b.shape[-1], dtype=dtype)
+        with off_capture():
+            if a.dim() == 3:
+                return batched(a, b, out, lambda a2, b2, o: torch._scaled_mm(
+                    a2, b2, scale_a=self.a_inv, scale_b=self.b_inv, out_dtype=dtype, out=o))
             if out is None:
-                out = a.new_empty(a.shape[0], a.shape[1], b.shape[-1], dtype=dtype)
-            return batched(a, b, out, lambda a2, b2, o: torch._scaled_mm(
-                a2, b2, scale_a=self.a_inv, scale_b=self.b_inv, out_dtype=dtype, out=o))
-        if out is None:
-            return torch._scaled_mm(a, b, scale_a=self.a_inv, scale_b=self.b_inv, out_dtype=dtype)
-        return torch._scaled_mm(a, b, scale_a=self.a_inv, scale_b=self.b_inv, out_dtype=dtype,
-                                out=out)
+                return torch._scaled_mm(a, b, scale_a=self.a_inv, scale_b=self.b_inv,
+                                        out_dtype=dtype)
+            return torch._scaled_mm(a, b, scale_a=self.a_inv, scale_b=self.b_inv,
+                                    out_dtype=dtype, out=out)
 
 
 def batched(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, mm) -> torch.Tensor:
@@ -683,5 +686,5 @@ class RowScaledGemm:
             inv = row_scale(a2).reciprocal()  # the rows' scales, contiguous
             return torch._scaled_mm(row_data(a2), b2, scale_a=inv, scale_b=self.b_inv,
                                     out_dtype=dtype, out=o)
-        # 3-D: the scales travel with the rows, through batched()'s copy too
-        return batched(a, b, out, mm) if a.dim() == 3 else mm(a, b, out)
+        with off_capture():  # 3-D: the scales travel with the rows, through batched()'s copy too
+            return batched(a, b, out, mm) if a.dim() == 3 else mm(a, b, out)

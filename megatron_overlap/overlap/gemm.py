@@ -10,6 +10,7 @@ from typing import Optional, Protocol
 import torch
 
 from ..comm import trace
+from .streams import off_capture
 
 
 class Gemm(Protocol):
@@ -32,6 +33,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None,
     """cuBLAS (or the CPU's BLAS) through `torch.mm` / `torch.bmm`: the same kernels as
     `torch.matmul`, with less dispatch on the host."""
     trace.record("gemm", op, chunk)
-    if a.dim() == 3:
-        return torch.bmm(a, b, out=out)
-    return torch.mm(a, b, out=out)
+    with off_capture():
+        if a.dim() == 3:
+            return torch.bmm(a, b, out=out)
+        return torch.mm(a, b, out=out)

@@ -103,12 +103,9 @@ def _pool(dev: int) -> tuple:
     """The device's shared scratch pool of pass graphs and the stream passes are captured
     on. A pool whose graphs are all gone cannot take a new capture (the caching allocator
     asserts), and layers come and go, so a one-node graph captured into it at creation
-    keeps it alive. The stream is chunk stream 0 (`streams.stream`): a GEMM captured on a
-    stream of its own took a cuBLAS workspace (32 MiB on Hopper) per capturing thread,
-    the forward's and autograd's, into this pool for the whole run; on the chunk stream
-    it uses the one the chunk GEMMs made (`_capture`)."""
+    keeps it alive. No GEMM runs on the capture stream (`streams.off_capture`)."""
     if dev not in _pools:
-        pool, stream, keeper = torch.cuda.graph_pool_handle(), streams.stream(dev, 0), torch.cuda.CUDAGraph()
+        pool, stream, keeper = torch.cuda.graph_pool_handle(), torch.cuda.Stream(), torch.cuda.CUDAGraph()
         flag = torch.zeros(1, device=torch.device("cuda", dev))
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -249,9 +246,13 @@ class PassGraphs:
         graph = torch.cuda.CUDAGraph()
         before = stats.snapshot(reset=False)
         stream.wait_stream(main)  # before the capture: the pass's inputs are ready
-        with torch.cuda.stream(stream):  # this thread's cuBLAS workspace for the stream,
-            torch.cuda.current_blas_handle()  # made outside the capture if none is yet
-        with trace.recording() as events, tp.recording_waits() as waits, torch.cuda.stream(stream):
+        # the GEMMs the pass would run on the capture stream run on chunk stream 0: this
+        # thread's cuBLAS workspace there, made now if its chunk GEMMs have not made it,
+        # so that none is taken into the pool
+        with torch.cuda.stream(streams.stream(torch.cuda.current_device(), 0)):
+            torch.cuda.current_blas_handle()
+        with trace.recording() as events, tp.recording_waits() as waits, \
+                torch.cuda.stream(stream), streams.capturing_on(stream):
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 body()

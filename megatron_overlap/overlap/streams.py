@@ -12,6 +12,9 @@ The streams join back into the caller's stream when the schedule ends.
 from __future__ import annotations
 
 import contextlib
+import threading
+from typing import Iterator
+
 import torch
 
 _cache: dict[tuple[int, int, int], torch.cuda.Stream] = {}
@@ -64,8 +67,7 @@ class ChunkStreams:
             dev = torch.cuda.current_device()
             self._streams = [self._stream(dev, i) for i in range(self.n)]
             for s in self._streams:
-                if s != main:  # (the pass replay captures on stream 0)
-                    s.wait_stream(main)
+                s.wait_stream(main)
         if self.sm_margin and hasattr(torch._C, "_set_sm_carveout_experimental"):
             self._carved, self._previous = True, torch._C._get_sm_carveout_experimental()
             torch._C._set_sm_carveout_experimental(self.sm_margin)
@@ -74,8 +76,7 @@ class ChunkStreams:
     def __exit__(self, *exc) -> None:
         main = torch.cuda.current_stream() if self._streams else None
         for s in self._streams:
-            if s != main:
-                main.wait_stream(s)
+            main.wait_stream(s)
         self._streams = []
         if self._carved:
             torch._C._set_sm_carveout_experimental(self._previous)
@@ -97,15 +98,48 @@ class ChunkStreams:
 
 
 def stream(device: int, i: int = 0, priority: int = 0) -> torch.cuda.Stream:
-    """The process's chunk stream i of `priority` on `device`, made at the first call. The
-    pass replay captures on stream 0 (`overlap.replay`): cuBLAS keeps a workspace per
-    (thread's handle, stream), so a GEMM captured on a stream the chunk GEMMs already ran
-    on reuses theirs, where a stream of its own would take another."""
+    """The process's chunk stream i of `priority` on `device`, made at the first call."""
     key = (device, i, priority)
     if key not in _cache:
         lo, hi = torch.cuda.Stream.priority_range()
         _cache[key] = torch.cuda.Stream(device=device, priority=min(max(priority, hi), lo))
     return _cache[key]
+
+
+_capture = threading.local()  # .stream: the pass replay's capture stream while it captures
+
+
+@contextlib.contextmanager
+def capturing_on(s: torch.cuda.Stream) -> Iterator[None]:
+    """The pass replay captures on `s` inside (`off_capture` keeps GEMMs off it)."""
+    previous, _capture.stream = getattr(_capture, "stream", None), s
+    try:
+        yield
+    finally:
+        _capture.stream = previous
+
+
+def off_capture() -> contextlib.AbstractContextManager:
+    """Where the GEMM launched inside runs: the current stream, except the pass replay's
+    capture stream, from which it forks onto chunk stream 0 and joins back at once (the
+    same order as on the capture stream). cuBLAS keeps a workspace per thread and stream
+    (32 MiB on Hopper): a GEMM captured on the capture stream took one into the pass
+    graphs' pool for each thread that captures (the forward's, autograd's), where on
+    chunk stream 0 it uses the one that thread's chunk GEMMs made
+    (`overlap.replay._capture`). The GEMM seams (`overlap.gemm`, `overlap.fp8`) and the
+    weight-gradient kernels call it."""
+    s = getattr(_capture, "stream", None)
+    if s is None or torch.cuda.current_stream(s.device) != s:
+        return _NOTHING
+    return _forked(s, stream(s.device.index, 0))
+
+
+@contextlib.contextmanager
+def _forked(main: torch.cuda.Stream, side: torch.cuda.Stream) -> Iterator[None]:
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        yield
+    main.wait_stream(side)
 
 
 def plain() -> ChunkStreams:

@@ -316,11 +316,11 @@ def _workspaces_after_steps(rank, world):
 
 
 def test_captures_take_no_cublas_workspace():
-    """Passes are captured on the stream the chunk GEMMs run on (chunk stream 0), so a
-    captured GEMM uses the cuBLAS workspace its thread made there eagerly: capturing
-    takes none into the pass graphs' pool, and no more are held once every pass replays.
-    (On a capture stream of its own, the column backward's GEMMs, which run on the pass's
-    stream, took one into the pool.)"""
+    """A GEMM of a pass being captured never runs on the capture stream: it forks onto
+    chunk stream 0, where its thread's chunk GEMMs made a cuBLAS workspace eagerly. So
+    capturing takes none into the pass graphs' pool, and no more are held once every pass
+    replays. (Before, the column backward's GEMMs, which run on the pass's stream, took
+    one into the pool.)"""
     env = {**gpu.ENV, "CUBLAS_WORKSPACE_CONFIG": WORKSPACE_CONFIG}
     for eager, replayed, graphs in dist.run(_workspaces_after_steps, 2, env=env, timeout=240):
         assert all(c >= 1 and r >= 1 for c, r in graphs.values()), graphs  # every pass replays
