@@ -65,7 +65,7 @@ class ChunkStreams:
         main = torch.cuda.current_stream()
         if self.n > 1 or self.priority != 0:
             dev = torch.cuda.current_device()
-            self._streams = [self._stream(dev, i) for i in range(self.n)]
+            self._streams = [stream(dev, i, self.priority) for i in range(self.n)]
             for s in self._streams:
                 s.wait_stream(main)
         if self.sm_margin and hasattr(torch._C, "_set_sm_carveout_experimental"):
@@ -92,9 +92,6 @@ class ChunkStreams:
         if not self._streams:
             return _NOTHING
         return torch.cuda.stream(self._streams[i % len(self._streams)])
-
-    def _stream(self, device: int, i: int) -> torch.cuda.Stream:
-        return stream(device, i, self.priority)
 
 
 def stream(device: int, i: int = 0, priority: int = 0) -> torch.cuda.Stream:
