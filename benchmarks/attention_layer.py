@@ -404,18 +404,24 @@ def arguments(description: str, shapes, fusions: str = "off") -> argparse.Argume
     `fusions`: the default of --fusions."""
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="all", help="all | comma list of " + ", ".join([*shapes, "tiny"]))
-    ap.add_argument("--fusions", choices=sorted(lc.FUSIONS), default=fusions,
-                    help="the layer's elementwise fusions, every arm alike (layer_compute.FUSIONS): "
-                         "off, or megatron_lm (Megatron-LM's defaults: its compiled SwiGLU and dropout-add)")
+    layer_options(ap, fusions)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--out", default=os.path.join("benchmarks", "results"))
     ap.add_argument("--tag", default=None)
+    return ap
+
+
+def layer_options(ap: argparse.ArgumentParser, fusions: str = "off") -> None:
+    """The options `build_arms` reads (--fusions, --ub-cfgs), for every tool that builds
+    this benchmark's arms (probe_layer_graph.py too)."""
+    ap.add_argument("--fusions", choices=sorted(lc.FUSIONS), default=fusions,
+                    help="the layer's elementwise fusions, every arm alike (layer_compute.FUSIONS): "
+                         "off, or megatron_lm (Megatron-LM's defaults: its compiled SwiGLU and dropout-add)")
     ap.add_argument("--ub-cfgs", default=None,
                     help="TE-style overlap YAML for the layers install() builds (default: TE's defaults)")
-    return ap
 
 
 def run(benchmark: str, args, shapes, run_shape, table, dtype: torch.dtype | None = None) -> int:

@@ -78,10 +78,9 @@ def summarize(ks: list[dict], top: int = 12) -> dict:
             "top": [dict(name=n, count=c, total_us=t) for n, (c, t) in tops]}
 
 
-def main(argv=None) -> int:
-    from megatron_overlap.tune.measure import graphed, time_b2b, time_ms
-
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    al.layer_options(p)  # what attention_layer's build_arms reads, with its defaults
     p.add_argument("--shape", default="70b_tp8_s4096_b2")
     p.add_argument("--arms", nargs="+", default=list(al.ARMS[1:]))
     p.add_argument("--reps", type=int, default=10)
@@ -92,7 +91,13 @@ def main(argv=None) -> int:
                    help="fill Megatron's global gather buffer with normal values after the warm-up")
     p.add_argument("--null-zeros", action="store_true", help="zero the transport's workspaces")
     p.add_argument("--timing", choices=("mirror", "null"), default="mirror")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    from megatron_overlap.tune.measure import graphed, time_b2b, time_ms
+
+    args = parser().parse_args(argv)
     device, dtype = torch.device("cuda", 0), torch.bfloat16
     lc.init_process(device, args.seed)
     shape = al.shape_of(args.shape)

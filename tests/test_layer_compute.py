@@ -250,3 +250,27 @@ def test_attention_layer_cpu_stacks_layers(tmp_path):
     assert {"grad layers.0.mlp.linear_fc2.weight", "grad layers.1.mlp.linear_fc2.weight",
             "grad layers.1.self_attention.linear_qkv.weight", "input grad"} <= set(errs)
     assert res["numbers"] == [1, 2] and res["linears"] == ["megatron_overlap"]
+
+
+def test_probe_layer_graph_parses_every_option_the_arms_it_builds_read():
+    """benchmarks/probe_layer_graph.py builds attention_layer's arms (`build_arms`, and
+    layer_compute's `last_rank` around it) from its own command line: every `args.<name>`
+    those read must be one of its options (a missing one stopped the probe at its first
+    build)."""
+    import ast
+    import inspect
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import attention_layer
+    import layer_compute
+    import probe_layer_graph
+
+    read = set()
+    for fn in (attention_layer.build_arms, layer_compute.last_rank):
+        for node in ast.walk(ast.parse(inspect.getsource(fn).lstrip())):
+            if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "args":
+                read.add(node.attr)
+    assert {"fusions", "ub_cfgs", "seed"} <= read
+    parsed = vars(probe_layer_graph.parser().parse_args([]))
+    assert read <= set(parsed), sorted(read - set(parsed))
+    assert parsed["fusions"] == "off" and parsed["ub_cfgs"] is None  # attention_layer's defaults
