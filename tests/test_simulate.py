@@ -807,20 +807,43 @@ def test_an_aggregate_ring_is_modelled_with_the_gemms_it_runs():
 
 
 def test_the_search_tries_each_stream_count_where_chunk_gemms_run(monkeypatch):
-    """gemm_streams is searched at 0 (the process's default, 3), 1 and 2 for a ring and a
-    pipeline of several splits, each labelled with the count it runs; a bulk pass and a
-    pipeline of one split (one GEMM) are not varied over it."""
+    """gemm_streams is searched at 0 (the process's default, 3), 1, 2, 4 and 8 for a ring
+    and a pipeline of several splits, each labelled with the count it runs, and at most at
+    one stream per chunk GEMM (a ring at TP=4 runs 4, an aggregate ring at TP=8 5, a
+    pipeline its splits); a bulk pass and a pipeline of one split (one GEMM) are not varied
+    over it."""
     monkeypatch.delenv("MEGATRON_OVERLAP_GEMM_STREAMS", raising=False)
     layout = Layout(tp=4)
     rings = [c for c in candidates("qkv_fprop", layout, 1024) if c.settings.method == "ring_exchange"
              and not c.settings.aggregate]
-    assert sorted(c.settings.gemm_streams for c in rings) == [0, 1, 2]
+    assert sorted(c.settings.gemm_streams for c in rings) == [0, 1, 2, 4]
     assert sorted(c.label() for c in rings) == ["ring 1 GEMM stream", "ring 2 GEMM streams",
-                                                 "ring 3 GEMM streams (default)"]
+                                                 "ring 3 GEMM streams (default)", "ring 4 GEMM streams"]
     pipes = candidates("proj_fprop", layout, 1024)
-    x1 = {c.settings.gemm_streams for c in pipes if c.settings.method == "pipeline"
-          and c.settings.num_splits == 1}
-    x4 = {c.settings.gemm_streams for c in pipes if c.settings.method == "pipeline"
-          and c.settings.num_splits == 4}
-    assert x1 == {0} and x4 == {0, 1, 2}
+
+    def streams(splits: int) -> set[int]:
+        return {c.settings.gemm_streams for c in pipes if c.settings.method == "pipeline"
+                and c.settings.num_splits == splits}
+    assert streams(1) == {0} and streams(2) == {0, 1, 2} and streams(4) == {0, 1, 2, 4}
+    assert streams(16) == {0, 1, 2, 4, 8}
     assert {c.settings.gemm_streams for c in candidates("qkv_dgrad", layout, 1024)} == {0}
+    at8 = candidates("fc1_fprop", Layout(tp=8), 1024)
+    assert sorted(c.settings.gemm_streams for c in at8 if not c.settings.aggregate) == [0, 1, 2, 4, 8]
+    assert sorted(c.settings.gemm_streams for c in at8 if c.settings.aggregate) == [0, 1, 2, 4, 5]
+
+
+def test_a_tie_goes_to_the_least_compute_side():
+    """`choose`: the fastest trial, except that among those within TIE of it the one with
+    the least compute side wins (a pass its transfers bound times alike on every stream
+    count); without compute sides, or beyond the tie, the fastest."""
+    from megatron_overlap.simulate.space import TIE, choose
+
+    shape = QKV8
+    fprops = [t for t in trials(shape, Layout(tp=8)) if t.spec.pass_name == "fprop"][:3]
+    a, b, c = fprops
+    times = {a: 100.0, b: 100.0 * (1 + TIE / 2), c: 100.0 * (1 + 2 * TIE)}
+    compute = {a: 90.0, b: 60.0, c: 10.0}
+    assert choose(shape, times)["fprop"] is a
+    assert choose(shape, times, compute)["fprop"] is b  # within the tie, less compute
+    assert choose(shape, times, {a: 90.0, b: float("nan"), c: 10.0})["fprop"] is a  # unknown: last
+    assert choose(shape, {**times, b: 100.0 * (1 + 2 * TIE)}, compute)["fprop"] is a

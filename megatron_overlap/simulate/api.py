@@ -113,7 +113,8 @@ def simulate(shapes: Sequence[Shape], hw: Hardware, layout: Layout,
         if shape.tp != layout.tp:
             raise ValueError(f"{shape.name} is at TP={shape.tp}; the layout is TP={layout.tp}")
         scored = {t: score(t) for t in trials(shape, layout, rs_dgrad=rs_dgrad)}
-        chosen = choose(shape, {t: r.overlapped_us for t, r in scored.items()})
+        chosen = choose(shape, {t: r.overlapped_us for t, r in scored.items()},
+                        {t: r.compute_only_us for t, r in scored.items()})
         results.append(ShapeResult(shape, _given(cfg, shape, hw, layout, gemm),
                                    [scored[chosen[p]] for p in ("fprop", "dgrad", "wgrad")],
                                    chosen, len(scored)))

@@ -279,6 +279,12 @@ def gemm_calls(spec: PassSpec, s: LayerSettings | None, layout: Layout) -> int:
     block; an aggregate ring's `ring_steps`), one per pipeline chunk, else one."""
     if s is None or spec.comm == "none" or layout.tp == 1:
         return 1
+    return chunk_gemms(s, layout)
+
+
+def chunk_gemms(s: LayerSettings, layout: Layout) -> int:
+    """How many chunk GEMMs settings `s` run on `layout` where the pass communicates (what
+    `gemm_calls` counts)."""
     schedule = schedule_of(s, layout)
     if schedule == "rs_pipeline":
         return s.splits(layout.tp)

@@ -9,6 +9,7 @@ candidates never differ only in a key that changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -17,12 +18,17 @@ from ..config.names import RS_DGRAD_LAYERS
 from ..config.settings import allowed_methods
 from ..overlap.streams import default_gemm_streams
 from .hardware import Layout
-from .passes import PassSpec, layer_passes, ring_order_of, schedule_of
+from .passes import PassSpec, chunk_gemms, layer_passes, ring_order_of, schedule_of
 from .shapes import Shape
 
 SPLITS = (1, 2, 4, 8, 16)
 NUM_SMS = (4, 8, 16, 24, 32)
-GEMM_STREAMS = (0, 1, 2)  # 0: the global default (overlap.streams.default_gemm_streams)
+# 0: the global default (overlap.streams.default_gemm_streams); more than a pass's chunk
+# GEMMs run as many as it has (`_canonical`)
+GEMM_STREAMS = (0, 1, 2, 4, 8)
+# candidates whose times lie within this fraction of the fastest's tie; `choose` takes the
+# one with the least compute side among them
+TIE = 0.01
 ACTIVE = "active"
 
 
@@ -116,6 +122,8 @@ def _canonical(s: LayerSettings, layout: Layout) -> LayerSettings:
         s = dataclasses.replace(s, num_splits=default.num_splits)
     if s.method == "pipeline" and s.num_splits == 1:  # one GEMM: no chunks to spread
         s = dataclasses.replace(s, gemm_streams=default.gemm_streams)
+    elif s.gemm_streams > (n := chunk_gemms(s, layout)):
+        s = dataclasses.replace(s, gemm_streams=n)  # a stream per chunk GEMM at most
     return s
 
 
@@ -159,16 +167,26 @@ def trials(shape: Shape, layout: Layout, *, rs_dgrad: bool = False) -> list[Tria
     return out
 
 
-def choose(shape: Shape, scores: dict[Trial, float]) -> dict[str, Trial]:
+def choose(shape: Shape, scores: dict[Trial, float],
+           compute: dict[Trial, float] | None = None) -> dict[str, Trial]:
     """The fastest trial per pass of `shape`; a column layer's dgrad and wgrad are chosen
-    together (bulk dgrad + bulk wgrad, or an rs_dgrad dgrad + the wgrad alone)."""
+    together (bulk dgrad + bulk wgrad, or an rs_dgrad dgrad + the wgrad alone).
+
+    `compute`: each trial's compute side (its schedule with the communication skipped).
+    Among the trials within TIE of the fastest, the least compute side wins: where the
+    transfers bound a pass, stream counts and chunkings that differ only in how well
+    their GEMMs fill the chip time the same, and the one that fills it best keeps the most
+    if the links run faster than modelled, and leaves the chip soonest to the next kernel."""
     mine = {t: v for t, v in scores.items() if t.spec.shape == shape}
 
     def best(pred) -> tuple[Trial, float] | None:
         found = [(v, i, t) for i, (t, v) in enumerate(mine.items()) if pred(t)]
         if not found:
             return None
-        v, _, t = min(found, key=lambda x: (x[0], x[1]))
+        v, i, t = min(found, key=lambda x: (x[0], x[1]))
+        if compute is not None:
+            near = [x for x in found if x[0] <= v * (1 + TIE)]
+            v, i, t = min(near, key=lambda x: (_finite(compute.get(x[2])), x[0], x[1]))
         return t, v
 
     out: dict[str, Trial] = {}
@@ -184,6 +202,10 @@ def choose(shape: Shape, scores: dict[Trial, float]) -> dict[str, Trial]:
         if rs and moved and rs[1] + moved[1] < bulk_total:
             out["dgrad"], out["wgrad"] = rs[0], moved[0]
     return out
+
+
+def _finite(v: float | None) -> float:
+    return v if v is not None and math.isfinite(v) else math.inf
 
 
 def ub_cfgs(chosen: Iterable[Trial]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:

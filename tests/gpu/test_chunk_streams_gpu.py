@@ -1,7 +1,8 @@
 """Chunk GEMMs on several streams (`gemm_streams` > 1, `overlap.streams`) read what the
 transfers wrote: on one GPU, one process playing rank 7 of 8 on `MirrorTransport`, the
 ring all-gather's and the pipelined reduce-scatter's results against the plain math, for
-1, 2 and 3 streams, eagerly and replayed from a CUDA graph.
+1, 2, 3 and 8 streams (one per chunk: the most the tuner tries), eagerly and replayed
+from a CUDA graph.
 
 A ring's wait runs on the stream of the GEMM that reads the block, not on the stream
 that started the transfer; the handle must order that stream after the transfer. Each
@@ -39,7 +40,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     assert err < 2e-2, f"{what}: max |diff| / max |expected| = {err:.3g}"
 
 
-@pytest.mark.parametrize("streams", [1, 2, 3])
+@pytest.mark.parametrize("streams", [1, 2, 3, 8])
 @pytest.mark.parametrize("aggregate", [False, True])
 def test_ring_all_gather_chunks_on_streams_read_arrived_blocks(streams, aggregate):
     from megatron_overlap.overlap.ag_gemm import all_gather_matmul
@@ -56,7 +57,7 @@ def test_ring_all_gather_chunks_on_streams_read_arrived_blocks(streams, aggregat
         _close(out, (x @ w.t()).repeat(WORLD, 1), f"call {i}, {streams} streams")
 
 
-@pytest.mark.parametrize("streams", [1, 2, 3])
+@pytest.mark.parametrize("streams", [1, 2, 3, 8])
 def test_ring_all_gather_on_streams_replays_from_a_graph(streams):
     from megatron_overlap.ab.emulated_tp import MirrorTransport
     from megatron_overlap.ab.timing import graphed
@@ -80,7 +81,7 @@ def test_ring_all_gather_on_streams_replays_from_a_graph(streams):
         _close(out, (xi @ wi.t()).repeat(WORLD, 1), f"replay {i}, {streams} streams")
 
 
-@pytest.mark.parametrize("streams", [1, 2, 3])
+@pytest.mark.parametrize("streams", [1, 2, 3, 8])
 def test_pipelined_reduce_scatter_chunks_on_streams(streams):
     from megatron_overlap.ab.emulated_tp import MirrorTransport
     from megatron_overlap.overlap.gemm_rs import matmul_reduce_scatter
