@@ -415,13 +415,17 @@ def arguments(description: str, shapes, fusions: str = "off") -> argparse.Argume
 
 
 def layer_options(ap: argparse.ArgumentParser, fusions: str = "off") -> None:
-    """The options `build_arms` reads (--fusions, --ub-cfgs), for every tool that builds
-    this benchmark's arms (probe_layer_graph.py too)."""
+    """The options `build_arms` reads (--fusions, --ub-cfgs, --streams-arm), for every tool
+    that builds this benchmark's arms (probe_layer_graph.py too)."""
     ap.add_argument("--fusions", choices=sorted(lc.FUSIONS), default=fusions,
                     help="the layer's elementwise fusions, every arm alike (layer_compute.FUSIONS): "
                          "off, or megatron_lm (Megatron-LM's defaults: its compiled SwiGLU and dropout-add)")
     ap.add_argument("--ub-cfgs", default=None,
                     help="TE-style overlap YAML for the layers install() builds (default: TE's defaults)")
+    ap.add_argument("--streams-arm", type=gemm_streams_count, default=None, metavar="N",
+                    help="one more arm, ours_streamsN: ours with every overlapped layer's chunk "
+                         "GEMMs on N streams (the gemm_streams key), side by side with ours on "
+                         "install()'s default")
 
 
 def run(benchmark: str, args, shapes, run_shape, table, dtype: torch.dtype | None = None) -> int:
@@ -463,10 +467,6 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=positive_int, default=1,
                     help="transformer layers per arm, run one after the other (Stack); the goals "
                          "are a single layer's")
-    ap.add_argument("--streams-arm", type=gemm_streams_count, default=None, metavar="N",
-                    help="one more arm, ours_streamsN: ours with every overlapped layer's chunk "
-                         "GEMMs on N streams (the gemm_streams key), side by side with ours on "
-                         "install()'s default")
     ap.add_argument("--timeline", action="store_true",
                     help="after timing, one graphed replay of sdpa_ref and ours profiled "
                          "(graph_timeline.py): each kernel group's time outside the GEMMs")

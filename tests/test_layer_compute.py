@@ -253,10 +253,10 @@ def test_attention_layer_cpu_stacks_layers(tmp_path):
 
 
 def test_probe_layer_graph_parses_every_option_the_arms_it_builds_read():
-    """benchmarks/probe_layer_graph.py builds attention_layer's arms (`build_arms`, and
-    layer_compute's `last_rank` around it) from its own command line: every `args.<name>`
-    those read must be one of its options (a missing one stopped the probe at its first
-    build)."""
+    """benchmarks/probe_layer_graph.py builds attention_layer's arms (`build_arms`, the
+    `arms_of` it calls, and layer_compute's `last_rank` around it) from its own command
+    line: every `args.<name>` and `getattr(args, "<name>")` those read must be one of its
+    options (a missing one stopped the probe at its first build)."""
     import ast
     import inspect
 
@@ -266,11 +266,14 @@ def test_probe_layer_graph_parses_every_option_the_arms_it_builds_read():
     import probe_layer_graph
 
     read = set()
-    for fn in (attention_layer.build_arms, layer_compute.last_rank):
+    for fn in (attention_layer.build_arms, attention_layer.arms_of, layer_compute.last_rank):
         for node in ast.walk(ast.parse(inspect.getsource(fn).lstrip())):
             if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "args":
                 read.add(node.attr)
-    assert {"fusions", "ub_cfgs", "seed"} <= read
+            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "getattr"
+                    and getattr(node.args[0], "id", None) == "args"):
+                read.add(node.args[1].value)
+    assert {"fusions", "ub_cfgs", "seed", "streams_arm"} <= read
     parsed = vars(probe_layer_graph.parser().parse_args([]))
     assert read <= set(parsed), sorted(read - set(parsed))
     assert parsed["fusions"] == "off" and parsed["ub_cfgs"] is None  # attention_layer's defaults

@@ -824,12 +824,21 @@ def test_the_search_tries_each_stream_count_where_chunk_gemms_run(monkeypatch):
     def streams(splits: int) -> set[int]:
         return {c.settings.gemm_streams for c in pipes if c.settings.method == "pipeline"
                 and c.settings.num_splits == splits}
-    assert streams(1) == {0} and streams(2) == {0, 1, 2} and streams(4) == {0, 1, 2, 4}
-    assert streams(16) == {0, 1, 2, 4, 8}
+    assert streams(1) == {0} and streams(4) == {0, 1, 2, 4} and streams(16) == {0, 1, 2, 4, 8}
+    assert streams(2) == {0, 1}  # 2 runs what the default runs on two chunks
+    assert [c.label() for c in pipes if c.settings.method == "pipeline" and c.settings.num_splits == 2
+            and c.settings.gemm_streams == 0][0].startswith("pipeline x2 2 GEMM streams (default)")
     assert {c.settings.gemm_streams for c in candidates("qkv_dgrad", layout, 1024)} == {0}
     at8 = candidates("fc1_fprop", Layout(tp=8), 1024)
     assert sorted(c.settings.gemm_streams for c in at8 if not c.settings.aggregate) == [0, 1, 2, 4, 8]
     assert sorted(c.settings.gemm_streams for c in at8 if c.settings.aggregate) == [0, 1, 2, 4, 5]
+    agg4 = [c for c in candidates("fc1_fprop", layout, 1024) if c.settings.aggregate]
+    assert sorted(c.settings.gemm_streams for c in agg4) == [0, 1, 2]  # 3 GEMMs: 4 and 8 run 3
+    hier = candidates("fc1_fprop", Layout(tp=8, gpus_per_node=2), 1024)
+    assert sorted({c.settings.gemm_streams for c in hier
+                   if c.settings.method == "ring_exchange" and c.ring_order == "hierarchical"}) \
+        == [0, 1, 2, 4]  # its ring steps: twice the node's 2 ranks
+    assert {c.settings.gemm_streams for c in candidates("proj_fprop", Layout(tp=1), 1024)} == {0}
 
 
 def test_a_tie_goes_to_the_least_compute_side():
@@ -847,3 +856,24 @@ def test_a_tie_goes_to_the_least_compute_side():
     assert choose(shape, times, compute)["fprop"] is b  # within the tie, less compute
     assert choose(shape, times, {a: 90.0, b: float("nan"), c: 10.0})["fprop"] is a  # unknown: last
     assert choose(shape, {**times, b: 100.0 * (1 + 2 * TIE)}, compute)["fprop"] is a
+    assert choose(shape, {a: float("nan"), b: 100.0, c: 200.0}, {})["fprop"] is b  # NaN ranks last
+
+
+def test_a_column_layers_backward_pairs_are_chosen_by_the_same_rule():
+    """A column layer's bulk dgrad + wgrad against an rs_dgrad dgrad + its wgrad alone: by
+    the pairs' fastest summed times, within TIE of each other by their summed compute sides."""
+    from megatron_overlap.simulate.space import TIE, choose, trials
+
+    tr = trials(QKV8, Layout(tp=8), rs_dgrad=True)
+    bulk_d = next(t for t in tr if t.spec.pass_name == "dgrad" and t.candidate.settings.method == "bulk")
+    bulk_w = next(t for t in tr if t.spec.pass_name == "wgrad" and not t.comm_moved)
+    rs_d = next(t for t in tr if t.spec.pass_name == "dgrad" and t.candidate.settings.is_reduce_scatter)
+    moved = next(t for t in tr if t.comm_moved)
+    times = {bulk_d: 100.0, bulk_w: 50.0, rs_d: 100.0 + 150 * TIE / 2, moved: 50.0}
+    assert choose(QKV8, times)["dgrad"] is bulk_d  # the faster pair
+    rs_cheaper = {bulk_d: 90.0, bulk_w: 45.0, rs_d: 60.0, moved: 45.0}
+    got = choose(QKV8, times, rs_cheaper)
+    assert (got["dgrad"], got["wgrad"]) == (rs_d, moved)  # within the tie: less compute
+    assert choose(QKV8, times, {**rs_cheaper, rs_d: 95.0})["dgrad"] is bulk_d
+    slower = {**times, rs_d: 100.0 + 150 * 2 * TIE}
+    assert choose(QKV8, slower, rs_cheaper)["dgrad"] is bulk_d  # beyond the tie: the fastest

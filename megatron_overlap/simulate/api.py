@@ -103,7 +103,8 @@ def simulate(shapes: Sequence[Shape], hw: Hardware, layout: Layout,
              layers: dict[str, int] | None = None, micro_batches: int = 1) -> Report:
     """Predict every pass of `shapes` (each at TP=layout.tp) under `cfg` (TE defaults when
     None; its ring_order, auto by default, is hierarchical across nodes), search the valid
-    settings for each pass, and sum per model."""
+    settings for each pass (`choose`: the fastest, or within its TIE the least compute
+    side, so a best total may lie up to 1% above the fastest), and sum per model."""
     calibration = calibration or Calibration()
     cfg = cfg or OverlapConfig.load(None)
     gemm = GemmModel(hw, calibration)

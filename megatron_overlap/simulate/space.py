@@ -54,9 +54,10 @@ class Candidate:
                 "runs": schedule_of(self.settings, self.layout)}
 
     def _streams(self) -> str:
-        """The stream count the chunk GEMMs run on (0: the process's default, said so)."""
+        """The stream count the chunk GEMMs run on (0: the process's default, said so),
+        at most the streams the schedule can use."""
         k = self.settings.gemm_streams
-        n = k or default_gemm_streams()
+        n = min(k or default_gemm_streams(), stream_slots(self.settings, self.layout))
         return f"{n} GEMM stream{'s' if n > 1 else ''}" + ("" if k else " (default)")
 
     def label(self) -> str:
@@ -112,18 +113,31 @@ def _vary(variants: list[LayerSettings], key: str, values: Iterable[Any], backen
     return list(dict.fromkeys(out))
 
 
+def stream_slots(s: LayerSettings, layout: Layout) -> int:
+    """How many streams settings `s` can spread their chunk GEMMs over on `layout`: one per
+    chunk GEMM (`chunk_gemms`), a hierarchical all-gather's one per ring step (its node's
+    ring twice); 1 at TP=1."""
+    if layout.tp == 1:
+        return 1
+    n = chunk_gemms(s, layout)
+    return min(n, 2 * layout.local) if schedule_of(s, layout) == "ag_hier" else n
+
+
 def _canonical(s: LayerSettings, layout: Layout) -> LayerSettings:
     """Keys the resolved schedule does not read put back to TE's default, so candidates
-    that would run the same thing collapse into one."""
+    that would run the same thing collapse into one: a stream count beyond the streams
+    the schedule can use is cut to them, and one that runs what the default runs is the
+    default."""
     schedule, default = schedule_of(s, layout), LayerSettings.default(s.name, s.method)
     if schedule == "ag_hier" or layout.tp <= 2 or layout.tp % 2:  # (pairs: an even TP > 2)
         s = dataclasses.replace(s, aggregate=default.aggregate)
     if schedule == "rs_hier" and s.method == "pipeline":
         s = dataclasses.replace(s, num_splits=default.num_splits)
-    if s.method == "pipeline" and s.num_splits == 1:  # one GEMM: no chunks to spread
+    n = stream_slots(s, layout)
+    if s.gemm_streams and (n == 1 or min(s.gemm_streams, n) == min(default_gemm_streams(), n)):
         s = dataclasses.replace(s, gemm_streams=default.gemm_streams)
-    elif s.gemm_streams > (n := chunk_gemms(s, layout)):
-        s = dataclasses.replace(s, gemm_streams=n)  # a stream per chunk GEMM at most
+    elif s.gemm_streams > n:
+        s = dataclasses.replace(s, gemm_streams=n)
     return s
 
 
@@ -170,38 +184,49 @@ def trials(shape: Shape, layout: Layout, *, rs_dgrad: bool = False) -> list[Tria
 def choose(shape: Shape, scores: dict[Trial, float],
            compute: dict[Trial, float] | None = None) -> dict[str, Trial]:
     """The fastest trial per pass of `shape`; a column layer's dgrad and wgrad are chosen
-    together (bulk dgrad + bulk wgrad, or an rs_dgrad dgrad + the wgrad alone).
+    together (bulk dgrad + bulk wgrad, or an rs_dgrad dgrad + the wgrad alone, by their
+    summed times and compute sides).
 
     `compute`: each trial's compute side (its schedule with the communication skipped).
     Among the trials within TIE of the fastest, the least compute side wins: where the
     transfers bound a pass, stream counts and chunkings that differ only in how well
     their GEMMs fill the chip time the same, and the one that fills it best keeps the most
-    if the links run faster than modelled, and leaves the chip soonest to the next kernel."""
+    if the links run faster than modelled, and leaves the chip soonest to the next kernel.
+    A time or compute side that is unknown or not finite ranks last."""
     mine = {t: v for t, v in scores.items() if t.spec.shape == shape}
 
+    def cost(*ts: Trial) -> float:
+        return sum(_finite(compute.get(t)) for t in ts) if compute is not None else 0.0
+
     def best(pred) -> tuple[Trial, float] | None:
-        found = [(v, i, t) for i, (t, v) in enumerate(mine.items()) if pred(t)]
-        if not found:
-            return None
-        v, i, t = min(found, key=lambda x: (x[0], x[1]))
-        if compute is not None:
-            near = [x for x in found if x[0] <= v * (1 + TIE)]
-            v, i, t = min(near, key=lambda x: (_finite(compute.get(x[2])), x[0], x[1]))
-        return t, v
+        """(the chosen trial, the fastest time) among the trials `pred` keeps."""
+        found = [(_finite(v), cost(t), i, t) for i, (t, v) in enumerate(mine.items()) if pred(t)]
+        return (_pick(found), min(f[0] for f in found)) if found else None
 
     out: dict[str, Trial] = {}
+    fastest: dict[str, float] = {}
     for p in ("fprop", "dgrad", "wgrad"):
         hit = best(lambda t: t.spec.pass_name == p and not t.comm_moved
                    and not (p == "dgrad" and shape.column and t.candidate.settings.is_reduce_scatter))
         if hit:
-            out[p] = hit[0]
+            out[p], fastest[p] = hit
     if shape.column:
         rs = best(lambda t: t.spec.pass_name == "dgrad" and t.candidate.settings.is_reduce_scatter)
         moved = best(lambda t: t.spec.pass_name == "wgrad" and t.comm_moved)
-        bulk_total = mine.get(out.get("dgrad"), float("inf")) + mine.get(out.get("wgrad"), float("inf"))
-        if rs and moved and rs[1] + moved[1] < bulk_total:
-            out["dgrad"], out["wgrad"] = rs[0], moved[0]
+        if rs and moved:
+            pairs = [(fastest.get("dgrad", math.inf) + fastest.get("wgrad", math.inf),
+                      cost(*(out[p] for p in ("dgrad", "wgrad") if p in out)), 0, None),
+                     (rs[1] + moved[1], cost(rs[0], moved[0]), 1, (rs[0], moved[0]))]
+            if (won := _pick(pairs)) is not None:
+                out["dgrad"], out["wgrad"] = won
     return out
+
+
+def _pick(options: list[tuple[float, float, int, Any]]) -> Any:
+    """The last item of the fastest (time, compute, order, item); among those within TIE
+    of the fastest time, of the least compute side (then the fastest, then the first)."""
+    v = min(options, key=lambda o: (o[0], o[2]))[0]
+    return min((o for o in options if o[0] <= v * (1 + TIE)), key=lambda o: (o[1], o[0], o[2]))[3]
 
 
 def _finite(v: float | None) -> float:

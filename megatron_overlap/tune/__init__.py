@@ -2,7 +2,7 @@
 pass, measures each on the hardware at hand (several GPUs: the real
 overlapped pass; one GPU: the GEMM side, with the cost model for the
 communication; CPU: the cost model only, and says so), and writes the fastest
-as a TE ub_cfgs YAML. A tool: imports the runtime and `simulate`; wandb and rich
+(within 1%: the least compute side, `simulate.choose`) as a TE ub_cfgs YAML. A tool: imports the runtime and `simulate`; wandb and rich
 only through `extras.require` ([wandb], [tools]). Measured trials run the
 layers' own pass functions (`tune.passes`, imported where a measure needs it).
 

@@ -1,5 +1,6 @@
 """The search: every valid candidate of every layer pass, measured once (the
-cache remembers across runs), the fastest kept per pass, written back as a TE
+cache remembers across runs), the fastest kept per pass (`simulate.choose`: within 1%,
+the least compute side), written back as a TE
 ub_cfgs YAML that install(ub_cfgs=...) and Megatron-LM's --tp-comm-overlap-cfg
 both read."""
 
@@ -133,7 +134,8 @@ def tune(shapes: Sequence[Shape], layout: Layout, measure: Measure, *,
          agree: Callable[[dict[str, Any] | None], dict[str, Any] | None] | None = None,
          note: str = "", command: str = "") -> TuneResult:
     """Measure every valid candidate of every pass of `shapes` with `measure` (cached
-    results are reused, new ones are cached as they finish), keep the fastest per pass.
+    results are reused, new ones are cached as they finish), keep the fastest per pass
+    (`choose`: among those within its TIE of the fastest, the least compute side).
 
     hardware: what the cache keys results by besides the trial (default measure.hardware);
     run: a wandb run to log the search and the choice to; agree(hit) -> the cache hit every

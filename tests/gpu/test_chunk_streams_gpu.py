@@ -1,8 +1,9 @@
 """Chunk GEMMs on several streams (`gemm_streams` > 1, `overlap.streams`) read what the
 transfers wrote: on one GPU, one process playing rank 7 of 8 on `MirrorTransport`, the
 ring all-gather's and the pipelined reduce-scatter's results against the plain math, for
-1, 2, 3 and 8 streams (one per chunk: the most the tuner tries), eagerly and replayed
-from a CUDA graph.
+1, 2, 3 and 8 streams (the most the tuner tries: one per chunk for the plain ring; the
+aggregate ring's 5 GEMMs and the pipeline's 4 use as many), eagerly and replayed from a
+CUDA graph.
 
 A ring's wait runs on the stream of the GEMM that reads the block, not on the stream
 that started the transfer; the handle must order that stream after the transfer. Each
