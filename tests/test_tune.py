@@ -355,3 +355,35 @@ def test_compute_side_shares_timings_only_where_the_pass_runs_the_same(monkeypat
     measure, ran = _cpu_compute_side(layout, monkeypatch)
     hier = [t for t in trials(shape, layout) if t.candidate.ring_order == "hierarchical"]
     assert hier and all(math.isfinite(measure(t)["time_ms"]) for t in hier)
+
+
+def test_the_tuner_takes_the_least_compute_side_within_the_tie(tmp_path):
+    """`tune` hands each trial's measured `compute_only_ms` to `choose`: of two stream
+    counts whose times differ by less than the tie, the one with the less compute side is
+    picked (and written to the YAML); beyond the tie, the faster. A measure without compute
+    sides picks the fastest."""
+    from megatron_overlap.simulate.space import TIE
+
+    qkv = [s for s in SHAPES if s.buffer == "qkv"]
+    layout = Layout(tp=8)
+
+    def measure_with(gap: float):
+        def measure(trial):
+            s = trial.candidate.settings
+            ring = s.method == "ring_exchange" and not s.aggregate
+            fast = ring and s.gemm_streams == 1  # the fastest time, the most compute
+            cheap = ring and s.gemm_streams == 8  # a time `gap` above, the least compute
+            time = 1.0 if fast else 1.0 + gap if cheap else 2.0
+            return {"time_ms": time, "compute_only_ms": 0.9 if fast else 0.5 if cheap else 1.5}
+        measure.hardware = {"kind": "fake", "gap": gap}
+        return measure
+
+    def qkv_fprop_streams(result) -> int:
+        return result.configs["70B"]["qkv_fprop"].gemm_streams
+
+    assert qkv_fprop_streams(tune(qkv, layout, measure_with(TIE / 2), progress=False)) == 8
+    assert qkv_fprop_streams(tune(qkv, layout, measure_with(2 * TIE), progress=False)) == 1
+    plain = measure_with(TIE / 2)
+    no_compute = lambda t: {"time_ms": plain(t)["time_ms"]}  # noqa: E731
+    no_compute.hardware = {"kind": "fake"}
+    assert qkv_fprop_streams(tune(qkv, layout, no_compute, progress=False)) == 1
