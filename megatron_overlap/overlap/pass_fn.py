@@ -12,6 +12,7 @@ import torch
 
 from ..comm.transport import Transport
 from .ag_gemm import all_gather_matmul
+from .gemm import Gemm, matmul, out_dtype
 from .gemm_rs import matmul_reduce_scatter
 from .replay import PassGraphs
 from .streams import ChunkStreams
@@ -19,23 +20,24 @@ from .streams import ChunkStreams
 
 def pass_fn(x: torch.Tensor, w: torch.Tensor, tp: Transport, op: str, method: str, splits: int,
             *, name: str, streams: ChunkStreams | None = None, aggregate: bool = False,
-            nodes: Sequence[Sequence[int]] | None = None, replay: bool = False
-            ) -> Callable[[], torch.Tensor]:
+            nodes: Sequence[Sequence[int]] | None = None, replay: bool = False,
+            gemm: Gemm = matmul) -> Callable[[], torch.Tensor]:
     """A closure running one pass; returns its output (the same tensor every call).
     op "ag": `x` is this rank's row block, gathered under the GEMM; "rs": `x` holds all
     rows, reduce-scattered (`splits`: pipeline chunks). `nodes`: the ranks per node of
-    the hierarchical order (None: flat)."""
+    the hierarchical order (None: flat). `gemm`: the GEMM seam (an FP8 one for FP8
+    operands; the output then in its `out_dtype`)."""
     rows = x.shape[0] * tp.world_size if op == "ag" else x.shape[0] // tp.world_size
-    out = x.new_empty(rows, w.shape[0])
+    out = x.new_empty(rows, w.shape[0], dtype=out_dtype(gemm, x))
 
     def body() -> None:
         tp.begin_pass(name)
         if op == "ag":
             all_gather_matmul(x, w, tp, method, op=name, aggregate=aggregate, streams=streams,
-                              nodes=nodes, out=out)
+                              nodes=nodes, out=out, gemm=gemm)
         else:
             matmul_reduce_scatter(x, w, tp, method, splits, op=name, streams=streams,
-                                  nodes=nodes, out=out)
+                                  nodes=nodes, out=out, gemm=gemm)
 
     if not replay:
         def run() -> torch.Tensor:
