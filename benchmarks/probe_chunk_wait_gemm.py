@@ -103,16 +103,11 @@ def run_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, ready: torch
                           num_stages=stages)
 
 
-def quantized(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 data, its scale as a 0-d fp32 tensor): per-tensor scaling, the data t x scale."""
-    scale = 448.0 / t.abs().max().float().clamp(min=1e-12)
-    return (t.float() * scale).to(torch.float8_e4m3fn), scale.reshape(())
-
-
 def probe_shape(name: str, m: int, k: int, n: int, tp: int, dtype: str, configs: list,
                 device: torch.device, reps: int) -> dict:
     from megatron_overlap.comm import NullTransport
-    from megatron_overlap.overlap.fp8 import ScaledGemm
+    from megatron_overlap.layers.fp8 import quantized
+    from megatron_overlap.overlap.fp8 import ScaledGemm, scale_inverse
     from megatron_overlap.overlap.gemm import matmul
     from megatron_overlap.overlap.pass_fn import pass_fn
     from megatron_overlap.overlap.streams import ChunkStreams
@@ -124,9 +119,9 @@ def probe_shape(name: str, m: int, k: int, n: int, tp: int, dtype: str, configs:
     ready = torch.ones(tp, dtype=torch.int32, device=device)  # every chunk arrived
     out = torch.empty(m, n, dtype=DTYPES[dtype], device=device)
     if dtype == "fp8":
-        (xa, xs), (wa, ws) = quantized(x), quantized(w)
+        (xa, xs, _), (wa, ws, _) = (quantized(t, torch.float8_e4m3fn) for t in (x, w))
         gemm = ScaledGemm(xs, ws, torch.bfloat16)
-        scale = (1.0 / (xs * ws)).reshape(1)  # what the Triton kernel multiplies by
+        scale = (scale_inverse(xs) * scale_inverse(ws)).reshape(1)  # what the kernel multiplies by
         whole = lambda: gemm(xa, wa.t(), out=out, op="whole")  # noqa: E731
     else:
         xa, wa, gemm, scale = x, w, matmul, None

@@ -182,7 +182,7 @@ def trials(shape: Shape, layout: Layout, *, rs_dgrad: bool = False) -> list[Tria
 
 
 def choose(shape: Shape, scores: dict[Trial, float],
-           compute: dict[Trial, float] | None = None) -> dict[str, Trial]:
+           compute: dict[Trial, float | None] | None = None) -> dict[str, Trial]:
     """The fastest trial per pass of `shape`; a column layer's dgrad and wgrad are chosen
     together (bulk dgrad + bulk wgrad, or an rs_dgrad dgrad + the wgrad alone, by their
     summed times and compute sides).

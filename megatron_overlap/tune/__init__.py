@@ -2,8 +2,9 @@
 pass, measures each on the hardware at hand (several GPUs: the real
 overlapped pass; one GPU: the GEMM side, with the cost model for the
 communication; CPU: the cost model only, and says so), and writes the fastest
-(within 1%: the least compute side, `simulate.choose`) as a TE ub_cfgs YAML. A tool: imports the runtime and `simulate`; wandb and rich
-only through `extras.require` ([wandb], [tools]). Measured trials run the
+(within 1%: the least compute side, `simulate.choose`) as a TE ub_cfgs YAML. A
+tool: imports the runtime and `simulate`; wandb and rich only through
+`extras.require` ([wandb], [tools]). Measured trials run the
 layers' own pass functions (`tune.passes`, imported where a measure needs it).
 
     from megatron_overlap.simulate import Hardware, Layout, PRESETS

@@ -173,8 +173,8 @@ def tune(shapes: Sequence[Shape], layout: Layout, measure: Measure, *,
             bar.update(task, advance=1, description=f"tuning ({mode}) {t.spec.shape.name} {t.name}")
 
     chosen = {s.name: choose(s, {t: r["time_ms"] for t, r in results.items() if t.spec.shape == s},
-                             {t: r["compute_only_ms"] for t, r in results.items()
-                              if t.spec.shape == s and r.get("compute_only_ms") is not None})
+                             {t: r.get("compute_only_ms") for t, r in results.items()
+                              if t.spec.shape == s})
               for s in shapes}
     te_ms = _te_default_times(results)
     configs, orders, choice_rows = {}, {}, []
