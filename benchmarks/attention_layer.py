@@ -79,22 +79,46 @@ TIMELINE_ARMS = ("sdpa_ref", "ours")  # each one graphed replay profiled (--time
 
 
 def arms_of(args) -> tuple[str, ...]:
-    """The arms of a run: ARMS, with --streams-arm N an `ours_streamsN` before ours (which
-    stays last)."""
+    """The arms of a run: ARMS, with --streams-arm N an `ours_streamsN` and with --wait-arm
+    an `ours_wait` before ours (which stays last)."""
     n = getattr(args, "streams_arm", None)
-    return ARMS if n is None else (*ARMS[:-1], f"ours_streams{n}", ARMS[-1])
+    extra = ((f"ours_streams{n}",) if n is not None else ()) + (
+        ("ours_wait",) if getattr(args, "wait_arm", None) is not None else ())
+    return (*ARMS[:-1], *extra, ARMS[-1])
 
 
-def streams_cfgs(ub_cfgs: str | None, n: int) -> dict:
-    """`ub_cfgs` (TE's defaults for None) with the chunk GEMMs of every layer that has them
-    (a ring or a pipeline) on `n` streams (the `gemm_streams` key), as a ub_cfgs mapping
+def keyed_cfgs(ub_cfgs: str | None, key: str, value, methods: tuple[str, ...],
+               layers: tuple[str, ...] = ()) -> dict:
+    """`ub_cfgs` (TE's defaults for None) with `key` at `value` in every layer whose method
+    is one of `methods` (and whose name is in `layers`, when given), as a ub_cfgs mapping
     install() reads; the other layers as given (a key they cannot take is refused)."""
     from megatron_overlap.config.loading import parse, read_source
 
     raw = dict(read_source(ub_cfgs))
     settings, _ = parse(raw, rs_dgrad=False)  # (refuses a bad source here, naming it)
-    return {**raw, **{name: {**(raw.get(name) or {}), "gemm_streams": n}
-                      for name, s in settings.items() if s.method in ("ring_exchange", "pipeline")}}
+    return {**raw, **{name: {**(raw.get(name) or {}), key: value}
+                      for name, s in settings.items()
+                      if s.method in methods and (not layers or name in layers)}}
+
+
+def streams_cfgs(ub_cfgs: str | None, n: int) -> dict:
+    """`ub_cfgs` with the chunk GEMMs of every layer that has them (a ring or a pipeline)
+    on `n` streams (the `gemm_streams` key)."""
+    return keyed_cfgs(ub_cfgs, "gemm_streams", n, ("ring_exchange", "pipeline"))
+
+
+def wait_cfgs(ub_cfgs: str | None, layers: tuple[str, ...]) -> dict:
+    """`ub_cfgs` with every ring all-gather in `layers` (every one for ()) running one
+    waiting GEMM (the `wait_gemm` key)."""
+    from megatron_overlap.config.names import LAYER_NAMES, is_reduce_scatter
+
+    gathers = tuple(n for n in LAYER_NAMES if not is_reduce_scatter(n, "ring_exchange"))
+    unknown = [n for n in layers if n not in gathers]
+    if unknown:
+        raise ValueError(f"--wait-arm: {unknown} are no all-gathers that can ring; "
+                         f"choose from {list(gathers)}")
+    return keyed_cfgs(ub_cfgs, "wait_gemm", True, ("ring_exchange",),
+                      tuple(n for n in gathers if not layers or n in layers))
 
 
 def gemm_streams_count(text: str) -> int:
@@ -154,16 +178,17 @@ class SDPAReference(torch.nn.Module):
 
 
 def overlapped(arm: str) -> bool:
-    """Whether `arm` runs our overlapped linears (ours, ours_streamsN)."""
-    return arm == "ours" or arm.startswith("ours_streams")
+    """Whether `arm` runs our overlapped linears (ours, ours_streamsN, ours_wait)."""
+    return arm in ("ours", "ours_wait") or arm.startswith("ours_streams")
 
 
 def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.device, fusions: str,
-          ub_cfgs: str | None = None):
+          ub_cfgs: str | None = None, wait_layers: tuple[str, ...] = ()):
     """One arm's layer (a `Stack` of `shape.dims.layers` of them, when more than one): built
     under install() (torch norms take SP in every arm), with Megatron's attention for
     megatron and sdpa_ref, ours for ours; `ub_cfgs`: install()'s (the overlapped linears'
-    settings, which only the ours arms have: `ours_streamsN` on N streams, `streams_cfgs`)."""
+    settings, which only the ours arms have: `ours_streamsN` on N streams, `streams_cfgs`;
+    `ours_wait` with one waiting GEMM in the ring all-gathers of `wait_layers`, `wait_cfgs`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.spec_utils import build_module
 
@@ -171,6 +196,8 @@ def build(shape: lc.LayerShape, arm: str, dtype: torch.dtype, device: torch.devi
 
     if arm.startswith("ours_streams"):
         ub_cfgs = streams_cfgs(ub_cfgs, int(arm.removeprefix("ours_streams")))
+    if arm == "ours_wait":
+        ub_cfgs = wait_cfgs(ub_cfgs, wait_layers)
     mo.install(ub_cfgs, backend="torch_p2p", attention="torch" if arm.startswith("ours") else "megatron")
     try:
         spec = get_gpt_layer_local_spec(normalization="RMSNorm")
@@ -189,7 +216,8 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
 
     d = shape.dims
     names = arms_of(args)
-    layers = {a: build(shape, a, dtype, device, args.fusions, args.ub_cfgs) for a in names}
+    layers = {a: build(shape, a, dtype, device, args.fusions, args.ub_cfgs,
+                       tuple(getattr(args, "wait_arm", None) or ())) for a in names}
     for a in names[1:]:
         got = layers[a].load_state_dict(layers["megatron"].state_dict(), strict=True)
         assert not got.missing_keys and not got.unexpected_keys, got
@@ -426,6 +454,10 @@ def layer_options(ap: argparse.ArgumentParser, fusions: str = "off") -> None:
                     help="one more arm, ours_streamsN: ours with every overlapped layer's chunk "
                          "GEMMs on N streams (the gemm_streams key), side by side with ours on "
                          "install()'s default")
+    ap.add_argument("--wait-arm", nargs="*", default=None, metavar="LAYER",
+                    help="one more arm, ours_wait: ours with the ring all-gathers named (all "
+                         "of them when none is) running one GEMM that waits per block (the "
+                         "wait_gemm key), side by side with ours")
 
 
 def run(benchmark: str, args, shapes, run_shape, table, dtype: torch.dtype | None = None) -> int:

@@ -4,11 +4,13 @@ A ring all-gather multiplies each arrived block by its own cuBLAS GEMM (`overlap
 and 1024-row chunk GEMMs of the small layers fill the chip poorly: at 70B TP=8 the qkv
 forward and proj dgrad rings keep 0.70-0.75 of a whole GEMM in FP8. Flux's answer is one
 persistent GEMM kernel over the whole gathered input whose tiles wait for their rows' chunk
-to arrive (a flag per chunk). Before building one, this measures the ceiling of such a
-kernel written in Triton: its compute side, every flag already set, against cuBLAS on the
-whole input and against the ring's own chunk GEMMs (the library's schedule, `pass_fn`, on
-the `null` transport, 1 and 3 streams), bf16 and FP8 (e4m3, per-tensor scales), all
-captured in CUDA graphs and timed interleaved.
+to arrive (a flag per chunk). The library's is `overlap.wait_gemm` (the `wait_gemm` key).
+This measures its compute side, every flag already set: each tile config of a sweep
+(`triton_i`, the kernel alone) and the library's whole schedule (`ring_wait`: the ring's
+pass through `pass_fn` on the `null` transport, flags, side stream and all), against cuBLAS
+on the whole input and against the ring's own chunk GEMMs (`pass_fn` on `null`, 1 and 3
+streams), bf16 and FP8 (e4m3, per-tensor scales), all captured in CUDA graphs and timed
+interleaved.
 
 Predicted before measuring (METHOD.md): the Triton kernel at 0.80-0.95 of cuBLAS whole
 (Triton's Hopper GEMMs trail cuBLAS by 5-20%), so ahead of the chunk GEMMs where those keep
@@ -32,7 +34,6 @@ import sys
 import torch
 
 import triton
-import triton.language as tl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -44,73 +45,24 @@ SHAPES = [("70B_tp8_qkv_fprop", 8192, 8192, 1280, 8), ("70B_tp8_proj_dgrad", 819
           ("8B_tp2_qkv_fprop", 8192, 4096, 3072, 2), ("8B_tp2_proj_dgrad", 8192, 4096, 2048, 2)]
 CPU_SHAPES = [("tiny", 512, 256, 256, 2)]
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M) per operand dtype
-CONFIGS = {"bf16": [(128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 128, 64, 4, 4, 8)],
-           "fp8": [(128, 256, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8), (128, 128, 128, 4, 4, 8)]}
+CONFIGS = {"bf16": [(128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8), (128, 128, 64, 4, 4, 8),
+                    (128, 256, 64, 8, 4, 8)],
+           "fp8": [(128, 256, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8), (128, 128, 128, 4, 4, 8),
+                   (128, 256, 128, 8, 4, 8)]}
 # Triton's interpreter computes bf16 wrongly (numpy has no bf16): on CPU the check runs fp32
 CPU_CONFIGS = {"fp32": [(128, 128, 64, 4, 1, 2)]}
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16}  # fp8: from bf16
-
-
-@triton.jit
-def chunk_wait_gemm(a, b, c, ready, scale, M, N, K, rows_per_chunk, sms,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    GROUP_M: tl.constexpr, SCALED: tl.constexpr):
-    """c = (a @ b.T) * scale, a [M, K] row-major, b [N, K] row-major (the layers' weight),
-    c [M, N]. Persistent: program p takes tiles p, p + sms, ...; tiles go row block by row
-    block (the order chunks arrive in), GROUP_M row blocks swept together for L2 reuse of
-    b. Before a tile reads a's rows it waits until ready[its chunk] != 0."""
-    pid = tl.program_id(0)
-    blocks_m = tl.cdiv(M, BLOCK_M)
-    blocks_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * blocks_n
-    for tile in range(pid, blocks_m * blocks_n, sms):
-        group = tile // per_group
-        first_m = group * GROUP_M
-        size_m = min(blocks_m - first_m, GROUP_M)
-        pm = first_m + (tile % per_group) % size_m
-        pn = (tile % per_group) // size_m
-        chunk = (pm * BLOCK_M) // rows_per_chunk
-        while tl.atomic_add(ready + chunk, 0, sem="acquire") == 0:
-            pass
-        rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        pa = a + rm[:, None] * K + rk[None, :]
-        pb = b + rn[None, :] * K + rk[:, None]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for _ in range(0, tl.cdiv(K, BLOCK_K)):
-            acc = tl.dot(tl.load(pa), tl.load(pb), acc)
-            pa += BLOCK_K
-            pb += BLOCK_K
-        if SCALED:
-            acc = acc * tl.load(scale)
-        tl.store(c + rm[:, None] * N + rn[None, :], acc.to(c.dtype.element_ty))
-
-
-def run_triton(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, ready: torch.Tensor,
-               scale: torch.Tensor | None, rows_per_chunk: int, cfg: tuple, sms: int) -> None:
-    bm, bn, bk, warps, stages, group = cfg
-    m, k = a.shape
-    n = b.shape[0]
-    if m % bm or n % bn or k % bk or rows_per_chunk % bm:
-        raise ValueError(f"probe_chunk_wait_gemm: [{m}, {k}] x [{n}, {k}] does not divide into "
-                         f"{bm} x {bn} x {bk} tiles and {rows_per_chunk}-row chunks")
-    tiles = (m // bm) * (n // bn)
-    grid = (min(sms, tiles),)
-    chunk_wait_gemm[grid](a, b, out, ready, scale if scale is not None else ready, m, n, k,
-                          rows_per_chunk, grid[0], BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                          GROUP_M=group, SCALED=scale is not None, num_warps=warps,
-                          num_stages=stages)
 
 
 def probe_shape(name: str, m: int, k: int, n: int, tp: int, dtype: str, configs: list,
                 device: torch.device, reps: int) -> dict:
     from megatron_overlap.comm import NullTransport
     from megatron_overlap.layers.fp8 import quantized
-    from megatron_overlap.overlap.fp8 import ScaledGemm, scale_inverse
+    from megatron_overlap.overlap.fp8 import ScaledGemm
     from megatron_overlap.overlap.gemm import matmul
     from megatron_overlap.overlap.pass_fn import pass_fn
     from megatron_overlap.overlap.streams import ChunkStreams
+    from megatron_overlap.overlap.wait_gemm import launch
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g).to(device, DTYPES[dtype])
@@ -121,19 +73,22 @@ def probe_shape(name: str, m: int, k: int, n: int, tp: int, dtype: str, configs:
     if dtype == "fp8":
         (xa, xs, _), (wa, ws, _) = (quantized(t, torch.float8_e4m3fn) for t in (x, w))
         gemm = ScaledGemm(xs, ws, torch.bfloat16)
-        scale = (scale_inverse(xs) * scale_inverse(ws)).reshape(1)  # what the kernel multiplies by
         whole = lambda: gemm(xa, wa.t(), out=out, op="whole")  # noqa: E731
     else:
-        xa, wa, gemm, scale = x, w, matmul, None
+        xa, wa, gemm = x, w, matmul
         whole = lambda: torch.mm(xa, wa.t(), out=out)  # noqa: E731
     arms = {"cublas_whole": whole}
     for n_streams in (1, 3):
         arms[f"ring_{n_streams}_stream"] = pass_fn(
             xa[(tp - 1) * rows:], wa, NullTransport(tp, tp - 1), "ag", "ring_exchange", 1,
             name=f"probe_{name}", streams=ChunkStreams(n=n_streams), gemm=gemm)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    for i, cfg in enumerate(configs):
-        arms[f"triton_{i}"] = (lambda cfg=cfg: run_triton(xa, wa, out, ready, scale, rows, cfg, sms))
+    # the library's schedule: the ring on null (no transfers) with its one waiting GEMM
+    arms["ring_wait"] = pass_fn(xa[(tp - 1) * rows:], wa, NullTransport(tp, tp - 1), "ag",
+                                "ring_exchange", 1, name=f"probe_{name}_wait", gemm=gemm, wait=True)
+    order = torch.arange(tp, dtype=torch.int32, device=device)
+    for i, cfg in enumerate(configs):  # the kernel alone, each tile config of the sweep
+        arms[f"triton_{i}"] = (lambda cfg=cfg: launch(xa, wa.t(), out, ready, order, rows, gemm,
+                                                      op="probe", timeout_s=60.0, cfg=cfg))
     # the check: every arm's product against cuBLAS whole (a ring's rows are this rank's
     # block, repeated on `null`: compare the last rank's rows, which it computes from x);
     # the shared output is NaN before each arm, so one that writes nothing fails
@@ -202,7 +157,7 @@ def main(argv=None) -> int:
         best = f"{tri[max(ran, key=tri.get)]:.3f}" if ran else "-"
         print(f"{r['shape']:20s} {r['dtype']:4s} cuBLAS whole {a['cublas_whole']['ms']:.3f} ms "
               f"({a['cublas_whole']['tflops']:.0f} TFLOP/s); ring 1 stream {a['ring_1_stream']['ratio']:.3f}, "
-              f"3 streams {a['ring_3_stream']['ratio']:.3f}; triton best {best} ("
+              f"3 streams {a['ring_3_stream']['ratio']:.3f}, waiting {a['ring_wait']['ratio']:.3f}; triton best {best} ("
               + ", ".join("failed" if v is None else f"{v:.3f}" for v in tri.values()) + ")")
     print(f"results: {path}")
     return 0

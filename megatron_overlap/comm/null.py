@@ -64,6 +64,10 @@ class NullTransport(Transport):
         return self._backends
 
     @property
+    def why_no_wait(self) -> str:
+        return ""  # no transfer (the mirror's copies run before the GEMM, on its stream)
+
+    @property
     def generation(self) -> int:
         return sum(h.growths for h in self._heaps.values())  # a growth moved the workspaces
 

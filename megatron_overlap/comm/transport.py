@@ -267,6 +267,20 @@ class Transport(abc.ABC):
         """The backends that move this transport's bytes (several for a per-peer one)."""
         return (self.name,)
 
+    @property
+    def why_no_wait(self) -> str:
+        """Why a GEMM that holds every SM but one while it waits for this transport's
+        transfers (`overlap.wait_gemm`) could starve them ("" where it cannot): each
+        backend's `BackendCaps.why_no_wait`."""
+        from ..config.backends import REGISTRY
+
+        for b in self.backends:
+            why = REGISTRY[b].caps.why_no_wait if b in REGISTRY else (
+                f"transport {b!r} is not known to move its transfers without SMs")
+            if why:
+                return f"{b}: {why}"
+        return ""
+
     def via(self, peers: "str | tuple[tuple[int, ...], tuple[int, ...]]") -> str:
         """Which transport carries a transfer with these peers ("all ranks" for a
         collective): the trace's `via`. One transport carries everything here."""

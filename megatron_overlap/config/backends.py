@@ -24,6 +24,9 @@ class BackendCaps:
     why_no_clusters: str
     why_no_ce: str
     why_no_comm_stream: str = ""
+    # why one GEMM holding every SM but one while it waits for the transfers
+    # (overlap.wait_gemm, the wait_gemm key) could starve them ("": it runs)
+    why_no_wait: str = ""
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,9 @@ REGISTRY: dict[str, Backend] = {b.name: b for b in (
     Backend("torch_p2p", BackendCaps(
         sm_margin=False, comm_stream=False, why_no_sm=_NCCL_SMS,
         why_no_clusters=_NCCL_SMS + " and launch shape", why_no_ce="NCCL picks its own transport",
-        why_no_comm_stream="NCCL runs on ProcessGroupNCCL's internal streams"),
+        why_no_comm_stream="NCCL runs on ProcessGroupNCCL's internal streams",
+        why_no_wait="NCCL's send/recv kernels need SMs, block for block with the peer's, "
+                    "which a GEMM holding every SM but one could starve (a deadlock)"),
         shared_gpu="ranks share a GPU: NCCL refuses it (gloo has no CUDA send/recv)",
         inter_node=True),
     Backend("symm", BackendCaps(
@@ -54,7 +59,9 @@ REGISTRY: dict[str, Backend] = {b.name: b for b in (
     Backend("nvshmem", BackendCaps(
         sm_margin=True, comm_stream=True, why_no_sm=_TORCH_GRID, why_no_clusters=_NO_CLUSTERS,
         why_no_ce="host-initiated puts: NVSHMEM moves chunks on copy engines (P2P) "
-                  "or through its proxy and the NIC (remote)"),
+                  "or through its proxy and the NIC (remote)",
+        why_no_wait="its signal waits beside a GEMM that holds the SMs are not verified "
+                    "(that needs one GPU per rank)"),
         needs_cuda=_CUDA,
         shared_gpu="ranks share a GPU: NVSHMEM refuses several processes per GPU",
         inter_node=True),

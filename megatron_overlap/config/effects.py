@@ -108,6 +108,13 @@ def layer_effects(s: "LayerSettings", backend: str) -> dict[str, str]:
             return f"no effect: {m} runs one GEMM"
         return ACTIVE
 
+    def wait_gemm() -> str:
+        if m != "ring_exchange" or s.is_reduce_scatter:
+            return "no effect: only a ring_exchange all-gather runs one waiting GEMM"
+        if caps.why_no_wait:
+            return f"fallback: the ring's chunk GEMMs ({backend}: {caps.why_no_wait})"
+        return ACTIVE
+
     def first_gemm() -> str:
         if m != "pipeline":
             return "no effect: only the pipeline reduce-scatter reads it"
@@ -120,7 +127,7 @@ def layer_effects(s: "LayerSettings", backend: str) -> dict[str, str]:
         "fp8_buf": NO_FP8, "comm_priority": priority("comm_priority"),
         "gemm_priority": priority("gemm_priority"),
         "pipeline_rs_overlap_first_gemm": first_gemm(),
-        "ring_order": ring_order(), "gemm_streams": gemm_streams(),
+        "ring_order": ring_order(), "gemm_streams": gemm_streams(), "wait_gemm": wait_gemm(),
     }
     assert tuple(out) == KEYS
     return out

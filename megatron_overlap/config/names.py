@@ -27,9 +27,12 @@ TE_KEYS: tuple[str, ...] = (
 )
 # Keys TE does not have. TE's add_ub() takes its keys as keyword arguments and would
 # refuse these, so they are written out only when not at their default.
-EXTENSION_KEYS: tuple[str, ...] = ("ring_order", "gemm_streams")
+EXTENSION_KEYS: tuple[str, ...] = ("ring_order", "gemm_streams", "wait_gemm")
 KEYS: tuple[str, ...] = TE_KEYS + EXTENSION_KEYS
-EXTENSION_DEFAULTS: dict[str, object] = {"ring_order": "auto", "gemm_streams": 0}
+EXTENSION_DEFAULTS: dict[str, object] = {"ring_order": "auto", "gemm_streams": 0,
+                                         "wait_gemm": False}
+# wait_gemm: a ring all-gather's GEMM as one kernel over the whole gathered input whose
+# tiles wait for their block (overlap.wait_gemm), in place of a GEMM per block
 # gemm_streams: CUDA streams the chunk GEMMs round-robin over (2 fills the wave-quantization
 # gap of one chunk's last wave with the next chunk's first); 0: the global default
 # (install(gemm_streams=...), else MEGATRON_OVERLAP_GEMM_STREAMS, else DEFAULT_GEMM_STREAMS).

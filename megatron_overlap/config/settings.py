@@ -46,7 +46,7 @@ def allowed_methods(name: str) -> tuple[str, ...]:
 
 
 _BOOL_KEYS = frozenset({"set_sm_margin", "atomic_gemm", "use_ce", "aggregate", "fp8_buf",
-                        "pipeline_rs_overlap_first_gemm", "is_reduce_scatter"})
+                        "pipeline_rs_overlap_first_gemm", "is_reduce_scatter", "wait_gemm"})
 _INT_RANGES = {  # key -> (lowest, highest or None, what the message says is allowed)
     "num_sm": (1, None, "an int >= 1"),
     "cga_size": (1, MAX_CGA_SIZE, f"an int in 1..{MAX_CGA_SIZE} (CUDA's portable cluster size)"),
@@ -102,6 +102,8 @@ class LayerSettings:
     ring_order: str = "auto"
     # ours: streams the chunk GEMMs round-robin over (0: the global default)
     gemm_streams: int = 0
+    # ours: a ring all-gather's GEMM as one kernel whose tiles wait per block
+    wait_gemm: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or self.name not in LAYER_NAMES:

@@ -103,7 +103,8 @@ def column_fprop(x2, weight, bias, out, plan: LayerPlan, tp: Transport, nodes,
         x2, weight, gemm = q.operands(x2, weight, tp, op, plan.sequence_parallel, out.dtype)
     if plan.sequence_parallel and plan.fprop is not None:
         all_gather_matmul(x2, weight, tp, plan.fprop.method, op=op, aggregate=plan.fprop.aggregate,
-                          streams=streams, nodes=nodes, out=out, gemm=gemm)
+                          streams=streams, nodes=nodes, out=out, gemm=gemm,
+                          wait=plan.fprop.wait_gemm)
     elif plan.sequence_parallel:
         full = _gathered(x2, tp)
         tp.all_gather(full, x2, op=op).wait()
@@ -266,7 +267,8 @@ def row_dgrad(g, weight, grad_in, plan: LayerPlan, tp: Transport, nodes, streams
     if plan.sequence_parallel and plan.dgrad is not None:
         _, g_full = all_gather_matmul(g, weight.t(), tp, plan.dgrad.method, op=op,
                                       aggregate=plan.dgrad.aggregate, streams=streams,
-                                      nodes=nodes, out=grad_in, gemm=gemm)
+                                      nodes=nodes, out=grad_in, gemm=gemm,
+                                      wait=plan.dgrad.wait_gemm)
         return g_full
     if plan.sequence_parallel:
         g_full = _gathered(g, tp)

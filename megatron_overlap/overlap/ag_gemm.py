@@ -14,6 +14,7 @@ import torch
 
 from ..comm.transport import Transport
 from .gemm import Gemm, matmul, out_dtype
+from . import wait_gemm
 from .gemm_rs import spans_nodes
 from .streams import ChunkStreams, plain
 
@@ -94,6 +95,45 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     return out, gathered
 
 
+def ring_waiting(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
+                 aggregate: bool = False, sm_margin: int = 0, out: torch.Tensor | None = None,
+                 gemm: Gemm = matmul) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ring's transfers (`ring_steps` / `ring_moves`, as `ring_exchange`) and one GEMM
+    over the whole gathered input whose tiles wait for their block (`overlap.wait_gemm`).
+    The transfers are issued from a side stream, which waits on each step's handle before
+    the next step (whose sends forward what it received) and flags the step's blocks; the
+    GEMM is queued first on the caller's stream. The caller checked `wait_gemm.why_not`."""
+    world, rank, rows = tp.world_size, tp.rank, x.shape[0]
+    gathered = tp.workspace((world * rows, x.shape[1]), x.dtype, x.device)
+    out = x.new_empty(world * rows, w.shape[0], dtype=out_dtype(gemm, x)) if out is None else out
+    steps = ring_steps(rank, world, aggregate)
+    moves = ring_moves(rank, world, aggregate, steps)
+    ready = wait_gemm.flags(x.device, world)
+    order = wait_gemm.arrival_order(x.device, [b for blocks in steps for b in blocks])
+
+    def of(t: torch.Tensor, blocks: list[int]) -> torch.Tensor:  # adjacent blocks' rows
+        return t[blocks[0] * rows:(blocks[-1] + 1) * rows]
+    gathered[rank * rows:(rank + 1) * rows].copy_(x)
+    ready.zero_()
+    wait_gemm.set_flag(ready, rank)
+    side = wait_gemm.FlagSide(x.device)  # forks here, before the GEMM is queued
+
+    def multiply() -> None:
+        wait_gemm.launch(gathered, w.t(), out, ready, order, rows, gemm, op=op,
+                         timeout_s=tp.timeout.total_seconds(), sm_margin=sm_margin)
+    if side.concurrent:  # queued first: a GPU runs the side stream's transfers beside it
+        multiply()
+    with side:  # each step issued once the previous one has landed, then its blocks flagged
+        for i, (sends, recvs) in enumerate(moves):
+            tp.exchange([(of(gathered, b), peer) for b, peer in sends],
+                        [(of(gathered, b), peer) for b, peer in recvs], op=op, chunk=i + 1).wait()
+            for b in steps[i + 1]:
+                wait_gemm.set_flag(ready, b)
+    if not side.concurrent:  # CPU: every flag is set by now
+        multiply()
+    return out, gathered
+
+
 def bulk(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
          out: torch.Tensor | None = None, gemm: Gemm = matmul) -> tuple[torch.Tensor, torch.Tensor]:
     """Gather everything, then one GEMM: no overlap at all (the plain path, for layers
@@ -111,11 +151,20 @@ def bulk(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
 def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: str, *,
                       op: str, aggregate: bool = False, streams: ChunkStreams | None = None,
                       nodes: Sequence[Sequence[int]] | None = None,
-                      out: torch.Tensor | None = None, gemm: Gemm = matmul
+                      out: torch.Tensor | None = None, gemm: Gemm = matmul, wait: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatch on the layer's `method`; returns (output, gathered input). `nodes`: the
     group's ranks per node, for the hierarchical ring order (None or one node: flat).
-    `out`: where the output goes ([world * rows, n]; new when None)."""
+    `out`: where the output goes ([world * rows, n]; new when None). `wait`: the ring's
+    GEMM as one kernel that waits per block (`ring_waiting`), where it can run."""
+    if method == "ring_exchange" and wait:
+        why = ("the group spans nodes: its ring runs the hierarchical order" if spans_nodes(nodes)
+               else "its output's rows are not contiguous" if out is not None and out.stride(-1) != 1
+               else wait_gemm.why_not(x, w.t(), gemm, tp.why_no_wait, x.shape[0]))
+        if why is None:
+            return ring_waiting(x, w, tp, op=op, aggregate=aggregate, out=out, gemm=gemm,
+                                sm_margin=streams.sm_margin if streams is not None else 0)
+        wait_gemm.fall_back(op, why)
     if method == "ring_exchange" and spans_nodes(nodes):
         from . import hierarchical
         return hierarchical.all_gather_matmul(x, w, tp, nodes, op=op, streams=streams, out=out,

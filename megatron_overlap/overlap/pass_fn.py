@@ -21,12 +21,13 @@ from .streams import ChunkStreams
 def pass_fn(x: torch.Tensor, w: torch.Tensor, tp: Transport, op: str, method: str, splits: int,
             *, name: str, streams: ChunkStreams | None = None, aggregate: bool = False,
             nodes: Sequence[Sequence[int]] | None = None, replay: bool = False,
-            gemm: Gemm = matmul) -> Callable[[], torch.Tensor]:
+            gemm: Gemm = matmul, wait: bool = False) -> Callable[[], torch.Tensor]:
     """A closure running one pass; returns its output (the same tensor every call).
     op "ag": `x` is this rank's row block, gathered under the GEMM; "rs": `x` holds all
     rows, reduce-scattered (`splits`: pipeline chunks). `nodes`: the ranks per node of
     the hierarchical order (None: flat). `gemm`: the GEMM seam (an FP8 one for FP8
-    operands; the output then in its `out_dtype`)."""
+    operands; the output then in its `out_dtype`). `wait`: a ring all-gather's one
+    waiting GEMM (the `wait_gemm` key)."""
     rows = x.shape[0] * tp.world_size if op == "ag" else x.shape[0] // tp.world_size
     out = x.new_empty(rows, w.shape[0], dtype=out_dtype(gemm, x))
 
@@ -34,7 +35,7 @@ def pass_fn(x: torch.Tensor, w: torch.Tensor, tp: Transport, op: str, method: st
         tp.begin_pass(name)
         if op == "ag":
             all_gather_matmul(x, w, tp, method, op=name, aggregate=aggregate, streams=streams,
-                              nodes=nodes, out=out, gemm=gemm)
+                              nodes=nodes, out=out, gemm=gemm, wait=wait)
         else:
             matmul_reduce_scatter(x, w, tp, method, splits, op=name, streams=streams,
                                   nodes=nodes, out=out, gemm=gemm)

@@ -1,0 +1,196 @@
+"""A ring all-gather's GEMM as one kernel whose tiles wait per block (Flux's AG+GEMM).
+
+The ring (`ag_gemm.ring_exchange`) multiplies each arrived block by a GEMM of its own. At
+a layer's small N those fill the chip poorly: at 70B TP=8 the qkv forward's and the proj
+dgrad's chunk GEMMs keep 0.6-0.8 of one whole GEMM (docs/results.md). Here one persistent
+Triton kernel (`wait_gemm_triton`) runs every tile of the whole product, in the order the
+blocks arrive; a tile spins on its block's flag before it reads the block's rows. The
+flags are set from a side stream once each transfer's handle completes, by a stream memory
+write (no SM), so the GEMM pays no launch and no partly filled last wave per block.
+
+The kernel keeps every SM but `SM_LEFT` for its whole run, so the transfers it waits for
+must get by with those: it runs only on transports whose transfers ride copy engines with
+one-block signal kernels (`Transport.waits_beside_gemm`: symm, and the one-GPU null and
+mirror). Operands: bf16 or fp16, or FP8 with per-tensor scales (`fp8.ScaledGemm`); rows
+per block, N and K in whole tiles (`config`). Where it cannot run, `why_not` says why and
+the ring's chunk GEMMs run. Each wait is bounded: past the transport's timeout (and half
+again) the kernel traps, a CUDA error, after the transport's watchdog has named the
+transfer. On CPU (no Triton, no concurrency) the flags are all set when it launches, and
+it checks that, then multiplies through the pass's GEMM seam.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from .gemm import Gemm, matmul
+
+log = logging.getLogger("megatron_overlap")
+
+SM_LEFT = 1  # SMs the kernel leaves to the transfers' signal kernels and the flag writes
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M) by operand bytes: the best of
+# benchmarks/probe_chunk_wait_gemm.py's configs on an H100 (FP8 0.91-1.02 of cuBLAS on the
+# whole input at the passes whose chunk GEMMs keep least; bf16 0.75-0.85), then a narrower
+# tile for an N that 256 does not divide
+CONFIGS: dict[int, tuple[tuple[int, int, int, int, int, int], ...]] = {
+    1: ((128, 256, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8)),
+    2: ((128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8)),
+    4: ((128, 128, 64, 4, 1, 2),),  # fp32: Triton's CPU interpreter only (why_not refuses a
+}                                   # GPU's fp32, which the kernel would multiply in TF32)
+_flags: dict[tuple[str, int], torch.Tensor] = {}
+_orders: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+_side: dict[str, torch.cuda.Stream] = {}
+_warned: set[tuple[str, str]] = set()
+
+
+def config(dtype: torch.dtype, rows: int, n: int, k: int) -> Optional[tuple]:
+    """The tile config for operands of `dtype`, `rows` per block, N and K; None when no
+    config's tiles divide them."""
+    bytes_ = torch.empty((), dtype=dtype).element_size()
+    for c in CONFIGS.get(bytes_, ()):
+        bm, bn, bk = c[:3]
+        if rows % bm == 0 and n % bn == 0 and k % bk == 0:
+            return c
+    return None
+
+
+def why_not(x: torch.Tensor, wt: torch.Tensor, gemm: Gemm, waits_beside: str, rows: int
+            ) -> Optional[str]:
+    """Why `x`'s blocks ([rows, K] each) times `wt` ([K, N]) cannot run as one waiting GEMM
+    through `gemm` on a transport whose `waits_beside_gemm` reason is `waits_beside` ("":
+    it can), or None."""
+    from .fp8 import ScaledGemm
+
+    if waits_beside:
+        return waits_beside
+    if gemm is not matmul and type(gemm) is not ScaledGemm:
+        return (f"its GEMM is {type(gemm).__name__}; one waiting GEMM takes bf16 / fp16 "
+                "operands or FP8 ones with per-tensor scales")
+    if x.device.type != "cuda":
+        return None  # CPU: the seam's GEMM once every flag is set (module docstring)
+    if gemm is matmul and x.dtype not in (torch.bfloat16, torch.float16):
+        return f"its operands are {x.dtype}; the kernel takes bf16, fp16 or FP8"
+    if x.stride(-1) != 1:
+        return "its input's rows are not contiguous"
+    if config(x.dtype, rows, wt.shape[1], wt.shape[0]) is None:
+        tiles = ", ".join(f"{c[0]}-row blocks, N in {c[1]}s, K in {c[2]}s"
+                          for c in CONFIGS[x.element_size()])
+        return (f"{rows} rows a block, N {wt.shape[1]}, K {wt.shape[0]} are not whole tiles "
+                f"({tiles})")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return None
+
+
+def fall_back(op: str, reason: str) -> None:
+    """Say once per pass and reason that `op` runs the ring's chunk GEMMs instead."""
+    if (op, reason) not in _warned:
+        _warned.add((op, reason))
+        log.warning("megatron_overlap: %s: wait_gemm runs the ring's chunk GEMMs instead of "
+                    "one waiting GEMM: %s", op, reason)
+
+
+def flags(device: torch.device, world: int) -> torch.Tensor:
+    """The process's arrival flags for a ring of `world` blocks on `device` (int32, one per
+    block), made once: a replayed pass keeps its address. Passes run one at a time, and a
+    pass zeroes them on its stream first."""
+    key = (str(device), world)
+    if key not in _flags:
+        _flags[key] = torch.zeros(world, dtype=torch.int32, device=device)
+    return _flags[key]
+
+
+def arrival_order(device: torch.device, order: Sequence[int]) -> torch.Tensor:
+    """`order` (the blocks in the order they arrive) as an int32 tensor on `device`, made
+    once (from pinned memory: a capture may make it)."""
+    key = (str(device), tuple(order))
+    if key not in _orders:
+        host = torch.tensor(list(order), dtype=torch.int32)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        _orders[key] = host.to(device, non_blocking=True)
+    return _orders[key]
+
+
+def set_flag(ready: torch.Tensor, block: int) -> None:
+    """ready[block] = 1, ordered after the current stream's work: a stream memory write
+    on a GPU (no kernel, no SM), with a fence before it."""
+    if ready.device.type == "cuda" and hasattr(torch.ops.symm_mem, "stream_write_value32_"):
+        torch.ops.symm_mem.stream_write_value32_(ready, block, 1)
+    else:
+        ready[block] = 1
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream that waits for the transfers and sets the flags (one per device)."""
+    key = str(device)
+    if key not in _side:
+        _side[key] = torch.cuda.Stream(device=device)
+    return _side[key]
+
+
+class FlagSide:
+    """Where the flags are set: on a GPU the side stream, forked from the current stream
+    where this is made (before the GEMM is queued, which it must not wait for) and joined
+    back when the block exits; on CPU the current thread, in order."""
+
+    def __init__(self, device: torch.device):
+        self.concurrent = device.type == "cuda"
+        if self.concurrent:
+            self._main = torch.cuda.current_stream(device)
+            self._stream = side_stream(device)
+            self._fork = self._main.record_event()
+            self._ctx = torch.cuda.stream(self._stream)
+
+    def __enter__(self) -> "FlagSide":
+        if self.concurrent:
+            self._stream.wait_event(self._fork)
+            self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.concurrent:
+            self._ctx.__exit__(*exc)
+            self._main.wait_stream(self._stream)
+
+
+def launch(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, ready: torch.Tensor,
+           order: torch.Tensor, rows: int, gemm: Gemm, *, op: str, timeout_s: float,
+           sm_margin: int = 0, cfg: Optional[tuple] = None) -> None:
+    """out = a @ wt on the current stream, each block's tiles once ready[block] is set.
+    `a`: [blocks * rows, K]; `order`: the blocks in arrival order; `sm_margin`: SMs held
+    back beyond SM_LEFT (the layer's set_sm_margin); `cfg`: a tile config of `CONFIGS`'
+    form in place of `config`'s (benchmarks/probe_chunk_wait_gemm.py's sweep). On CPU under
+    TRITON_INTERPRET=1 the kernel runs in Triton's interpreter (the probe's check)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if a.device.type != "cuda" and not interpreted:
+        missing = (ready == 0).nonzero().flatten().tolist()
+        if missing:
+            raise RuntimeError(f"{op}: the waiting GEMM launched with block(s) {missing} never "
+                               "flagged as arrived; the schedule would hang on a GPU")
+        gemm(a, wt, out, op=op, chunk=0)
+        return
+    from . import wait_gemm_triton as kernels
+    from ..comm import trace
+
+    trace.record("gemm", op, 0)
+    bm, bn, bk, warps, stages, group = cfg or config(a.dtype, rows, wt.shape[1], wt.shape[0])
+    m, k = a.shape
+    n = wt.shape[1]
+    tiles = (m // bm) * (n // bn)
+    sms = (torch.cuda.get_device_properties(a.device).multi_processor_count
+           if a.device.type == "cuda" else 4)
+    programs = max(1, min(tiles, sms - SM_LEFT - sm_margin))
+    scaled = gemm is not matmul
+    sa, sb = (gemm.a_inv, gemm.b_inv) if scaled else (ready, ready)
+    kernels.waiting_gemm[(programs,)](
+        a, wt, out, ready, order, sa, sb, m, n, k, a.stride(0), wt.stride(0), wt.stride(1),
+        out.stride(0), rows // bm, programs, int(timeout_s * 1.5e9),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=min(group, rows // bm), SCALED=scaled,
+        BOUNDED=a.device.type == "cuda", num_warps=warps, num_stages=stages)
