@@ -119,10 +119,12 @@ def arrival_order(device: torch.device, order: Sequence[int]) -> torch.Tensor:
 
 
 def set_flag(ready: torch.Tensor, block: int) -> None:
-    """ready[block] = 1, ordered after the current stream's work: a stream memory write
-    on a GPU (no kernel, no SM), with a fence before it."""
-    if ready.device.type == "cuda" and hasattr(torch.ops.symm_mem, "stream_write_value32_"):
-        torch.ops.symm_mem.stream_write_value32_(ready, block, 1)
+    """ready[block] = 1, ordered after the current stream's work: on a GPU a stream memory
+    write (torch's symmetric-memory op: no kernel, no SM; a fence before it)."""
+    if ready.device.type == "cuda":
+        import torch.distributed._symmetric_memory  # noqa: F401  (registers symm_mem's ops)
+
+        torch.ops.symm_mem.stream_write_value32_(ready.view(torch.uint32), block, 1)
     else:
         ready[block] = 1
 

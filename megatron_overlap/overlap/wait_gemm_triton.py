@@ -7,27 +7,28 @@ import triton.language as tl
 
 
 @triton.jit
-def _now(x):
-    """The GPU's global timer in ns (`x` only gives the instruction an operand)."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64,
+def _now():
+    """The GPU's global timer, in ns."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                      is_pure=False, pack=1)
 
 
 @triton.jit
 def _trap(x):
     """Abort the kernel: a CUDA error on the host, as torch's symmetric-memory waits do."""
-    tl.inline_asm_elementwise("trap;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.inline_asm_elementwise("trap; mov.u32 $0, $1;", "=r,r", [x], dtype=tl.int32,
+                                     is_pure=False, pack=1)
 
 
 @triton.jit
 def _wait(ready, block, timeout_ns, BOUNDED: tl.constexpr):
     """Spin until ready[block] != 0 (an acquire load: the block's bytes, written before the
-    flag, are then visible). BOUNDED: trap after timeout_ns (Triton's CPU interpreter has
-    no timer; there every flag is set before the launch)."""
+    flag, are then visible). BOUNDED: trap once timeout_ns have passed (Triton's CPU
+    interpreter has no timer; there every flag is set before the launch)."""
     if BOUNDED:
-        start = _now(block)
+        deadline = _now() + timeout_ns
         while tl.atomic_add(ready + block, 0, sem="acquire") == 0:
-            if _now(block) - start > timeout_ns:
+            if _now() > deadline:
                 _trap(block)
     else:
         while tl.atomic_add(ready + block, 0, sem="acquire") == 0:
