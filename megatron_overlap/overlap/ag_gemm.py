@@ -101,8 +101,9 @@ def ring_waiting(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     """The ring's transfers (`ring_steps` / `ring_moves`, as `ring_exchange`) and one GEMM
     over the whole gathered input whose tiles wait for their block (`overlap.wait_gemm`).
     The transfers are issued from a side stream, which waits on each step's handle before
-    the next step (whose sends forward what it received) and flags the step's blocks; the
-    GEMM is queued first on the caller's stream. The caller checked `wait_gemm.why_not`."""
+    the next step (whose sends forward what it received) and flags the step's blocks; then
+    the GEMM is queued on the caller's stream, which joins the side stream after it. The
+    caller checked `wait_gemm.why_not`."""
     world, rank, rows = tp.world_size, tp.rank, x.shape[0]
     gathered = tp.workspace((world * rows, x.shape[1]), x.dtype, x.device)
     out = x.new_empty(world * rows, w.shape[0], dtype=out_dtype(gemm, x)) if out is None else out
@@ -116,21 +117,16 @@ def ring_waiting(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     gathered[rank * rows:(rank + 1) * rows].copy_(x)
     ready.zero_()
     wait_gemm.set_flag(ready, rank)
-    side = wait_gemm.FlagSide(x.device)  # forks here, before the GEMM is queued
-
-    def multiply() -> None:
-        wait_gemm.launch(gathered, w.t(), out, ready, order, rows, gemm, op=op,
-                         timeout_s=tp.timeout.total_seconds(), sm_margin=sm_margin)
-    if side.concurrent:  # queued first: a GPU runs the side stream's transfers beside it
-        multiply()
+    side = wait_gemm.FlagSide(x.device)
     with side:  # each step issued once the previous one has landed, then its blocks flagged
         for i, (sends, recvs) in enumerate(moves):
             tp.exchange([(of(gathered, b), peer) for b, peer in sends],
                         [(of(gathered, b), peer) for b, peer in recvs], op=op, chunk=i + 1).wait()
             for b in steps[i + 1]:
                 wait_gemm.set_flag(ready, b)
-    if not side.concurrent:  # CPU: every flag is set by now
-        multiply()
+    wait_gemm.launch(gathered, w.t(), out, ready, order, rows, gemm, op=op,
+                     timeout_s=tp.timeout.total_seconds(), sm_margin=sm_margin)
+    side.join()
     return out, gathered
 
 

@@ -138,27 +138,36 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class FlagSide:
-    """Where the flags are set: on a GPU the side stream, forked from the current stream
-    where this is made (before the GEMM is queued, which it must not wait for) and joined
-    back when the block exits; on CPU the current thread, in order."""
+    """Where the flags are set: on a GPU a side stream, forked from the current stream when
+    the block is entered and joined back by `join`, after the GEMM is queued; on CPU the
+    current thread, in order.
+
+    Everything the side stream runs is queued before the GEMM, never after it: a kernel's
+    first launch in a process loads its module (CUDA's lazy loading), which waits for the
+    kernels running, and so for a GEMM spinning on a flag that kernel would set (seen: a
+    GEMM queued first hung). Under CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) the
+    side stream's waits then hold the GEMM back until the last block has landed: no
+    overlap, as for every schedule whose waits sit in that queue before its GEMMs."""
 
     def __init__(self, device: torch.device):
-        self.concurrent = device.type == "cuda"
-        if self.concurrent:
-            self._main = torch.cuda.current_stream(device)
+        self._main = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        if self._main is not None:
             self._stream = side_stream(device)
-            self._fork = self._main.record_event()
             self._ctx = torch.cuda.stream(self._stream)
 
     def __enter__(self) -> "FlagSide":
-        if self.concurrent:
-            self._stream.wait_event(self._fork)
+        if self._main is not None:
+            self._stream.wait_stream(self._main)
             self._ctx.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.concurrent:
+        if self._main is not None:
             self._ctx.__exit__(*exc)
+
+    def join(self) -> None:
+        """The current stream waits for what the side stream ran."""
+        if self._main is not None:
             self._main.wait_stream(self._stream)
 
 

@@ -87,12 +87,12 @@ def test_it_waits_for_blocks_written_late():
     out = torch.empty(world * ROWS, N, dtype=torch.bfloat16, device="cuda")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    _launch(a, w.t(), out, ready, order, matmul)
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side):  # queued before the GEMM, as the schedule does (FlagSide)
         for b in range(1, world):
             torch.cuda._sleep(2_000_000)  # ~1 ms: the GEMM is spinning on block b by now
             a[b * ROWS:(b + 1) * ROWS].copy_(late[b * ROWS:(b + 1) * ROWS])
             wait_gemm.set_flag(ready, b)
+    _launch(a, w.t(), out, ready, order, matmul)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     assert _rel(out, late @ w.t()) < 1e-2
