@@ -40,7 +40,7 @@ ours causal over the whole sequence.
 capture at every position equally often (layer_compute's `time_shape`). --ub-cfgs: the
 overlapped linears' settings (install()'s ub_cfgs; default TE's); the timing transport
 cannot emulate a ring reduce-scatter, so a YAML that picks one for a row-parallel forward stops at the check.
---timeline: then one graphed replay of sdpa_ref and ours profiled (graph_timeline.py):
+--timeline: then one graphed replay of sdpa_ref and ours (and ours_wait) profiled (graph_timeline.py):
 span, busy and GEMM time, each kernel group's time outside the GEMMs.
 
 Writes <out>/attention_layer_<tag>.json and prints a table; exit status 2 when a check failed.
@@ -358,7 +358,8 @@ def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
             row["attention_alone_ms"] = attention_alone(shape, arms, dtype, device, args.reps)
             row["goals"] = goals(shape.name, row)
             if args.timeline:
-                row["timeline"] = gt.graph_timelines(arms, extras, TIMELINE_ARMS)
+                row["timeline"] = gt.graph_timelines(
+                    arms, extras, TIMELINE_ARMS + tuple(a.name for a in arms if a.name == "ours_wait"))
         else:
             row["skipped"] = "timing and memory: CPU (the check ran; times and peaks need a GPU)"
         del arms

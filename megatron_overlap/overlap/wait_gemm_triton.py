@@ -21,25 +21,34 @@ def _trap(x):
 
 
 @triton.jit
-def _wait(ready, block, timeout_ns, BOUNDED: tl.constexpr):
-    """Spin until ready[block] != 0 (an acquire load: the block's bytes, written before the
-    flag, are then visible). BOUNDED: trap once timeout_ns have passed (Triton's CPU
-    interpreter has no timer; there every flag is set before the launch)."""
-    if BOUNDED:
+def _pause():
+    """Sleep ~a few hundred ns between polls: a spinning tile then costs the memory system
+    next to nothing (every waiting tile polls one flag)."""
+    return tl.inline_asm_elementwise("nanosleep.u32 256; mov.u32 $0, 0;", "=r", [],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _wait(ready, block, timeout_ns, GPU: tl.constexpr):
+    """Until ready[block] != 0: on a GPU, volatile loads with a pause between them, trapping
+    once timeout_ns have passed, then one acquire (the block's bytes, written before the
+    flag, are visible after it). Triton's CPU interpreter has no timer and no sleep: there
+    every flag is set before the launch, and the acquire alone runs."""
+    if GPU:
         deadline = _now() + timeout_ns
-        while tl.atomic_add(ready + block, 0, sem="acquire") == 0:
+        while tl.load(ready + block, volatile=True) == 0:
+            _pause()
             if _now() > deadline:
                 _trap(block)
-    else:
-        while tl.atomic_add(ready + block, 0, sem="acquire") == 0:
-            pass
+    while tl.atomic_add(ready + block, 0, sem="acquire") == 0:
+        pass
 
 
 @triton.jit
 def waiting_gemm(a, b, c, ready, order, sa, sb, M, N, K, stride_am, stride_bk, stride_bn,
                  stride_cm, tiles_per_block, programs, timeout_ns,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, SCALED: tl.constexpr, BOUNDED: tl.constexpr):
+                 GROUP_M: tl.constexpr, SCALED: tl.constexpr, GPU: tl.constexpr):
     """c = a @ b (* sa * sb): a [M, K] (rows contiguous), b [K, N] (any strides), c [M, N].
     M is row blocks of tiles_per_block * BLOCK_M rows; order[i] is the block that arrives
     i-th. Persistent: program p takes tiles p, p + programs, ... in arrival order (GROUP_M
@@ -56,7 +65,7 @@ def waiting_gemm(a, b, c, ready, order, sa, sb, M, N, K, stride_am, stride_bk, s
         pn = (tile % per_group) // size_m
         block = tl.load(order + lm // tiles_per_block)
         pm = block * tiles_per_block + lm % tiles_per_block
-        _wait(ready, block, timeout_ns, BOUNDED)
+        _wait(ready, block, timeout_ns, GPU)
         rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
