@@ -362,10 +362,30 @@ def run_shape(shape: lc.LayerShape, args, dtype, device) -> dict:
                     arms, extras, TIMELINE_ARMS + tuple(a.name for a in arms if a.name == "ours_wait"))
         else:
             row["skipped"] = "timing and memory: CPU (the check ran; times and peaks need a GPU)"
+        row["wait_fell_back"] = wait_fell_back(arms)
         del arms
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def wait_fell_back(arms) -> list | None:
+    """With a waiting arm (ours_wait, fp8_wait): every (pass, reason) for which the process
+    ran the ring's chunk GEMMs in place of the waiting GEMM (none: the arm ran what it
+    says); None without one."""
+    from megatron_overlap.overlap import wait_gemm
+
+    if not any(a.name.endswith("_wait") for a in arms):
+        return None
+    return sorted(map(list, wait_gemm.fell_back()))
+
+
+def wait_lines(row: dict) -> list[str]:
+    """The table's line on a waiting arm's fall-backs (none where it has none)."""
+    fell = row.get("wait_fell_back")
+    if not fell:
+        return []
+    return [f"{'':18s} wait_gemm fell back to chunk GEMMs: " + "; ".join(f"{p}: {why}" for p, why in fell)]
 
 
 def goals(name: str, row: dict) -> dict:
@@ -419,7 +439,7 @@ def table(doc: dict) -> str:
                      f"{packed:.2f} ms ({r['attention_alone_ms']['packed_ran']})")
         for goal, (value, met) in r["goals"].items():
             lines.append(f"{'':18s}   {goal}: {value:.3f} {'met' if met else 'NOT MET'}")
-        lines += gt.timeline_lines(r.get("timeline"))
+        lines += gt.timeline_lines(r.get("timeline")) + wait_lines(r)
     lines.append("x meg = megatron ms / arm ms, same mode. eager: calls queued back to back; graph: the "
                  "layer's fwd+bwd in one CUDA graph; every arm on the " + doc["config"]["timing"] + " transport. "
                  "GiB step: a steady-state step's peak beyond what the arm keeps; kept: buffers it "

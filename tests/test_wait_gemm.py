@@ -92,6 +92,9 @@ def test_where_it_cannot_run_the_ring_runs_and_says_why(caplog):
         name = "torch_p2p"
         why_no_wait = TorchP2PTransport.why_no_wait
 
+    from megatron_overlap.overlap import wait_gemm
+
+    wait_gemm._warned.clear()  # (said once per process: this test's own messages)
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     for tp, gemms in ((NullTransport(4, 1), 1), (P2P(4, 1), 4)):
         with caplog.at_level(logging.WARNING, logger="megatron_overlap"), trace.recording() as ev:
@@ -99,6 +102,15 @@ def test_where_it_cannot_run_the_ring_runs_and_says_why(caplog):
         assert [e.kind for e in ev].count("gemm") == gemms, tp.name
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "fc1_fprop_torch_p2p" in warned[0] and "NCCL" in warned[0], warned
+    assert "set wait_gemm: false" in warned[0]  # the fix, named
+    assert wait_gemm.fell_back() == {("fc1_fprop_torch_p2p", P2P(4, 1).why_no_wait)}
+    # across nodes the hierarchical order runs, and a strided output takes the chunk GEMMs
+    for op, kw in (("nodes", dict(nodes=[[0, 1], [2, 3]])),
+                   ("strided", dict(out=torch.empty(8, 16)[:, ::2]))):
+        with trace.recording() as ev:
+            all_gather_matmul(x, w, NullTransport(4, 1), "ring_exchange", op=op, wait=True, **kw)
+        assert [e.kind for e in ev].count("gemm") > 1, op
+    assert {op for op, _ in wait_gemm.fell_back()} >= {"nodes", "strided"}
 
 
 def test_the_key_in_settings_and_the_table():
@@ -109,9 +121,16 @@ def test_the_key_in_settings_and_the_table():
                          "proj_fprop": {"method": "pipeline", "wait_gemm": 1}}, rs_dgrad=False)
     assert settings["qkv_fprop"].wait_gemm is True and settings["proj_fprop"].wait_gemm is True
     assert settings["fc1_fprop"].wait_gemm is False  # the default
-    assert layer_effects(settings["qkv_fprop"], "symm")["wait_gemm"] == ACTIVE
+    waiting = layer_effects(settings["qkv_fprop"], "symm")
+    assert waiting["wait_gemm"] == ACTIVE
+    # its one GEMM runs on the pass's stream: the chunk GEMMs' stream keys do nothing
+    assert waiting["gemm_streams"].startswith("no effect") and waiting["gemm_priority"].startswith("no effect")
     assert layer_effects(settings["qkv_fprop"], "torch_p2p")["wait_gemm"].startswith("fallback")
     assert layer_effects(settings["proj_fprop"], "symm")["wait_gemm"].startswith("no effect")
+    # off (the default): active where it could run, no effect (not a fallback) where not
+    off = layer_effects(settings["fc1_fprop"], "torch_p2p")
+    assert off["wait_gemm"].startswith("no effect on torch_p2p") and off["gemm_streams"] == ACTIVE
+    assert layer_effects(settings["fc1_fprop"], "symm")["wait_gemm"] == ACTIVE
     with pytest.raises(Exception, match="wait_gemm"):
         parse({"qkv_fprop": {"wait_gemm": "yes"}}, rs_dgrad=False)
 
@@ -176,3 +195,24 @@ def test_a_layer_with_waiting_rings_equals_megatrons():
     waiting = {op: n for op, n in res["gemms"].items()
                if any(k in op for k in ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad"))}
     assert len(waiting) == 4 and all(g == calls > 0 for g, calls in waiting.values()), res["gemms"]
+
+
+def test_the_tile_config_and_what_the_kernel_refuses():
+    """`config`: whole tiles or None, and the tile that fills the last wave best (70B's qkv
+    N 1280: the 128-wide FP8 tile; proj dgrad N 1024: the 256-wide); `why_not`: a GEMM seam
+    it does not take, and offsets past int32."""
+    from megatron_overlap.overlap import wait_gemm
+    from megatron_overlap.overlap.fp8 import RowScaledGemm
+
+    e4m3 = torch.float8_e4m3fn
+    assert wait_gemm.config(e4m3, 1024, 1280, 8192, 8192, 131)[:3] == (128, 128, 128)
+    assert wait_gemm.config(e4m3, 1024, 1024, 8192, 8192, 131)[:3] == (128, 256, 128)
+    assert wait_gemm.config(torch.bfloat16, 1024, 1152, 8192)[:3] == (128, 128, 64)  # 256 no divisor
+    assert wait_gemm.config(torch.bfloat16, 96, 1024, 8192) is None  # 96 rows a block
+    x, wt = torch.randn(4, 8), torch.randn(8, 6)
+    assert wait_gemm.why_not(x, wt, wait_gemm.matmul, "", 4, 2) is None
+    assert "RowScaledGemm" in wait_gemm.why_not(x, wt, RowScaledGemm.__new__(RowScaledGemm), "", 4, 2)
+    big = torch.empty(1).expand(2 ** 16, 2 ** 15)  # (one element: only the shapes are read)
+    assert "int32" in wait_gemm.why_not(big, torch.empty(1).expand(2 ** 15, 8), wait_gemm.matmul, "",
+                                        2 ** 16, 2)
+    assert wait_gemm.why_not(x, wt, wait_gemm.matmul, "null: no", 4, 2) == "null: no"

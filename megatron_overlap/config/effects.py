@@ -28,6 +28,8 @@ NO_ATOMIC = "no effect: atomic GEMM not implemented (always non-atomic)"
 # An FP8 layer (Megatron's config.fp8) quantizes what it gathers before the gather and
 # reduces in the output dtype, whatever fp8_buf says; a bf16 layer moves bf16.
 NO_FP8 = "no effect: FP8 layers (config.fp8) gather FP8 and reduce bf16 regardless"
+# what a chunk GEMM's stream keys do where wait_gemm runs the ring's one GEMM
+WAITS = "no effect: wait_gemm runs one GEMM, on the pass's stream"
 
 
 def caps_for(backend: str) -> BackendCaps:
@@ -93,6 +95,8 @@ def layer_effects(s: "LayerSettings", backend: str) -> dict[str, str]:
             return external
         if key == "comm_priority" and not caps.comm_stream:
             return on_b + caps.why_no_comm_stream
+        if key == "gemm_priority" and waits():
+            return WAITS
         value = getattr(s, key)
         if value > 0:
             return f"clamped: CUDA stream priorities are <= 0, so {value} acts as 0 (lowest)"
@@ -106,13 +110,21 @@ def layer_effects(s: "LayerSettings", backend: str) -> dict[str, str]:
     def gemm_streams() -> str:
         if m in ("bulk", "external"):
             return f"no effect: {m} runs one GEMM"
+        if waits():
+            return WAITS
         return ACTIVE
+
+    def waits() -> bool:
+        """The layer runs one waiting GEMM where it can (its chunk-GEMM keys then unread)."""
+        return s.wait_gemm and m == "ring_exchange" and not s.is_reduce_scatter \
+            and not caps.why_no_wait
 
     def wait_gemm() -> str:
         if m != "ring_exchange" or s.is_reduce_scatter:
             return "no effect: only a ring_exchange all-gather runs one waiting GEMM"
         if caps.why_no_wait:
-            return f"fallback: the ring's chunk GEMMs ({backend}: {caps.why_no_wait})"
+            return (f"fallback: the ring's chunk GEMMs ({backend}: {caps.why_no_wait})"
+                    if s.wait_gemm else on_b + caps.why_no_wait)
         return ACTIVE
 
     def first_gemm() -> str:

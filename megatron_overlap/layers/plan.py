@@ -94,7 +94,9 @@ def ring_order(s: LayerSettings, sequence_parallel: bool, topo: Topology | None
 
 # (method, reduce-scatter?) -> keys the hierarchical order does not read, and why
 _HIERARCHICAL_IGNORES = {
-    ("ring_exchange", False): {"aggregate": "no effect: the hierarchical order rings one direction"},
+    ("ring_exchange", False): {"aggregate": "no effect: the hierarchical order rings one direction",
+                               "wait_gemm": "no effect: the hierarchical order runs the ring's "
+                                            "chunk GEMMs"},
     ("pipeline", True): {"num_splits": "no effect: the hierarchical order reduces one row block "
                                        "per GEMM"},
 }

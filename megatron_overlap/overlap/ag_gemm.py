@@ -42,6 +42,11 @@ def ring_steps(rank: int, world: int, aggregate: bool) -> list[list[int]]:
 Moves = list[tuple[list[int], int]]  # (adjacent blocks, peer)
 
 
+def rows_of(t: torch.Tensor, blocks: list[int], rows: int) -> torch.Tensor:
+    """The rows of adjacent `blocks` of `t` (`rows` a block)."""
+    return t[blocks[0] * rows:(blocks[-1] + 1) * rows]
+
+
 def ring_moves(rank: int, world: int, aggregate: bool,
                steps: list[list[int]] | None = None) -> list[tuple[Moves, Moves]]:
     """Before each step but the first, what this rank sends and receives (blocks and
@@ -77,8 +82,8 @@ def ring_exchange(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     steps = ring_steps(rank, world, aggregate)
     moves = ring_moves(rank, world, aggregate, steps)
 
-    def of(t: torch.Tensor, blocks: list[int]) -> torch.Tensor:  # adjacent blocks' rows
-        return t[blocks[0] * rows:(blocks[-1] + 1) * rows]
+    def of(t: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+        return rows_of(t, blocks, rows)
     with streams or plain() as st:
         for i, blocks in enumerate(steps):
             handle = None
@@ -112,8 +117,8 @@ def ring_waiting(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     ready = wait_gemm.flags(x.device, world)
     order = wait_gemm.arrival_order(x.device, [b for blocks in steps for b in blocks])
 
-    def of(t: torch.Tensor, blocks: list[int]) -> torch.Tensor:  # adjacent blocks' rows
-        return t[blocks[0] * rows:(blocks[-1] + 1) * rows]
+    def of(t: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+        return rows_of(t, blocks, rows)
     gathered[rank * rows:(rank + 1) * rows].copy_(x)
     ready.zero_()
     wait_gemm.set_flag(ready, rank)
@@ -156,7 +161,7 @@ def all_gather_matmul(x: torch.Tensor, w: torch.Tensor, tp: Transport, method: s
     if method == "ring_exchange" and wait:
         why = ("the group spans nodes: its ring runs the hierarchical order" if spans_nodes(nodes)
                else "its output's rows are not contiguous" if out is not None and out.stride(-1) != 1
-               else wait_gemm.why_not(x, w.t(), gemm, tp.why_no_wait, x.shape[0]))
+               else wait_gemm.why_not(x, w.t(), gemm, tp.why_no_wait, x.shape[0], tp.world_size))
         if why is None:
             return ring_waiting(x, w, tp, op=op, aggregate=aggregate, out=out, gemm=gemm,
                                 sm_margin=streams.sm_margin if streams is not None else 0)

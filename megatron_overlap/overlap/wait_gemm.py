@@ -10,7 +10,7 @@ write (no SM), so the GEMM pays no launch and no partly filled last wave per blo
 
 The kernel keeps every SM but `SM_LEFT` for its whole run, so the transfers it waits for
 must get by with those: it runs only on transports whose transfers ride copy engines with
-one-block signal kernels (`Transport.waits_beside_gemm`: symm, and the one-GPU null and
+one-block signal kernels (`Transport.why_no_wait` empty: symm, and the one-GPU null and
 mirror). Operands: bf16 or fp16, or FP8 with per-tensor scales (`fp8.ScaledGemm`); rows
 per block, N and K in whole tiles (`config`). Where it cannot run, `why_not` says why and
 the ring's chunk GEMMs run. Each wait is bounded: past the transport's timeout (and half
@@ -40,7 +40,8 @@ CONFIGS: dict[int, tuple[tuple[int, int, int, int, int, int], ...]] = {
     1: ((128, 256, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8)),
     2: ((128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8)),
     4: ((128, 128, 64, 4, 1, 2),),  # fp32: Triton's CPU interpreter only (why_not refuses a
-}                                   # GPU's fp32, which the kernel would multiply in TF32)
+}                                   # GPU's fp32 GEMM, which the kernel would run in TF32)
+OFFSETS = 2 ** 31  # the kernel's element offsets are int32: M x K and M x N stay below
 _flags: dict[tuple[str, int], torch.Tensor] = {}
 _orders: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 _side: dict[str, torch.cuda.Stream] = {}
@@ -51,7 +52,7 @@ def config(dtype: torch.dtype, rows: int, n: int, k: int, m: int = 0, programs: 
            ) -> Optional[tuple]:
     """The tile config for operands of `dtype`, `rows` per block, N and K; None when no
     config's tiles divide them. Given the input's rows `m` and the kernel's `programs`, the
-    one whose tiles fill the last wave best, the first listed within 5% of it (at 70B's
+    one whose tiles fill the last wave best, the first listed within 5 points of it (at 70B's
     qkv, N 1280: 320 tiles of 256 columns take 3 waves of 131 at 81%, 640 of 128 take 5
     at 98%, and ran 4% faster on an H100)."""
     bytes_ = torch.empty((), dtype=dtype).element_size()
@@ -66,29 +67,29 @@ def config(dtype: torch.dtype, rows: int, n: int, k: int, m: int = 0, programs: 
     return next(c for c in fits if filled(c) >= best - 0.05)
 
 
-def why_not(x: torch.Tensor, wt: torch.Tensor, gemm: Gemm, waits_beside: str, rows: int
-            ) -> Optional[str]:
-    """Why `x`'s blocks ([rows, K] each) times `wt` ([K, N]) cannot run as one waiting GEMM
-    through `gemm` on a transport whose `waits_beside_gemm` reason is `waits_beside` ("":
-    it can), or None."""
+def why_not(x: torch.Tensor, wt: torch.Tensor, gemm: Gemm, why_no_wait: str, rows: int,
+            blocks: int = 1) -> Optional[str]:
+    """Why `blocks` blocks like `x` ([rows, K] each) times `wt` ([K, N]) cannot run as one
+    waiting GEMM through `gemm` on a transport whose `why_no_wait` reason is `why_no_wait`
+    ("": it can), or None."""
     from .fp8 import ScaledGemm
 
-    if waits_beside:
-        return waits_beside
+    if why_no_wait:
+        return why_no_wait
     if gemm is not matmul and type(gemm) is not ScaledGemm:
         return (f"its GEMM is {type(gemm).__name__}; one waiting GEMM takes bf16 / fp16 "
                 "operands or FP8 ones with per-tensor scales")
+    m, k, n = blocks * rows, wt.shape[0], wt.shape[1]
+    if max(m * k, m * n) >= OFFSETS:
+        return f"its [{m}, {k}] x [{k}, {n}] GEMM has 2**31 elements or more (int32 offsets)"
     if x.device.type != "cuda":
         return None  # CPU: the seam's GEMM once every flag is set (module docstring)
     if gemm is matmul and x.dtype not in (torch.bfloat16, torch.float16):
         return f"its operands are {x.dtype}; the kernel takes bf16, fp16 or FP8"
-    if x.stride(-1) != 1:
-        return "its input's rows are not contiguous"
-    if config(x.dtype, rows, wt.shape[1], wt.shape[0]) is None:
+    if config(x.dtype, rows, n, k) is None:
         tiles = ", ".join(f"{c[0]}-row blocks, N in {c[1]}s, K in {c[2]}s"
                           for c in CONFIGS[x.element_size()])
-        return (f"{rows} rows a block, N {wt.shape[1]}, K {wt.shape[0]} are not whole tiles "
-                f"({tiles})")
+        return f"{rows} rows a block, N {n}, K {k} are not whole tiles ({tiles})"
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -101,7 +102,24 @@ def fall_back(op: str, reason: str) -> None:
     if (op, reason) not in _warned:
         _warned.add((op, reason))
         log.warning("megatron_overlap: %s: wait_gemm runs the ring's chunk GEMMs instead of "
-                    "one waiting GEMM: %s", op, reason)
+                    "one waiting GEMM: %s (set wait_gemm: false for this layer to run them "
+                    "without this message)", op, reason)
+
+
+def fell_back() -> set[tuple[str, str]]:
+    """(pass, reason) of every fall-back said so far in this process (the benchmarks
+    report them beside the arm that asked for the waiting GEMM)."""
+    return set(_warned)
+
+
+def one_queue(op: str) -> None:
+    """Say once that under CUDA_DEVICE_MAX_CONNECTIONS=1 the waiting GEMM starts only after
+    the last block has landed (`FlagSide`): correct, but nothing overlaps."""
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and ("", "one queue") not in _warned:
+        _warned.add(("", "one queue"))
+        log.warning("megatron_overlap: %s: wait_gemm under CUDA_DEVICE_MAX_CONNECTIONS=1 waits "
+                    "for the ring's last block before its GEMM starts (one hardware queue): "
+                    "no overlap. Set wait_gemm: false, or more connections", op)
 
 
 def flags(device: torch.device, world: int) -> torch.Tensor:
@@ -116,13 +134,16 @@ def flags(device: torch.device, world: int) -> torch.Tensor:
 
 def arrival_order(device: torch.device, order: Sequence[int]) -> torch.Tensor:
     """`order` (the blocks in the order they arrive) as an int32 tensor on `device`, made
-    once (from pinned memory: a capture may make it)."""
+    once, outside any CUDA graph capture: one made inside it would be filled only when that
+    graph replays."""
     key = (str(device), tuple(order))
     if key not in _orders:
-        host = torch.tensor(list(order), dtype=torch.int32)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        _orders[key] = host.to(device, non_blocking=True)
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"megatron_overlap: wait_gemm: a ring of arrival order {list(order)} first ran "
+                "inside a CUDA graph capture; run the layer once eagerly before capturing "
+                "(as Megatron's and this package's graphs warm up)")
+        _orders[key] = torch.tensor(list(order), dtype=torch.int32, device=device)
     return _orders[key]
 
 
@@ -187,18 +208,19 @@ def launch(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, ready: torch.Te
     back beyond SM_LEFT (the layer's set_sm_margin); `cfg`: a tile config of `CONFIGS`'
     form in place of `config`'s (benchmarks/probe_chunk_wait_gemm.py's sweep). On CPU under
     TRITON_INTERPRET=1 the kernel runs in Triton's interpreter (the probe's check)."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    if a.device.type != "cuda" and not interpreted:
+    if a.device.type != "cuda":
         missing = (ready == 0).nonzero().flatten().tolist()
         if missing:
             raise RuntimeError(f"{op}: the waiting GEMM launched with block(s) {missing} never "
                                "flagged as arrived; the schedule would hang on a GPU")
-        gemm(a, wt, out, op=op, chunk=0)
-        return
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            gemm(a, wt, out, op=op, chunk=0)
+            return
     from . import wait_gemm_triton as kernels
     from ..comm import trace
 
     trace.record("gemm", op, 0)
+    one_queue(op)
     m, k = a.shape
     n = wt.shape[1]
     sms = (torch.cuda.get_device_properties(a.device).multi_processor_count

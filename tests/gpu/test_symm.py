@@ -298,40 +298,10 @@ def test_cuda_graph_replay_matches_eager():
         assert errs and all(e == 0.0 for e in errs.values()), errs
 
 
-def _silent_peer(rank, world):
-    import torch
-    import torch.distributed as tdist
-
-    from megatron_overlap.comm import CommError
-    from megatron_overlap.overlap import all_gather_matmul
-
-    gpu.init()
-    tp = gpu.symm(timeout_s=3)
-    x, w = gpu.full(1, ROWS, K), gpu.full(2, N, K)
-    x @ w.t()  # cuBLAS set up now: its first call blocks, GIL held, behind a stuck stream
-    tp.begin_pass("fc1_fprop")
-    message = None
-    if rank == 0:
-        try:
-            all_gather_matmul(x, w, tp, "ring_exchange", op="fc1_fprop")
-            # Returns once the watchdog released the stuck wait; with one hardware queue
-            # (CUDA_DEVICE_MAX_CONNECTIONS=1) the release is stuck too and the device-side
-            # timeout traps instead: a CUDA error, never a hang.
-            torch.cuda.synchronize()
-        except RuntimeError:
-            pass
-        try:
-            tp.check()
-        except CommError as exc:
-            message = str(exc)
-    tdist.barrier()  # rank 1 never signalled; both leave together (over gloo, on the CPU)
-    return message
-
-
 def test_silent_peer_is_a_diagnosed_timeout():
     # several hardware queues: the watchdog's release reaches the stuck stream
     env = {**gpu.ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "8"}
-    message = dist.run(_silent_peer, 2, env=env, timeout=60)[0]
+    message = dist.run(gpu.silent_peer, 2, env=env, timeout=60)[0]
     assert message is not None
     assert "rank 0/2 waited for 'fc1_fprop' chunk 1 from rank 1" in message
     assert "MEGATRON_OVERLAP_TIMEOUT_S=3s" in message
@@ -342,7 +312,7 @@ def test_silent_peer_with_one_hardware_queue_is_not_a_hang():
     stream; the device-side timeout traps (a CUDA error, then the diagnosis from
     check()), or, last resort, the watchdog ends the process with code 124."""
     try:
-        message = dist.run(_silent_peer, 2, env=gpu.ENV, timeout=60)[0]
+        message = dist.run(gpu.silent_peer, 2, env=gpu.ENV, timeout=60)[0]
     except RuntimeError as exc:
         assert "codes [124]" in str(exc)
     else:

@@ -193,32 +193,7 @@ def test_symm_ranks_sharing_the_gpu(world):
         assert errs and all(e < 1e-2 for e in errs.values()), errs
 
 
-def _silent_peer(rank, world):
-    import torch.distributed as tdist
-
-    from megatron_overlap.comm import CommError
-    from megatron_overlap.overlap import all_gather_matmul
-
-    gpu.init()
-    tp = gpu.symm(timeout_s=3)
-    x, w = gpu.full(1, ROWS, K).bfloat16(), gpu.full(2, N, K).bfloat16()
-    tp.begin_pass("fc1_fprop")
-    message = None
-    if rank == 0:
-        try:
-            all_gather_matmul(x, w, tp, "ring_exchange", op="fc1_fprop", wait=True)
-            torch.cuda.synchronize()
-        except RuntimeError:
-            pass
-        try:
-            tp.check()
-        except CommError as exc:
-            message = str(exc)
-    tdist.barrier()
-    return message
-
-
 def test_a_silent_peer_is_the_transports_diagnosed_timeout():
     env = {**gpu.ENV, "CUDA_DEVICE_MAX_CONNECTIONS": "8"}
-    message = dist.run(_silent_peer, 2, env=env, timeout=60)[0]
+    message = dist.run(gpu.silent_peer, 2, True, env=env, timeout=60)[0]
     assert message is not None and "rank 0/2 waited for 'fc1_fprop' chunk 1 from rank 1" in message

@@ -60,3 +60,40 @@ def full(seed: int, *shape: int) -> torch.Tensor:
     """The same tensor on every rank (fp32, on the GPU)."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(*shape, generator=g).cuda()
+
+
+def silent_peer(rank: int, world: int, wait: bool = False):
+    """A ring all-gather ('fc1_fprop') on `symm` with a 3 s timeout that rank 1 never joins:
+    rank 0's CommError message from check() (None on rank 1). `wait`: the ring's one
+    waiting GEMM (`wait_gemm`; bf16, which it takes), else the chunk GEMMs (fp32)."""
+    import torch.distributed as tdist
+
+    from megatron_overlap.comm import CommError
+    from megatron_overlap.overlap import all_gather_matmul
+
+    from megatron_overlap.overlap import wait_gemm
+
+    init()
+    tp = symm(timeout_s=3)
+    # the waiting GEMM's operands come in whole tiles (128 rows, N in 256s, K in 64s)
+    dtype, (rows, k, n) = (torch.bfloat16, (128, 256, 512)) if wait else (torch.float32, (32, 64, 48))
+    x, w = full(1, rows, k).to(dtype), full(2, n, k).to(dtype)
+    assert not wait or wait_gemm.why_not(x, w.t(), wait_gemm.matmul, tp.why_no_wait, rows) is None
+    x @ w.t()  # cuBLAS set up now: its first call blocks, GIL held, behind a stuck stream
+    tp.begin_pass("fc1_fprop")
+    message = None
+    if rank == 0:
+        try:
+            all_gather_matmul(x, w, tp, "ring_exchange", op="fc1_fprop", wait=wait)
+            # Returns once the watchdog released the stuck wait; with one hardware queue
+            # (CUDA_DEVICE_MAX_CONNECTIONS=1) the release is stuck too and the device-side
+            # timeout traps instead: a CUDA error, never a hang.
+            torch.cuda.synchronize()
+        except RuntimeError:
+            pass
+        try:
+            tp.check()
+        except CommError as exc:
+            message = str(exc)
+    tdist.barrier()  # rank 1 never signalled; both leave together (over gloo, on the CPU)
+    return message
