@@ -171,10 +171,11 @@ class FlagSide:
     the block is entered and joined back by `join`, after the GEMM is queued; on CPU the
     current thread, in order.
 
-    Everything the side stream runs is queued before the GEMM, never after it: a kernel's
-    first launch in a process loads its module (CUDA's lazy loading), which waits for the
-    kernels running, and so for a GEMM spinning on a flag that kernel would set (seen: a
-    GEMM queued first hung). Under CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) the
+    Everything the side stream runs is queued before the GEMM, never after it. Seen on an
+    H100: with the GEMM queued first, the flags never came (it hung, or trapped at its
+    timeout). The likely cause is CUDA's lazy loading: a kernel's first launch in a process
+    loads its module, which waits for the kernels running, here the GEMM spinning on the
+    flag that kernel's stream would set. Under CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) the
     side stream's waits then hold the GEMM back until the last block has landed: no
     overlap, as for every schedule whose waits sit in that queue before its GEMMs."""
 
