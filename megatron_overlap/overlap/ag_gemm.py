@@ -116,17 +116,15 @@ def ring_waiting(x: torch.Tensor, w: torch.Tensor, tp: Transport, *, op: str,
     moves = ring_moves(rank, world, aggregate, steps)
     ready = wait_gemm.flags(x.device, world)
     order = wait_gemm.arrival_order(x.device, [b for blocks in steps for b in blocks])
-
-    def of(t: torch.Tensor, blocks: list[int]) -> torch.Tensor:
-        return rows_of(t, blocks, rows)
     gathered[rank * rows:(rank + 1) * rows].copy_(x)
     ready.zero_()
     wait_gemm.set_flag(ready, rank)
     side = wait_gemm.FlagSide(x.device)
     with side:  # each step issued once the previous one has landed, then its blocks flagged
         for i, (sends, recvs) in enumerate(moves):
-            tp.exchange([(of(gathered, b), peer) for b, peer in sends],
-                        [(of(gathered, b), peer) for b, peer in recvs], op=op, chunk=i + 1).wait()
+            tp.exchange([(rows_of(gathered, b, rows), peer) for b, peer in sends],
+                        [(rows_of(gathered, b, rows), peer) for b, peer in recvs], op=op,
+                        chunk=i + 1).wait()
             for b in steps[i + 1]:
                 wait_gemm.set_flag(ready, b)
     wait_gemm.launch(gathered, w.t(), out, ready, order, rows, gemm, op=op,

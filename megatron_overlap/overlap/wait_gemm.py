@@ -45,7 +45,8 @@ OFFSETS = 2 ** 31  # the kernel's element offsets are int32: M x K and M x N sta
 _flags: dict[tuple[str, int], torch.Tensor] = {}
 _orders: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 _side: dict[str, torch.cuda.Stream] = {}
-_warned: set[tuple[str, str]] = set()
+_warned: set[tuple[str, str]] = set()  # (pass, reason) of each fall-back said
+_one_queue_said = False
 
 
 def config(dtype: torch.dtype, rows: int, n: int, k: int, m: int = 0, programs: int = 0
@@ -55,8 +56,7 @@ def config(dtype: torch.dtype, rows: int, n: int, k: int, m: int = 0, programs: 
     one whose tiles fill the last wave best, the first listed within 5 points of it (at 70B's
     qkv, N 1280: 320 tiles of 256 columns take 3 waves of 131 at 81%, 640 of 128 take 5
     at 98%, and ran 4% faster on an H100)."""
-    bytes_ = torch.empty((), dtype=dtype).element_size()
-    fits = [c for c in CONFIGS.get(bytes_, ()) if rows % c[0] == 0 and n % c[1] == 0 and k % c[2] == 0]
+    fits = [c for c in CONFIGS.get(dtype.itemsize, ()) if rows % c[0] == 0 and n % c[1] == 0 and k % c[2] == 0]
     if not fits or not (m and programs):
         return fits[0] if fits else None
 
@@ -115,8 +115,9 @@ def fell_back() -> set[tuple[str, str]]:
 def one_queue(op: str) -> None:
     """Say once that under CUDA_DEVICE_MAX_CONNECTIONS=1 the waiting GEMM starts only after
     the last block has landed (`FlagSide`): correct, but nothing overlaps."""
-    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and ("", "one queue") not in _warned:
-        _warned.add(("", "one queue"))
+    global _one_queue_said
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1" and not _one_queue_said:
+        _one_queue_said = True
         log.warning("megatron_overlap: %s: wait_gemm under CUDA_DEVICE_MAX_CONNECTIONS=1 waits "
                     "for the ring's last block before its GEMM starts (one hardware queue): "
                     "no overlap. Set wait_gemm: false, or more connections", op)
@@ -175,9 +176,9 @@ class FlagSide:
     H100: with the GEMM queued first, the flags never came (it hung, or trapped at its
     timeout). The likely cause is CUDA's lazy loading: a kernel's first launch in a process
     loads its module, which waits for the kernels running, here the GEMM spinning on the
-    flag that kernel's stream would set. Under CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue) the
-    side stream's waits then hold the GEMM back until the last block has landed: no
-    overlap, as for every schedule whose waits sit in that queue before its GEMMs."""
+    flag that kernel's stream would set. Under CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware
+    queue) the side stream's waits then hold the GEMM back until the last block has
+    landed: no overlap (`one_queue` says so)."""
 
     def __init__(self, device: torch.device):
         self._main = torch.cuda.current_stream(device) if device.type == "cuda" else None
