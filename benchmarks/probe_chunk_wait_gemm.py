@@ -5,12 +5,16 @@ and 1024-row chunk GEMMs of the small layers fill the chip poorly: at 70B TP=8 t
 forward and proj dgrad rings keep 0.70-0.75 of a whole GEMM in FP8. Flux's answer is one
 persistent GEMM kernel over the whole gathered input whose tiles wait for their rows' chunk
 to arrive (a flag per chunk). The library's is `overlap.wait_gemm` (the `wait_gemm` key).
-This measures its compute side, every flag already set: each tile config of a sweep
-(`triton_i`, the kernel alone) and the library's whole schedule (`ring_wait`: the ring's
-pass through `pass_fn` on the `null` transport, flags, side stream and all), against cuBLAS
-on the whole input and against the ring's own chunk GEMMs (`pass_fn` on `null`, 1 and 3
-streams), bf16 and FP8 (e4m3, per-tensor scales), all captured in CUDA graphs and timed
-interleaved.
+This measures its compute side, every flag already set: each tile config of a sweep, the
+kernel alone through TMA descriptors (`tma_i`) and through pointers (`ptr_i`), and the
+library's whole schedule (`ring_wait`: the ring's pass through `pass_fn` on the `null`
+transport, flags, side stream and all), against cuBLAS on the whole input and against the
+ring's own chunk GEMMs (`pass_fn` on `null`, 1 and 3 streams), bf16 and FP8 (e4m3,
+per-tensor scales), all captured in CUDA graphs and timed interleaved. The same two
+schedules on the mirror transport (`ring_wait_mirror`, `ring_1_stream_mirror`) copy each
+block as it would arrive (copy-engine copies, on one GPU), so the waiting tiles' polls
+run beside transfers as in a layer. A dgrad's bf16 weight reaches the GEMM N-major (the
+[K, N] weight as stored), a forward's K-major, as in the layer; FP8 weights K-major.
 
 Predicted before measuring (METHOD.md): the Triton kernel at 0.80-0.95 of cuBLAS whole
 (Triton's Hopper GEMMs trail cuBLAS by 5-20%), so ahead of the chunk GEMMs where those keep
@@ -64,9 +68,13 @@ def probe_shape(name: str, m: int, k: int, n: int, tp: int, dtype: str, configs:
     from megatron_overlap.overlap.streams import ChunkStreams
     from megatron_overlap.overlap.wait_gemm import launch
 
+    from megatron_overlap.ab.emulated_tp import MirrorTransport
+
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g).to(device, DTYPES[dtype])
     w = (torch.randn(n, k, generator=g) / k ** 0.5).to(device, DTYPES[dtype])
+    if "dgrad" in name and dtype != "fp8":  # the [K, N] weight as stored, viewed [N, K]
+        w = w.t().contiguous().t()
     rows = m // tp
     ready = torch.ones(tp, dtype=torch.int32, device=device)  # every chunk arrived
     out = torch.empty(m, n, dtype=DTYPES[dtype], device=device)
@@ -78,17 +86,22 @@ def probe_shape(name: str, m: int, k: int, n: int, tp: int, dtype: str, configs:
         xa, wa, gemm = x, w, matmul
         whole = lambda: torch.mm(xa, wa.t(), out=out)  # noqa: E731
     arms = {"cublas_whole": whole}
+    def ring(tag, transport, **kw):
+        return pass_fn(xa[(tp - 1) * rows:], wa, transport(tp, tp - 1), "ag", "ring_exchange", 1,
+                       name=f"probe_{name}_{tag}", gemm=gemm, **kw)
     for n_streams in (1, 3):
-        arms[f"ring_{n_streams}_stream"] = pass_fn(
-            xa[(tp - 1) * rows:], wa, NullTransport(tp, tp - 1), "ag", "ring_exchange", 1,
-            name=f"probe_{name}", streams=ChunkStreams(n=n_streams), gemm=gemm)
+        arms[f"ring_{n_streams}_stream"] = ring(n_streams, NullTransport,
+                                                streams=ChunkStreams(n=n_streams))
     # the library's schedule: the ring on null (no transfers) with its one waiting GEMM
-    arms["ring_wait"] = pass_fn(xa[(tp - 1) * rows:], wa, NullTransport(tp, tp - 1), "ag",
-                                "ring_exchange", 1, name=f"probe_{name}_wait", gemm=gemm, wait=True)
+    arms["ring_wait"] = ring("wait", NullTransport, wait=True)
+    arms["ring_1_stream_mirror"] = ring("mirror", MirrorTransport, streams=ChunkStreams(n=1))
+    arms["ring_wait_mirror"] = ring("wait_mirror", MirrorTransport, wait=True)
     order = torch.arange(tp, dtype=torch.int32, device=device)
-    for i, cfg in enumerate(configs):  # the kernel alone, each tile config of the sweep
-        arms[f"triton_{i}"] = (lambda cfg=cfg: launch(xa, wa.t(), out, ready, order, rows, gemm,
-                                                      op="probe", timeout_s=60.0, cfg=cfg))
+    for i, cfg in enumerate(configs):  # the kernel alone, each tile config, either kernel
+        for kind in ("tma", "ptr") if device.type == "cuda" else ("ptr",):
+            arms[f"{kind}_{i}"] = (lambda cfg=cfg, kind=kind: launch(
+                xa, wa.t(), out, ready, order, rows, gemm, op="probe", timeout_s=60.0, cfg=cfg,
+                descriptors=kind == "tma"))
     # the check: every arm's product against cuBLAS whole (a ring's rows are this rank's
     # block, repeated on `null`: compare the last rank's rows, which it computes from x);
     # the shared output is NaN before each arm, so one that writes nothing fails
@@ -100,7 +113,7 @@ def probe_shape(name: str, m: int, k: int, n: int, tp: int, dtype: str, configs:
         try:
             got = fn() if arm.startswith("ring") else (fn(), out)[1]
         except Exception as e:  # noqa: BLE001  (a Triton config that does not compile here)
-            if not arm.startswith("triton"):
+            if not arm.startswith(("tma", "ptr")):
                 raise
             res["arms"][arm] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             del arms[arm]
@@ -152,13 +165,17 @@ def main(argv=None) -> int:
             print(f"{r['shape']:20s} {r['dtype']:4s} checked: " +
                   ", ".join(f"{k} {v['rel_err']:.1e}" for k, v in a.items()))
             continue
-        tri = {k: v.get("ratio") for k, v in a.items() if k.startswith("triton")}
-        ran = [k for k, v in tri.items() if v is not None]
-        best = f"{tri[max(ran, key=tri.get)]:.3f}" if ran else "-"
+        def kernel(kind: str) -> str:
+            tri = {k: v.get("ratio") for k, v in a.items() if k.startswith(kind)}
+            ran = [k for k, v in tri.items() if v is not None]
+            best = f"{tri[max(ran, key=tri.get)]:.3f}" if ran else "-"
+            return f"{kind} best {best} (" + ", ".join(
+                "failed" if v is None else f"{v:.3f}" for v in tri.values()) + ")"
         print(f"{r['shape']:20s} {r['dtype']:4s} cuBLAS whole {a['cublas_whole']['ms']:.3f} ms "
-              f"({a['cublas_whole']['tflops']:.0f} TFLOP/s); ring 1 stream {a['ring_1_stream']['ratio']:.3f}, "
-              f"3 streams {a['ring_3_stream']['ratio']:.3f}, waiting {a['ring_wait']['ratio']:.3f}; triton best {best} ("
-              + ", ".join("failed" if v is None else f"{v:.3f}" for v in tri.values()) + ")")
+              f"({a['cublas_whole']['tflops']:.0f} TFLOP/s); ring 1 / 3 streams "
+              f"{a['ring_1_stream']['ratio']:.3f} / {a['ring_3_stream']['ratio']:.3f}, waiting "
+              f"{a['ring_wait']['ratio']:.3f}; mirror: ring 1 {a['ring_1_stream_mirror']['ratio']:.3f}, "
+              f"waiting {a['ring_wait_mirror']['ratio']:.3f}; {kernel('tma')}; {kernel('ptr')}")
     print(f"results: {path}")
     return 0
 

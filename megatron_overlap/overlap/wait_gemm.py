@@ -204,11 +204,13 @@ class FlagSide:
 
 def launch(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, ready: torch.Tensor,
            order: torch.Tensor, rows: int, gemm: Gemm, *, op: str, timeout_s: float,
-           sm_margin: int = 0, cfg: Optional[tuple] = None) -> None:
+           sm_margin: int = 0, cfg: Optional[tuple] = None, descriptors: bool = True) -> None:
     """out = a @ wt on the current stream, each block's tiles once ready[block] is set.
     `a`: [blocks * rows, K]; `order`: the blocks in arrival order; `sm_margin`: SMs held
     back beyond SM_LEFT (the layer's set_sm_margin); `cfg`: a tile config of `CONFIGS`'
-    form in place of `config`'s (benchmarks/probe_chunk_wait_gemm.py's sweep). On CPU under
+    form in place of `config`'s (benchmarks/probe_chunk_wait_gemm.py's sweep);
+    `descriptors`: False runs the pointer kernel where `tma` allows TMA (the probe and the
+    GPU tests compare both). On CPU under
     TRITON_INTERPRET=1 the kernel runs in Triton's interpreter (the probe's check)."""
     if a.device.type != "cuda":
         missing = (ready == 0).nonzero().flatten().tolist()
@@ -232,8 +234,35 @@ def launch(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, ready: torch.Te
     programs = min((m // bm) * (n // bn), room)
     scaled = gemm is not matmul
     sa, sb = (gemm.a_inv, gemm.b_inv) if scaled else (ready, ready)
+    common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=min(group, rows // bm),
+                  SCALED=scaled, num_warps=warps, num_stages=stages)
+    timeout_ns = int(timeout_s * 1.5e9)
+    if descriptors and tma(a, wt, out):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        b_nk = wt.stride(0) == 1  # K contiguous: described as the [N, K] weight it views
+        kernels.waiting_gemm_tma[(programs,)](
+            TensorDescriptor.from_tensor(a, [bm, bk]),
+            TensorDescriptor.from_tensor(wt.t(), [bn, bk]) if b_nk else
+            TensorDescriptor.from_tensor(wt, [bk, bn]),
+            TensorDescriptor.from_tensor(out, [bm, bn]), ready, order, sa, sb, m, n, k,
+            rows // bm, programs, timeout_ns, B_NK=b_nk, **common)
+        return
     kernels.waiting_gemm[(programs,)](
         a, wt, out, ready, order, sa, sb, m, n, k, a.stride(0), wt.stride(0), wt.stride(1),
-        out.stride(0), rows // bm, programs, int(timeout_s * 1.5e9),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=min(group, rows // bm), SCALED=scaled,
-        GPU=a.device.type == "cuda", num_warps=warps, num_stages=stages)
+        out.stride(0), rows // bm, programs, timeout_ns, GPU=a.device.type == "cuda", **common)
+
+
+def tma(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether the kernel reads and writes through TMA descriptors (`waiting_gemm_tma`): on
+    a GPU of compute capability 9 or more, with every operand's base and row stride in
+    whole 16 bytes and one of its dimensions contiguous (TMA's rules); else through
+    pointers."""
+    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+
+    def ok(t: torch.Tensor) -> bool:
+        inner = 0 if t.stride(0) == 1 else 1
+        return (t.stride(inner) == 1 and t.data_ptr() % 16 == 0
+                and t.stride(1 - inner) * t.element_size() % 16 == 0)
+    return ok(a) and ok(wt) and ok(out) and a.stride(1) == 1 and out.stride(1) == 1

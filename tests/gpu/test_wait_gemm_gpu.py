@@ -36,15 +36,22 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-def _launch(a, wt, out, ready, order, gemm, timeout_s=30.0):
+def _launch(a, wt, out, ready, order, gemm, timeout_s=30.0, descriptors=True):
     from megatron_overlap.overlap import wait_gemm
 
     assert wait_gemm.why_not(a[:ROWS], wt, gemm, "", ROWS) is None
-    wait_gemm.launch(a, wt, out, ready, order, ROWS, gemm, op="test", timeout_s=timeout_s)
+    if descriptors:  # TMA where the GPU has it (every Hopper): else this would test the other
+        assert wait_gemm.tma(a, wt, out) == (torch.cuda.get_device_capability()[0] >= 9)
+    wait_gemm.launch(a, wt, out, ready, order, ROWS, gemm, op="test", timeout_s=timeout_s,
+                     descriptors=descriptors)
 
 
+KERNELS = pytest.mark.parametrize("descriptors", [True, False], ids=["tma", "pointers"])
+
+
+@KERNELS
 @pytest.mark.parametrize("case", ["bf16_fprop", "bf16_dgrad", "e4m3", "e5m2_e4m3"])
-def test_the_kernel_equals_torchs_gemm(case):
+def test_the_kernel_equals_torchs_gemm(case, descriptors):
     from megatron_overlap.overlap.fp8 import ScaledGemm
     from megatron_overlap.overlap.gemm import matmul
 
@@ -66,12 +73,13 @@ def test_the_kernel_equals_torchs_gemm(case):
         a, wt = aq, wq.t()
         want = gemm(a, wt, op="want")
     out = torch.full((world * ROWS, N), float("nan"), dtype=want.dtype, device="cuda")
-    _launch(a, wt, out, ready, order, gemm)
+    _launch(a, wt, out, ready, order, gemm, descriptors=descriptors)
     torch.cuda.synchronize()
     assert _rel(out, want) < 1e-2, case  # (tile order against cuBLAS's; FP8 per-tensor scales)
 
 
-def test_it_waits_for_blocks_written_late():
+@KERNELS
+def test_it_waits_for_blocks_written_late(descriptors):
     from megatron_overlap.overlap import wait_gemm
     from megatron_overlap.overlap.gemm import matmul
 
@@ -92,7 +100,7 @@ def test_it_waits_for_blocks_written_late():
             torch.cuda._sleep(2_000_000)  # ~1 ms: the GEMM is spinning on block b by now
             a[b * ROWS:(b + 1) * ROWS].copy_(late[b * ROWS:(b + 1) * ROWS])
             wait_gemm.set_flag(ready, b)
-    _launch(a, w.t(), out, ready, order, matmul)
+    _launch(a, w.t(), out, ready, order, matmul, descriptors=descriptors)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     assert _rel(out, late @ w.t()) < 1e-2
