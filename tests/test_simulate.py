@@ -815,7 +815,7 @@ def test_the_search_tries_each_stream_count_where_chunk_gemms_run(monkeypatch):
     monkeypatch.delenv("MEGATRON_OVERLAP_GEMM_STREAMS", raising=False)
     layout = Layout(tp=4)
     rings = [c for c in candidates("qkv_fprop", layout, 1024) if c.settings.method == "ring_exchange"
-             and not c.settings.aggregate]
+             and not c.settings.aggregate and not c.settings.wait_gemm]
     assert sorted(c.settings.gemm_streams for c in rings) == [0, 1, 2, 4]
     assert sorted(c.label() for c in rings) == ["ring 1 GEMM stream", "ring 2 GEMM streams",
                                                  "ring 3 GEMM streams (default)", "ring 4 GEMM streams"]
@@ -829,16 +829,38 @@ def test_the_search_tries_each_stream_count_where_chunk_gemms_run(monkeypatch):
     assert [c.label() for c in pipes if c.settings.method == "pipeline" and c.settings.num_splits == 2
             and c.settings.gemm_streams == 0][0].startswith("pipeline x2 2 GEMM streams (default)")
     assert {c.settings.gemm_streams for c in candidates("qkv_dgrad", layout, 1024)} == {0}
-    at8 = candidates("fc1_fprop", Layout(tp=8), 1024)
+    at8 = [c for c in candidates("fc1_fprop", Layout(tp=8), 1024) if not c.settings.wait_gemm]
     assert sorted(c.settings.gemm_streams for c in at8 if not c.settings.aggregate) == [0, 1, 2, 4, 8]
     assert sorted(c.settings.gemm_streams for c in at8 if c.settings.aggregate) == [0, 1, 2, 4, 5]
-    agg4 = [c for c in candidates("fc1_fprop", layout, 1024) if c.settings.aggregate]
+    agg4 = [c for c in candidates("fc1_fprop", layout, 1024)
+            if c.settings.aggregate and not c.settings.wait_gemm]
     assert sorted(c.settings.gemm_streams for c in agg4) == [0, 1, 2]  # 3 GEMMs: 4 and 8 run 3
     hier = candidates("fc1_fprop", Layout(tp=8, gpus_per_node=2), 1024)
     assert sorted({c.settings.gemm_streams for c in hier
                    if c.settings.method == "ring_exchange" and c.ring_order == "hierarchical"}) \
         == [0, 1, 2, 4]  # its ring steps: twice the node's 2 ranks
     assert {c.settings.gemm_streams for c in candidates("proj_fprop", Layout(tp=1), 1024)} == {0}
+
+
+@pytest.mark.parametrize("backend", ["symm", "torch_p2p"])
+def test_the_search_tries_one_waiting_gemm_where_it_runs(backend):
+    """wait_gemm is searched for a ring all-gather where the backend runs it (symm; not
+    torch_p2p, config.effects), plain and aggregate, with no stream count (the one GEMM
+    runs on the pass's stream) and labelled so; not for a reduce-scatter, nor across nodes
+    (the ring's chunk GEMMs run there)."""
+    rings = [c for c in candidates("qkv_fprop", Layout(tp=8, backend=backend), 1024)
+             if c.settings.method == "ring_exchange"]
+    waits = [c for c in rings if c.settings.wait_gemm]
+    if backend == "torch_p2p":
+        assert not waits
+        return
+    assert sorted(c.label() for c in waits) == ["ring aggregate one waiting GEMM",
+                                                "ring one waiting GEMM"]
+    assert {(c.settings.gemm_streams, c.settings.gemm_priority) for c in waits} == {(0, 0)}
+    assert len(rings) == len(set(rings)) > len(waits)
+    assert not any(c.settings.wait_gemm for c in candidates("proj_fprop", Layout(tp=8), 1024))
+    assert not any(c.settings.wait_gemm for c in
+                   candidates("fc1_fprop", Layout(tp=8, gpus_per_node=2), 1024))
 
 
 def test_a_tie_goes_to_the_least_compute_side():

@@ -339,17 +339,19 @@ def test_compute_side_times_every_candidate_with_its_own_settings(tmp_path, monk
 def test_compute_side_shares_timings_only_where_the_pass_runs_the_same(monkeypatch):
     """num_sm holds nothing back on the null transport (the model applies the margin), so
     candidates differing only there share one timing; a whole search times each distinct
-    (aggregate, gemm_streams, num_splits) pass once, and a hierarchical ring (two nodes) runs
-    with its nodes."""
+    (aggregate, gemm_streams, num_splits, wait_gemm) pass once, and a hierarchical ring (two
+    nodes) runs with its nodes."""
     layout = Layout(tp=4)
     measure, ran = _cpu_compute_side(layout, monkeypatch)
     shape = Shape("S", "proj", 64, 32, 16, 4)  # proj_fprop: pipeline x num_sm; dgrad: ring
     result = tune([shape], layout, measure, progress=False)
     distinct = {(r["pass"], r["settings"].get("aggregate"), r["settings"].get("gemm_streams", 0),
-                 r["settings"]["method"], r["settings"].get("num_splits"))
+                 r["settings"]["method"], r["settings"].get("num_splits"),
+                 r["settings"].get("wait_gemm", False))
                 for r in result.rows if r["pass"] != "proj_wgrad"}
     sms = {r["settings"]["num_sm"] for r in result.rows if r["pass"] == "proj_fprop"}
     assert len(sms) > 1 and len(ran) == len(distinct) == len(measure.timed)
+    assert any(d[-1] for d in distinct)  # the dgrad's ring with one waiting GEMM, timed
     # two nodes of two: the hierarchical order runs on the null transport too
     layout = Layout(tp=4, gpus_per_node=2)
     measure, ran = _cpu_compute_side(layout, monkeypatch)

@@ -211,7 +211,12 @@ _KIND = {"ag_ring": "ag_ring", "ag_hier": "ag_ring", "rs_ring": "rs_ring", "rs_h
 
 
 def run_of(spec: PassSpec, s: LayerSettings, layout: Layout) -> Run:
-    """What the layer runs for pass `spec` with settings `s` on `layout`."""
+    """What the layer runs for pass `spec` with settings `s` on `layout`. A ring's one
+    waiting GEMM (`wait_gemm`) plays as the ring: the same transfers, each block's rows
+    multiplied once the block has landed, as its waiting tiles are; its GEMM time is its
+    own measured compute side where the tuner measured it (`tune.passes.timed_key` holds
+    the key), else the chunk GEMMs' model, under which it never wins (candidates that tie
+    keep the key off: `space.choose`)."""
     schedule, shape, tp = schedule_of(s, layout), spec.shape, layout.tp
     rows, num = shape.m // tp, shape.numerics
     return Run(spec.name, schedule, s.method, spec.comm, tp, layout.local, spec.gemm,

@@ -68,7 +68,9 @@ class Candidate:
             s.method, s.method)]
         if schedule == "ag_ring" and s.aggregate:
             parts.append("aggregate")
-        if s.method == "ring_exchange" or (s.method == "pipeline" and s.num_splits > 1):
+        if schedule == "ag_ring" and s.wait_gemm:
+            parts.append("one waiting GEMM")
+        elif s.method == "ring_exchange" or (s.method == "pipeline" and s.num_splits > 1):
             parts.append(self._streams())
         if schedule.endswith("hier"):
             parts.append("hierarchical")
@@ -116,8 +118,8 @@ def _vary(variants: list[LayerSettings], key: str, values: Iterable[Any], backen
 def stream_slots(s: LayerSettings, layout: Layout) -> int:
     """How many streams settings `s` can spread their chunk GEMMs over on `layout`: one per
     chunk GEMM (`chunk_gemms`), a hierarchical all-gather's one per ring step (its node's
-    ring twice); 1 at TP=1."""
-    if layout.tp == 1:
+    ring twice); 1 at TP=1 and where one waiting GEMM runs the ring (`wait_gemm`)."""
+    if layout.tp == 1 or (s.wait_gemm and schedule_of(s, layout) == "ag_ring"):
         return 1
     n = chunk_gemms(s, layout)
     return min(n, 2 * layout.local) if schedule_of(s, layout) == "ag_hier" else n
@@ -127,10 +129,13 @@ def _canonical(s: LayerSettings, layout: Layout) -> LayerSettings:
     """Keys the resolved schedule does not read put back to TE's default, so candidates
     that would run the same thing collapse into one: a stream count beyond the streams
     the schedule can use is cut to them, and one that runs what the default runs is the
-    default."""
+    default; a waiting GEMM only on a flat ring inside one node (`overlap.ag_gemm`: across
+    nodes the ring's chunk GEMMs run)."""
     schedule, default = schedule_of(s, layout), LayerSettings.default(s.name, s.method)
     if schedule == "ag_hier" or layout.tp <= 2 or layout.tp % 2:  # (pairs: an even TP > 2)
         s = dataclasses.replace(s, aggregate=default.aggregate)
+    if schedule != "ag_ring" or layout.nodes > 1:
+        s = dataclasses.replace(s, wait_gemm=default.wait_gemm)
     if schedule == "rs_hier" and s.method == "pipeline":
         s = dataclasses.replace(s, num_splits=default.num_splits)
     n = stream_slots(s, layout)
@@ -160,6 +165,8 @@ def candidates(name: str, layout: Layout, rows_per_rank: int, *, rs_dgrad: bool 
         if layout.nodes > 1:
             variants = _vary(variants, "ring_order", ("auto", "flat"), backend)
         variants = _vary(variants, "aggregate", (False, True), backend)
+        # before the stream keys, which a waiting GEMM does not read (config.effects)
+        variants = _vary(variants, "wait_gemm", (False, True), backend)
         variants = _vary(variants, "gemm_streams", GEMM_STREAMS, backend)
         variants = _vary(variants, "use_ce", (True, False), backend)
         variants = _vary(variants, "num_sm", NUM_SMS, backend)
