@@ -33,9 +33,9 @@ log = logging.getLogger("megatron_overlap")
 
 SM_LEFT = 1  # SMs the kernel leaves to the transfers' signal kernels and the flag writes
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M) by operand bytes: the best of
-# benchmarks/probe_chunk_wait_gemm.py's configs on an H100 (FP8 0.91-1.02 of cuBLAS on the
-# whole input at the passes whose chunk GEMMs keep least; bf16 0.75-0.85), then a narrower
-# tile for an N that 256 does not divide
+# benchmarks/probe_chunk_wait_gemm.py's configs on an H100 (through TMA: FP8 0.88-1.04 of
+# cuBLAS on the whole input at the passes whose chunk GEMMs keep least, bf16 0.85-1.00),
+# then a narrower tile for an N that 256 does not divide
 CONFIGS: dict[int, tuple[tuple[int, int, int, int, int, int], ...]] = {
     1: ((128, 256, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8)),
     2: ((128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8)),

@@ -50,8 +50,9 @@ def _wait(ready, block, timeout_ns, GPU: tl.constexpr):
     before the flag, are visible after it). Every warp of every waiting tile polls the same
     word, so the sleep doubles from PAUSE_FIRST to PAUSE_MAX: with a fixed 256 ns one, the
     copy-engine transfers beside 99 waiting tiles of 8 warps ran up to 25 times slower on
-    an H100, likely from those polls crowding one L2 slice (docs/results.md). Triton's CPU interpreter has no timer and no sleep: there every flag is set
-    before the launch, and the acquire alone runs."""
+    an H100, likely from those polls (docs/results.md). Triton's CPU interpreter has no
+    timer and no sleep: there every flag is set before the launch, and the acquire alone
+    runs."""
     if GPU:
         deadline = _now() + timeout_ns
         ns = tl.full([], PAUSE_FIRST, tl.int32)
