@@ -97,8 +97,11 @@ def probe_shape(name: str, m: int, k: int, n: int, tp: int, dtype: str, configs:
     arms["ring_1_stream_mirror"] = ring("mirror", MirrorTransport, streams=ChunkStreams(n=1))
     arms["ring_wait_mirror"] = ring("wait_mirror", MirrorTransport, wait=True)
     order = torch.arange(tp, dtype=torch.int32, device=device)
+    from megatron_overlap.overlap.wait_gemm import tma
+
+    kinds = ("tma", "ptr") if tma(xa, wa.t(), out) else ("ptr",)  # TMA: Hopper on
     for i, cfg in enumerate(configs):  # the kernel alone, each tile config, either kernel
-        for kind in ("tma", "ptr") if device.type == "cuda" else ("ptr",):
+        for kind in kinds:
             arms[f"{kind}_{i}"] = (lambda cfg=cfg, kind=kind: launch(
                 xa, wa.t(), out, ready, order, rows, gemm, op="probe", timeout_s=60.0, cfg=cfg,
                 descriptors=kind == "tma"))

@@ -856,11 +856,27 @@ def test_the_search_tries_one_waiting_gemm_where_it_runs(backend):
         return
     assert sorted(c.label() for c in waits) == ["ring aggregate one waiting GEMM",
                                                 "ring one waiting GEMM"]
-    assert {(c.settings.gemm_streams, c.settings.gemm_priority) for c in waits} == {(0, 0)}
-    assert len(rings) == len(set(rings)) > len(waits)
+    assert {c.settings.gemm_streams for c in waits} == {0}
     assert not any(c.settings.wait_gemm for c in candidates("proj_fprop", Layout(tp=8), 1024))
-    assert not any(c.settings.wait_gemm for c in
-                   candidates("fc1_fprop", Layout(tp=8, gpus_per_node=2), 1024))
+    for layout in (Layout(tp=8, gpus_per_node=2), Layout(tp=1)):
+        assert not any(c.settings.wait_gemm for c in candidates("fc1_fprop", layout, 1024))
+
+
+def test_the_search_tries_a_waiting_gemm_only_where_its_operands_take_one():
+    """trials() leaves out a waiting GEMM the layer would not run: rows per rank or N not
+    in whole tiles, row-wise FP8 scales (`overlap.wait_gemm.why_not_shape`); it keeps one for
+    the reference shape, in bf16 and in FP8 with per-tensor scales."""
+    from megatron_overlap.simulate.numerics import Numerics
+
+    def waiting(shape) -> set[str]:
+        return {t.name for t in trials(shape, Layout(tp=8)) if t.candidate.settings.wait_gemm}
+    assert waiting(QKV8) == {"qkv_fprop"}
+    fp8 = dataclasses.replace(QKV8, numerics=Numerics(fp8="hybrid"))
+    assert waiting(fp8) == {"qkv_fprop"}
+    assert not waiting(dataclasses.replace(QKV8, numerics=Numerics(
+        fp8="hybrid", scaling="rowwise", fp8_wgrad=False)))
+    assert not waiting(dataclasses.replace(QKV8, m=8 * 96))  # 96 rows a rank
+    assert not waiting(dataclasses.replace(QKV8, n=1000))  # N in neither 256s nor 128s
 
 
 def test_a_tie_goes_to_the_least_compute_side():

@@ -339,8 +339,9 @@ def test_compute_side_times_every_candidate_with_its_own_settings(tmp_path, monk
 def test_compute_side_shares_timings_only_where_the_pass_runs_the_same(monkeypatch):
     """num_sm holds nothing back on the null transport (the model applies the margin), so
     candidates differing only there share one timing; a whole search times each distinct
-    (aggregate, gemm_streams, num_splits, wait_gemm) pass once, and a hierarchical ring (two
-    nodes) runs with its nodes."""
+    (aggregate, gemm_streams, num_splits, wait_gemm) pass once (a waiting GEMM only where
+    the rows per rank are whole tiles), and a hierarchical ring (two nodes) runs with its
+    nodes."""
     layout = Layout(tp=4)
     measure, ran = _cpu_compute_side(layout, monkeypatch)
     shape = Shape("S", "proj", 64, 32, 16, 4)  # proj_fprop: pipeline x num_sm; dgrad: ring
@@ -351,7 +352,14 @@ def test_compute_side_shares_timings_only_where_the_pass_runs_the_same(monkeypat
                 for r in result.rows if r["pass"] != "proj_wgrad"}
     sms = {r["settings"]["num_sm"] for r in result.rows if r["pass"] == "proj_fprop"}
     assert len(sms) > 1 and len(ran) == len(distinct) == len(measure.timed)
-    assert any(d[-1] for d in distinct)  # the dgrad's ring with one waiting GEMM, timed
+    assert not any(d[-1] for d in distinct)  # 16 rows a rank: no waiting GEMM to try
+    # whole tiles (128 rows a rank): the dgrad's ring with one waiting GEMM, timed as such
+    tiles = Shape("T", "proj", 4 * 128, 256, 256, 4)
+    waiting = [t for t in trials(tiles, layout) if t.candidate.settings.wait_gemm]
+    assert {t.name for t in waiting} == {"proj_dgrad"}
+    before = len(measure.timed)
+    assert math.isfinite(measure(waiting[0])["time_ms"]) and len(measure.timed) == before + 1
+    assert ran[-1]["settings"].wait_gemm
     # two nodes of two: the hierarchical order runs on the null transport too
     layout = Layout(tp=4, gpus_per_node=2)
     measure, ran = _cpu_compute_side(layout, monkeypatch)

@@ -3,7 +3,7 @@
 The ring (`ag_gemm.ring_exchange`) multiplies each arrived block by a GEMM of its own. At
 a layer's small N those fill the chip poorly: at 70B TP=8 the qkv forward's and the proj
 dgrad's chunk GEMMs keep 0.6-0.8 of one whole GEMM (docs/results.md). Here one persistent
-Triton kernel (`wait_gemm_triton`) runs every tile of the whole product, in the order the
+Triton kernel (`wait_gemm_triton`: through TMA on Hopper, else through pointers) runs every tile of the whole product, in the order the
 blocks arrive; a tile spins on its block's flag before it reads the block's rows. The
 flags are set from a side stream once each transfer's handle completes, by a stream memory
 write (no SM), so the GEMM pays no launch and no partly filled last wave per block.
@@ -35,13 +35,15 @@ SM_LEFT = 1  # SMs the kernel leaves to the transfers' signal kernels and the fl
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M) by operand bytes: the best of
 # benchmarks/probe_chunk_wait_gemm.py's configs on an H100 (through TMA: FP8 0.88-1.04 of
 # cuBLAS on the whole input at the passes whose chunk GEMMs keep least, bf16 0.85-1.00),
-# then a narrower tile for an N that 256 does not divide
+# then a narrower tile, on 4 warps (through TMA 1-2% ahead of 8 at every probed pass)
 CONFIGS: dict[int, tuple[tuple[int, int, int, int, int, int], ...]] = {
-    1: ((128, 256, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8)),
-    2: ((128, 256, 64, 8, 3, 8), (128, 128, 64, 8, 4, 8)),
+    1: ((128, 256, 128, 8, 3, 8), (128, 128, 128, 4, 4, 8)),
+    2: ((128, 256, 64, 8, 3, 8), (128, 128, 64, 4, 4, 8)),
     4: ((128, 128, 64, 4, 1, 2),),  # fp32: Triton's CPU interpreter only (why_not refuses a
 }                                   # GPU's fp32 GEMM, which the kernel would run in TF32)
-OFFSETS = 2 ** 31  # the kernel's element offsets are int32: M x K and M x N stay below
+OFFSETS = 2 ** 31  # the pointer kernel's element offsets are int32: M x K and M x N stay
+# below (the TMA kernel is held to the same bound; it has not run beyond it)
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _flags: dict[tuple[str, int], torch.Tensor] = {}
 _orders: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 _side: dict[str, torch.cuda.Stream] = {}
@@ -79,21 +81,37 @@ def why_not(x: torch.Tensor, wt: torch.Tensor, gemm: Gemm, why_no_wait: str, row
     if gemm is not matmul and type(gemm) is not ScaledGemm:
         return (f"its GEMM is {type(gemm).__name__}; one waiting GEMM takes bf16 / fp16 "
                 "operands or FP8 ones with per-tensor scales")
-    m, k, n = blocks * rows, wt.shape[0], wt.shape[1]
-    if max(m * k, m * n) >= OFFSETS:
-        return f"its [{m}, {k}] x [{k}, {n}] GEMM has 2**31 elements or more (int32 offsets)"
-    if x.device.type != "cuda":
-        return None  # CPU: the seam's GEMM once every flag is set (module docstring)
-    if gemm is matmul and x.dtype not in (torch.bfloat16, torch.float16):
-        return f"its operands are {x.dtype}; the kernel takes bf16, fp16 or FP8"
-    if config(x.dtype, rows, n, k) is None:
-        tiles = ", ".join(f"{c[0]}-row blocks, N in {c[1]}s, K in {c[2]}s"
-                          for c in CONFIGS[x.element_size()])
-        return f"{rows} rows a block, N {n}, K {k} are not whole tiles ({tiles})"
+    k, n = wt.shape
+    if x.device.type != "cuda":  # CPU: the seam's GEMM once every flag is set (module docstring)
+        return _too_big(blocks * rows, k, n)
+    why = why_not_shape(x.dtype, rows, k, n, blocks)
+    if why:
+        return why
     try:
         import triton  # noqa: F401
     except ImportError:
         return "Triton is not installed"
+    return None
+
+
+def _too_big(m: int, k: int, n: int) -> Optional[str]:
+    if max(m * k, m * n) >= OFFSETS:
+        return f"its [{m}, {k}] x [{k}, {n}] GEMM has 2**31 elements or more (int32 offsets)"
+    return None
+
+
+def why_not_shape(dtype: torch.dtype, rows: int, k: int, n: int, blocks: int) -> Optional[str]:
+    """What `why_not` says of a GPU's operands of `dtype` ([rows, K] blocks, K x N), or None:
+    the part the tuner's search asks before it tries the key (`simulate.space.trials`)."""
+    too_big = _too_big(blocks * rows, k, n)
+    if too_big:
+        return too_big
+    if dtype not in (torch.bfloat16, torch.float16, *FP8):
+        return f"its operands are {dtype}; the kernel takes bf16, fp16 or FP8"
+    if config(dtype, rows, n, k) is None:
+        tiles = ", ".join(f"{c[0]}-row blocks, N in {c[1]}s, K in {c[2]}s"
+                          for c in CONFIGS[dtype.itemsize])
+        return f"{rows} rows a block, N {n}, K {k} are not whole tiles ({tiles})"
     return None
 
 
@@ -255,10 +273,14 @@ def launch(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, ready: torch.Te
 
 def tma(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether the kernel reads and writes through TMA descriptors (`waiting_gemm_tma`): on
-    a GPU of compute capability 9 or more, with every operand's base and row stride in
-    whole 16 bytes and one of its dimensions contiguous (TMA's rules); else through
-    pointers."""
+    a GPU of compute capability 9 or more, under a Triton with host-made descriptors, with
+    every operand's base and row stride in whole 16 bytes and one of its dimensions
+    contiguous (TMA's rules); else through pointers."""
     if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+    try:  # host-made descriptors: Triton 3.4 on (torch 2.8 on)
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
         return False
 
     def ok(t: torch.Tensor) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, Iterable
 from ..config import LayerSettings
 from ..config.names import RS_DGRAD_LAYERS
 from ..config.settings import allowed_methods
+from ..overlap import wait_gemm
 from ..overlap.streams import default_gemm_streams
 from .hardware import Layout
 from .passes import PassSpec, chunk_gemms, layer_passes, ring_order_of, schedule_of
@@ -129,12 +130,12 @@ def _canonical(s: LayerSettings, layout: Layout) -> LayerSettings:
     """Keys the resolved schedule does not read put back to TE's default, so candidates
     that would run the same thing collapse into one: a stream count beyond the streams
     the schedule can use is cut to them, and one that runs what the default runs is the
-    default; a waiting GEMM only on a flat ring inside one node (`overlap.ag_gemm`: across
-    nodes the ring's chunk GEMMs run)."""
+    default; a waiting GEMM only on a flat ring of TP > 1 inside one node
+    (`overlap.ag_gemm`: across nodes the ring's chunk GEMMs run)."""
     schedule, default = schedule_of(s, layout), LayerSettings.default(s.name, s.method)
     if schedule == "ag_hier" or layout.tp <= 2 or layout.tp % 2:  # (pairs: an even TP > 2)
         s = dataclasses.replace(s, aggregate=default.aggregate)
-    if schedule != "ag_ring" or layout.nodes > 1:
+    if schedule != "ag_ring" or layout.nodes > 1 or layout.tp == 1:
         s = dataclasses.replace(s, wait_gemm=default.wait_gemm)
     if schedule == "rs_hier" and s.method == "pipeline":
         s = dataclasses.replace(s, num_splits=default.num_splits)
@@ -175,17 +176,29 @@ def candidates(name: str, layout: Layout, rows_per_rank: int, *, rs_dgrad: bool 
 
 
 def trials(shape: Shape, layout: Layout, *, rs_dgrad: bool = False) -> list[Trial]:
-    """Everything to time for one TP linear: each pass's candidates; a column layer's
-    wgrad also alone (for when its dgrad reduce-scatters)."""
+    """Everything to time for one TP linear: each pass's candidates, a waiting GEMM only
+    where the pass's operands take one (`_why_no_wait`); a column layer's wgrad also alone
+    (for when its dgrad reduce-scatters)."""
     rows = shape.m // layout.tp
     out: list[Trial] = []
     for spec in layer_passes(shape):
+        waits = _why_no_wait(spec, layout) is None
         for cand in candidates(spec.name, layout, rows, rs_dgrad=rs_dgrad):
-            out.append(Trial(spec, cand))
+            if waits or not cand.settings.wait_gemm:
+                out.append(Trial(spec, cand))
         if spec.pass_name == "wgrad" and shape.column and rs_dgrad:
             out.append(Trial(spec, Candidate(LayerSettings.default(spec.name), layout),
                              comm_moved=True))
     return out
+
+
+def _why_no_wait(spec: PassSpec, layout: Layout) -> str | None:
+    """Why the layer would run the ring's chunk GEMMs for `spec` with wait_gemm set (what
+    `overlap.wait_gemm.why_not` says of its operands on a GPU), or None."""
+    if spec.shape.numerics.scaling == "rowwise":
+        return "row-wise FP8 scales"
+    m, k, n = spec.gemm
+    return wait_gemm.why_not_shape(spec.gemm_dtype, m // layout.tp, k, n, layout.tp)
 
 
 def choose(shape: Shape, scores: dict[Trial, float],
