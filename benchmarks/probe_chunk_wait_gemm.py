@@ -60,15 +60,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16} 
 
 def probe_shape(name: str, m: int, k: int, n: int, tp: int, dtype: str, configs: list,
                 device: torch.device, reps: int) -> dict:
+    from megatron_overlap.ab.emulated_tp import MirrorTransport
     from megatron_overlap.comm import NullTransport
     from megatron_overlap.layers.fp8 import quantized
     from megatron_overlap.overlap.fp8 import ScaledGemm
     from megatron_overlap.overlap.gemm import matmul
     from megatron_overlap.overlap.pass_fn import pass_fn
     from megatron_overlap.overlap.streams import ChunkStreams
-    from megatron_overlap.overlap.wait_gemm import launch
-
-    from megatron_overlap.ab.emulated_tp import MirrorTransport
+    from megatron_overlap.overlap.wait_gemm import launch, tma
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g).to(device, DTYPES[dtype])
@@ -86,6 +85,7 @@ def probe_shape(name: str, m: int, k: int, n: int, tp: int, dtype: str, configs:
         xa, wa, gemm = x, w, matmul
         whole = lambda: torch.mm(xa, wa.t(), out=out)  # noqa: E731
     arms = {"cublas_whole": whole}
+
     def ring(tag, transport, **kw):
         return pass_fn(xa[(tp - 1) * rows:], wa, transport(tp, tp - 1), "ag", "ring_exchange", 1,
                        name=f"probe_{name}_{tag}", gemm=gemm, **kw)
@@ -97,8 +97,6 @@ def probe_shape(name: str, m: int, k: int, n: int, tp: int, dtype: str, configs:
     arms["ring_1_stream_mirror"] = ring("mirror", MirrorTransport, streams=ChunkStreams(n=1))
     arms["ring_wait_mirror"] = ring("wait_mirror", MirrorTransport, wait=True)
     order = torch.arange(tp, dtype=torch.int32, device=device)
-    from megatron_overlap.overlap.wait_gemm import tma
-
     kinds = ("tma", "ptr") if tma(xa, wa.t(), out) else ("ptr",)  # TMA: Hopper on
     for i, cfg in enumerate(configs):  # the kernel alone, each tile config, either kernel
         for kind in kinds:

@@ -3,10 +3,11 @@
 The ring (`ag_gemm.ring_exchange`) multiplies each arrived block by a GEMM of its own. At
 a layer's small N those fill the chip poorly: at 70B TP=8 the qkv forward's and the proj
 dgrad's chunk GEMMs keep 0.6-0.8 of one whole GEMM (docs/results.md). Here one persistent
-Triton kernel (`wait_gemm_triton`: through TMA on Hopper, else through pointers) runs every tile of the whole product, in the order the
-blocks arrive; a tile spins on its block's flag before it reads the block's rows. The
-flags are set from a side stream once each transfer's handle completes, by a stream memory
-write (no SM), so the GEMM pays no launch and no partly filled last wave per block.
+Triton kernel (`wait_gemm_triton`: through TMA on Hopper, else through pointers) runs
+every tile of the whole product, in the order the blocks arrive; a tile spins on its
+block's flag before it reads the block's rows. The flags are set from a side stream once
+each transfer's handle completes, by a stream memory write (no SM), so the GEMM pays no
+launch and no partly filled last wave per block.
 
 The kernel keeps every SM but `SM_LEFT` for its whole run, so the transfers it waits for
 must get by with those: it runs only on transports whose transfers ride copy engines with
@@ -21,6 +22,7 @@ it checks that, then multiplies through the pass's GEMM seam.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Optional, Sequence
@@ -58,7 +60,8 @@ def config(dtype: torch.dtype, rows: int, n: int, k: int, m: int = 0, programs: 
     one whose tiles fill the last wave best, the first listed within 5 points of it (at 70B's
     qkv, N 1280: 320 tiles of 256 columns take 3 waves of 131 at 81%, 640 of 128 take 5
     at 98%, and ran 4% faster on an H100)."""
-    fits = [c for c in CONFIGS.get(dtype.itemsize, ()) if rows % c[0] == 0 and n % c[1] == 0 and k % c[2] == 0]
+    fits = [c for c in CONFIGS.get(dtype.itemsize, ())
+            if rows % c[0] == 0 and n % c[1] == 0 and k % c[2] == 0]
     if not fits or not (m and programs):
         return fits[0] if fits else None
 
@@ -228,8 +231,8 @@ def launch(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, ready: torch.Te
     back beyond SM_LEFT (the layer's set_sm_margin); `cfg`: a tile config of `CONFIGS`'
     form in place of `config`'s (benchmarks/probe_chunk_wait_gemm.py's sweep);
     `descriptors`: False runs the pointer kernel where `tma` allows TMA (the probe and the
-    GPU tests compare both). On CPU under
-    TRITON_INTERPRET=1 the kernel runs in Triton's interpreter (the probe's check)."""
+    GPU tests compare both). On CPU under TRITON_INTERPRET=1 the kernel runs in Triton's
+    interpreter (the probe's check)."""
     if a.device.type != "cuda":
         missing = (ready == 0).nonzero().flatten().tolist()
         if missing:
@@ -271,16 +274,25 @@ def launch(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, ready: torch.Te
         out.stride(0), rows // bm, programs, timeout_ns, GPU=a.device.type == "cuda", **common)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: int) -> bool:
+    """Compute capability 9 or more, and a Triton with host-made descriptors (3.4 on, torch
+    2.8 on): asked once per device, not at every launch."""
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def tma(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor) -> bool:
     """Whether the kernel reads and writes through TMA descriptors (`waiting_gemm_tma`): on
     a GPU of compute capability 9 or more, under a Triton with host-made descriptors, with
     every operand's base and row stride in whole 16 bytes and one of its dimensions
     contiguous (TMA's rules); else through pointers."""
-    if a.device.type != "cuda" or torch.cuda.get_device_capability(a.device)[0] < 9:
-        return False
-    try:  # host-made descriptors: Triton 3.4 on (torch 2.8 on)
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
+    if a.device.type != "cuda" or not _has_tma(a.device.index or 0):
         return False
 
     def ok(t: torch.Tensor) -> bool:
