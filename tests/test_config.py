@@ -34,8 +34,9 @@ TE_REDUCE_SCATTER = {"proj_fprop", "fc2_fprop", "qkv_wgrad", "fc1_wgrad"}
 # TE get_default_config, per method.
 TE_RING = dict(num_sm=1, cga_size=1, set_sm_margin=False, num_splits=None)  # splits = TP size
 TE_OTHER = dict(num_sm=16, cga_size=2, set_sm_margin=True, num_splits=4)
-TE_COMMON = dict(atomic_gemm=False, use_ce=True, aggregate=False, comm_priority=0,
+TE_COMMON = dict(atomic_gemm=False, use_ce=True, comm_priority=0,
                  gemm_priority=0, pipeline_rs_overlap_first_gemm=False)
+# TE's aggregate defaults to false; ours to "auto" (config.names.AGGREGATE_AUTO)
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,7 @@ def test_defaults_are_te_defaults(defaults):
         per_method = TE_RING if s.method == "ring_exchange" else TE_OTHER
         for key, value in {**per_method, **TE_COMMON}.items():
             assert getattr(s, key) == value, (name, key)
+        assert s.aggregate == "auto", name
         # get_default_config: fp8_buf = name in layers_all_gather_overlap
         assert s.fp8_buf == (name not in TE_REDUCE_SCATTER), name
         assert s.is_reduce_scatter == (name in TE_REDUCE_SCATTER), name
@@ -510,7 +512,7 @@ def test_mapping_and_value_semantics(defaults):
     again = OverlapConfig.load(None)
     assert again == defaults and hash(again) == hash(defaults) and again is not defaults
     changed = defaults.replace("fc1_fprop", aggregate=True)
-    assert changed != defaults and defaults["fc1_fprop"].aggregate is False
+    assert changed != defaults and defaults["fc1_fprop"].aggregate == "auto"
     assert changed["fc1_fprop"].aggregate is True and len({defaults, again, changed}) == 2
     with pytest.raises(Exception):
         defaults["fc1_fprop"].num_sm = 3  # frozen

@@ -17,9 +17,9 @@ def flags(**kw):
     return SimpleNamespace(**{**base, **kw})
 
 
-def plan(config, buf, kind, sp=True, expert=False, settings=CFG):
+def plan(config, buf, kind, sp=True, expert=False, settings=CFG, ring_n=1024):
     return build_plan(config, buf, kind, sequence_parallel=sp, is_expert=expert,
-                      settings=settings, rs_dgrad_settings=CFG_RS)
+                      settings=settings, rs_dgrad_settings=CFG_RS, ring_n=ring_n)
 
 
 def names(p):
@@ -125,7 +125,53 @@ def test_aggregate_on_an_odd_tp_size_is_refused_at_build():
     agg = OverlapConfig.load({"qkv_fprop": {"method": "ring_exchange", "aggregate": 1},
                               "proj_dgrad": {"method": "ring_exchange", "aggregate": 1}})
     for buf, kind, name in (("qkv", "column", "qkv_fprop"), ("proj", "row", "proj_dgrad")):
-        with pytest.raises(ValueError, match=f"{name} has aggregate=1.*TP size is 3.*aggregate: 0"):
+        with pytest.raises(ValueError, match=f"{name} has aggregate=1.*TP size is 3.*aggregate: 0 "
+                                             r"\(or auto\)"):
             plan(flags(tensor_model_parallel_size=3), buf, kind, settings=agg)
         p = plan(flags(tensor_model_parallel_size=4), buf, kind, settings=agg)
         assert (p.fprop if kind == "column" else p.dgrad).aggregate
+
+
+@pytest.mark.parametrize("buf,kind,name", [("qkv", "column", "qkv_fprop"), ("fc1", "column", "fc1_fprop"),
+                                           ("proj", "row", "proj_dgrad"), ("fc2", "row", "fc2_dgrad")])
+def test_aggregate_auto_pairs_the_ring_where_its_gemm_outlasts_a_transfer(buf, kind, name):
+    """The default, `aggregate: auto`, runs TE's pairs on a ring all-gather whose GEMM has
+    AGGREGATE_MIN_N columns a rank or more, at an even TP > 2 (one node: the layer's topology
+    is not known at build), and says which it chose and why in the layer's notes; a given
+    true or false is kept whatever N is."""
+    from megatron_overlap.config.names import AGGREGATE_MIN_N
+
+    def ring(p):
+        return p.fprop if kind == "column" else p.dgrad
+    for tp, n, pairs in ((8, AGGREGATE_MIN_N, True), (8, AGGREGATE_MIN_N - 128, False),
+                         (4, 7168, True), (2, 7168, False), (6, 7168, True), (3, 7168, False)):
+        p = plan(flags(tensor_model_parallel_size=tp), buf, kind, ring_n=n)
+        assert ring(p).aggregate is pairs, (tp, n)
+        assert p.auto_pairs == ((ring(p).pass_name,) if pairs else ())
+        said = [x for x in p.notes if x.startswith(f"{name}: aggregate auto")]
+        if tp == 2:  # the pairs are the plain ring: nothing to say
+            assert not said
+            continue
+        assert len(said) == 1 and ("pairs" in said[0]) is pairs, said
+        assert ("odd" in said[0]) is (tp % 2 == 1), said
+        assert tp % 2 or f"its GEMM's {n} columns a rank" in said[0], said
+        row = next(r for r in p.rows(tp, "symm") if r["settings"] == name)
+        assert row["aggregate"] is pairs and said[0] in row["notes"]
+    for given in (True, False):
+        cfg = OverlapConfig.load({name: {"method": "ring_exchange", "aggregate": given}})
+        for n in (1024, 7168):
+            p = plan(flags(tensor_model_parallel_size=8), buf, kind, settings=cfg, ring_n=n)
+            assert ring(p).aggregate is given and p.auto_pairs == ()
+            assert not any("aggregate auto" in x for x in p.notes)
+
+
+def test_aggregate_auto_rings_plain_where_a_flat_ring_spans_nodes():
+    """Pairs chosen at build are taken back once the layer finds its flat ring across nodes
+    (`plain_across_nodes`, at the first forward): blocks then cross the network."""
+    p = plan(flags(tensor_model_parallel_size=16), "fc1", "column", ring_n=7168)
+    assert p.fprop.aggregate is True and p.auto_pairs == ("fprop",)
+    q = p.plain_across_nodes(["fprop"])
+    assert q.fprop.aggregate is False and q.auto_pairs == ()
+    assert [x for x in q.notes if "aggregate auto" in x] == [
+        "fc1_fprop: aggregate auto: plain ring (its flat ring spans nodes)"]
+    assert q.dgrad == p.dgrad and q.wgrad == p.wgrad and p.plain_across_nodes([]) is p

@@ -12,7 +12,7 @@ from megatron_overlap.config import LayerSettings, OverlapConfig
 from megatron_overlap.config.settings import allowed_methods
 from megatron_overlap.simulate import (
     REFERENCE, PRESETS, Calibration, GemmModel, Hardware, Layout, candidates, layer_passes,
-    parse_shapes, simulate, simulate_pass, trials,
+    Shape, parse_shapes, simulate, simulate_pass, trials,
 )
 from megatron_overlap.simulate.calibration import CalibrationError
 from megatron_overlap.simulate.passes import PassSpec
@@ -423,7 +423,8 @@ def test_candidates_are_valid_distinct_and_effective(backend, nodes):
                     assert s.method == "bulk"
                 assert s.ring_order == "auto" or (nodes > 1 and s.ring_order == "flat")
                 if nodes > 1 and c.ring_order == "hierarchical":  # overlap.hierarchical:
-                    assert not s.aggregate  # one direction, and no pipeline chunks
+                    assert s.aggregate in (False, "auto")  # one direction, no pipeline chunks
+                    assert not s.aggregates(7168, lay.tp, lay.nodes)
                     assert s.method != "pipeline" or s.num_splits == 4
                 # keys that do nothing on this backend stay at TE's default
                 default = LayerSettings.default(name, s.method)
@@ -915,3 +916,37 @@ def test_a_column_layers_backward_pairs_are_chosen_by_the_same_rule():
     assert choose(QKV8, times, {**rs_cheaper, rs_d: 95.0})["dgrad"] is bulk_d
     slower = {**times, rs_d: 100.0 + 150 * 2 * TIE}
     assert choose(QKV8, slower, rs_cheaper)["dgrad"] is bulk_d  # beyond the tie: the fastest
+
+
+def test_aggregate_auto_pairs_where_the_model_favours_the_pairs():
+    """`aggregate: auto` (config.names.AGGREGATE_MIN_N) against the cost model (its H200 /
+    H100 defaults, one node, symm, graphed): from AGGREGATE_MIN_N columns a rank on, a ring
+    all-gather's pairs are predicted faster than its plain ring at every row count, K and
+    even TP > 2 swept; and at the 70B and 8B presets' ring all-gathers auto is predicted no
+    slower than TE's plain ring at any pass, and faster over the four."""
+    from megatron_overlap.config.names import AGGREGATE_MIN_N
+
+    gemm = GemmModel(HW)
+
+    def fprop(shape, **kw):
+        return simulate_pass(_spec(shape, "fprop"), _ring("qkv_fprop", **kw), HW,
+                             Layout(tp=shape.tp), gemm).overlapped_us
+    for tp in (4, 8):
+        for m in (4096, 8192, 16384):
+            for k in (4096, 8192):
+                for n in (AGGREGATE_MIN_N, 4096, 7168, 14336):
+                    shape = Shape("S", "qkv", m, k, n, tp)
+                    assert fprop(shape, aggregate=True) < fprop(shape, aggregate=False), (tp, m, k, n)
+    for model, tp in (("70b", 8), ("8b", 4), ("70b", 4)):
+        auto = plain = 0.0
+        for shape in parse_shapes(model, tp):
+            for spec in layer_passes(shape):
+                if spec.name not in ("qkv_fprop", "fc1_fprop", "proj_dgrad", "fc2_dgrad"):
+                    continue
+                s = LayerSettings.default(spec.name)
+                a = simulate_pass(spec, s, HW, Layout(tp=tp), gemm).overlapped_us
+                p = simulate_pass(spec, dataclasses.replace(s, aggregate=False), HW,
+                                  Layout(tp=tp), gemm).overlapped_us
+                assert a <= p, (model, tp, spec.name)
+                auto, plain = auto + a, plain + p
+        assert auto < plain, (model, tp)

@@ -28,7 +28,7 @@ def _fake(counter: list, fail_after: int | None = None):
             raise KeyboardInterrupt("interrupted")
         counter.append(trial)
         s = trial.candidate.settings
-        return {"time_ms": 1.0 + s.num_sm / 100 + (s.num_splits or 0) / 1000 + s.aggregate * 0.01
+        return {"time_ms": 1.0 + s.num_sm / 100 + (s.num_splits or 0) / 1000 + (s.aggregate is True) * 0.01
                 + (0.5 if trial.candidate.ring_order == "flat" else 0)}
     measure.hardware = {"kind": "fake"}
     return measure
@@ -57,7 +57,7 @@ def test_cpu_mode_writes_a_yaml_that_layers_use(tmp_path, capsys):
                                      if t["pass"] == row["pass"] and not t["comm_moved"])
         assert row["time_ms"] <= row["te_default_ms"]  # TE's defaults are among the candidates
     assert any(r["time_ms"] < r["te_default_ms"] for r in search["chosen"])
-    assert "TE dflt ms" in out and "all passes" in out
+    assert "dflt ms" in out and "all passes" in out
 
     got = dist.run(_layers_rank, 2, str(yml))
     for rank in got:
@@ -279,12 +279,14 @@ def _cpu_compute_side(layout, monkeypatch):
 
 
 def _variant(trials_, name, **settings):
-    """The one trial of pass `name` whose settings differ from TE's default only in `settings`."""
+    """The one trial of pass `name` whose settings differ from the default only in
+    `settings` (the default's `aggregate: auto` as the pass runs it: `as_run`)."""
     from megatron_overlap.config import LayerSettings
+    from megatron_overlap.simulate.passes import as_run
 
     found = [t for t in trials_ if t.name == name and not t.comm_moved
-             and t.candidate.settings == dataclasses.replace(LayerSettings.default(name),
-                                                              **settings)]
+             and t.candidate.settings == dataclasses.replace(
+                 as_run(t.spec, LayerSettings.default(name), t.candidate.layout), **settings)]
     assert len(found) == 1, (name, settings, len(found))
     return found[0]
 

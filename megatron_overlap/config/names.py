@@ -4,7 +4,8 @@ Everything here mirrors ``initialize_ub`` in Transformer Engine's
 ``transformer_engine/pytorch/module/base.py`` (its ``methods`` table,
 ``layers_all_gather_overlap`` / ``layers_reduce_scatter_overlap`` lists, the
 AG/RS pairs and ``get_default_config``), so that a TE ``ub_cfgs`` file means
-the same thing here. Pure data: no torch.
+the same thing here; one default differs, `aggregate`'s (AGGREGATE_AUTO). Pure data and
+rules: no torch.
 """
 
 from __future__ import annotations
@@ -44,6 +45,21 @@ DEFAULT_GEMM_STREAMS = 3
 # ring_order: the ring's order over the TP group's nodes. auto: hierarchical when the
 # group spans nodes; flat: rank order; hierarchical: inter-node transfers first.
 RING_ORDERS: tuple[str, ...] = ("auto", "flat", "hierarchical")
+# `aggregate`: TE's key (true / false), and ours, "auto", the default where a file does not
+# name it: a ring all-gather runs TE's pairs where a block's GEMM outlasts the block's
+# transfer, so the ring's transfers stay hidden either way and half the GEMMs, of twice the
+# rows, fill the chip better; where the transfer outlasts the GEMM (the ring is
+# copy-bound) the pairs' last GEMM, of two blocks, would lengthen the exposed tail. A
+# block of `rows` x K takes 2 * rows * K * N FLOPs to multiply and rows * K * bytes to
+# move, so the GEMM outlasts the transfer from N = bytes * FLOP/s / (2 * link bytes/s),
+# whatever the rows and K: on Hopper (cuBLAS at ~0.82 of 989 dense bf16 TFLOP/s, ~360 GB/s
+# copy-engine NVLink, simulate.hardware) ~2250, in FP8 the same (twice the FLOP/s, half
+# the bytes). AGGREGATE_MIN_N leaves the chunk GEMMs' wave quantization a margin: from it
+# on, the cost model favours the pairs at every row count, K and even TP > 2 its sweep
+# tries (tests/test_simulate.py). Resolved per layer when it is built
+# (`LayerSettings.aggregates`), and said in its settings row.
+AGGREGATE_AUTO = "auto"
+AGGREGATE_MIN_N = 3584
 # Keys TE's add_ub() also takes from ub_cfgs (documented in initialize_ub's docstring) but that
 # are derived here from the layer and its method; accepted only when they agree.
 DERIVED_KEYS: tuple[str, ...] = ("is_reduce_scatter",)
@@ -97,6 +113,8 @@ def wgrad_of(dgrad: str) -> str:
 def te_defaults(name: str, method: str | None = None) -> dict[str, Any]:
     """get_default_config() for one layer, keyed by the method the layer ends up with.
 
+    One key differs: `aggregate` is "auto" (AGGREGATE_AUTO), where TE's is false.
+
     comm_priority / gemm_priority are 0: TE asks CUDA for the stream-priority range
     (comm highest, GEMM lowest), and TE's C++ CommOverlapCore treats 0/0 as exactly that
     request, so 0/0 is "TE's default" without querying a device here.
@@ -111,7 +129,7 @@ def te_defaults(name: str, method: str | None = None) -> dict[str, Any]:
         "num_splits": None if ring else TE_PIPELINE_SPLITS,  # None: TP size
         "atomic_gemm": False,
         "use_ce": True,
-        "aggregate": False,
+        "aggregate": AGGREGATE_AUTO,
         "fp8_buf": not is_reduce_scatter(name, method),
         "comm_priority": 0,
         "gemm_priority": 0,

@@ -16,7 +16,8 @@ from .names import AG_RS_PAIRS, KEYS, LAYER_NAMES, RS_DGRAD_LAYERS, wgrad_of
 from .settings import LayerSettings
 
 _YAML_HEADER = ("# Tensor-parallel comm+GEMM overlap settings, in Transformer Engine's ub_cfgs\n"
-                "# format (megatron_overlap). Every key is explicit.\n")
+                "# format (megatron_overlap). Every key is explicit, but `aggregate` where it is\n"
+                "# auto (ours; TE, which would refuse it, then reads false).\n")
 
 
 class OverlapConfig(Mapping[str, LayerSettings]):
@@ -140,7 +141,8 @@ class OverlapConfig(Mapping[str, LayerSettings]):
 
     # -- output -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        """Plain TE ub_cfgs: every key explicit; unused wgrads left out (TE refuses them)."""
+        """Plain TE ub_cfgs: every key explicit (`aggregate` "auto" aside:
+        LayerSettings.to_dict); unused wgrads left out (TE refuses them)."""
         unused = self.unused_layers
         return {n: s.to_dict() for n, s in self._layers.items() if n not in unused}
 

@@ -3,13 +3,13 @@ that no invalid combination can exist past the config layer."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 from . import effects as _effects
 from .errors import bad_value, did_you_mean, listed, unknown_layer
 from .names import (
-    BULK_LAYERS, EXTENSION_DEFAULTS, EXTERNAL_PAIRS, LAYER_NAMES, MAX_CGA_SIZE, MAX_GEMM_STREAMS,
+    AGGREGATE_AUTO, AGGREGATE_MIN_N, BULK_LAYERS, EXTENSION_DEFAULTS, EXTERNAL_PAIRS, LAYER_NAMES, MAX_CGA_SIZE, MAX_GEMM_STREAMS,
     METHODS,
     RING_ORDERS, TE_PIPELINE_SPLITS, is_reduce_scatter, te_defaults,
 )
@@ -68,10 +68,13 @@ def coerce(layer: str, key: str, value: Any) -> Any:
         if not (isinstance(value, str) and value in RING_ORDERS):
             raise bad_value(layer, key, value, listed(RING_ORDERS), did_you_mean(value, RING_ORDERS))
         return value
+    if key == "aggregate" and value == AGGREGATE_AUTO:
+        return value
     if key in _BOOL_KEYS:
         if isinstance(value, int) and value in (0, 1):  # bool is an int too
             return bool(value)
-        raise bad_value(layer, key, value, "true/false or 0/1")
+        raise bad_value(layer, key, value, "true/false or 0/1"
+                        + (f", or {AGGREGATE_AUTO} (the default)" if key == "aggregate" else ""))
     if key == "num_splits" and value is None:
         return None
     low, high, what = _INT_RANGES[key]
@@ -93,7 +96,7 @@ class LayerSettings:
     num_splits: int | None  # None: TE's default (TP size for ring_exchange, else 4)
     atomic_gemm: bool
     use_ce: bool
-    aggregate: bool
+    aggregate: bool | str  # TE's true / false, or ours, "auto" (`aggregates`)
     fp8_buf: bool
     comm_priority: int  # 0 and gemm_priority 0: TE's default (comm highest, GEMM lowest)
     gemm_priority: int
@@ -150,6 +153,24 @@ class LayerSettings:
             return self.num_splits if self.num_splits is not None else TE_PIPELINE_SPLITS
         return 1
 
+    def aggregates(self, n: int, tp: int, nodes: int = 1) -> bool:
+        """Whether this pass, a ring all-gather whose GEMM has `n` output columns per rank,
+        runs TE's pairs at TP size `tp` over `nodes` nodes: `aggregate` as given, or for
+        "auto" where a block's GEMM outlasts its transfer over NVLink (n >= AGGREGATE_MIN_N,
+        config.names) at an even TP > 2 (at 2 the pairs are the plain ring) inside one node
+        (a flat ring across nodes moves blocks over the network, several times slower).
+        False for any other pass."""
+        if self.method != "ring_exchange" or self.is_reduce_scatter:
+            return False
+        if self.aggregate == AGGREGATE_AUTO:
+            return n >= AGGREGATE_MIN_N and tp > 2 and tp % 2 == 0 and nodes == 1
+        return bool(self.aggregate)
+
+    def resolved(self, n: int, tp: int, nodes: int = 1) -> "LayerSettings":
+        """These settings as a pass of `n` GEMM columns per rank at TP `tp` over `nodes`
+        nodes runs them: `aggregate` true or false (`aggregates`)."""
+        return replace(self, aggregate=self.aggregates(n, tp, nodes))
+
     def effects(self, backend: str) -> dict[str, str]:
         """For every ub_cfgs key: "active", or why it has no effect with this method on
         `backend` ("no effect: ...", "fallback: ...", "clamped: ...")."""
@@ -168,11 +189,14 @@ class LayerSettings:
     def to_dict(self) -> dict[str, Any]:
         """This layer as a TE ub_cfgs entry (every key explicit, so TE's own defaulting
         cannot change its meaning; num_splits left out when it is TE's default; our own
-        keys left out at their defaults, so TE, which refuses them, reads the rest)."""
+        keys left out at their defaults, so TE, which refuses them, reads the rest; so is
+        `aggregate` "auto", which TE would refuse: TE then reads its default, false)."""
         out = asdict(self)
         del out["name"]
         if out["num_splits"] is None:
             del out["num_splits"]
+        if out["aggregate"] == AGGREGATE_AUTO:
+            del out["aggregate"]
         for key, default in EXTENSION_DEFAULTS.items():
             if out[key] == default:
                 del out[key]

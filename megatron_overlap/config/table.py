@@ -13,8 +13,9 @@ from .names import BULK_HIDES, KEYS, LAYER_NAMES
 if TYPE_CHECKING:
     from .overlap import OverlapConfig
 
-def _yes(flag: bool) -> str:
-    return "yes" if flag else "no"
+def _yes(flag: bool | str) -> str:
+    """yes / no, or a value that is neither as it is ("auto")."""
+    return flag if isinstance(flag, str) else "yes" if flag else "no"
 
 
 def _row_notes(effects: dict[str, str], everywhere: list[str]) -> str:

@@ -61,7 +61,8 @@ class _OverlapMixin:
         self.overlap_plan: LayerPlan = build_plan(
             self.config, tp_comm_buffer_name, kind, sequence_parallel=self.sequence_parallel,
             is_expert=is_expert, settings=st.settings, rs_dgrad_settings=st.rs_dgrad_settings,
-            layer=name)
+            ring_n=(self.output_size_per_partition if kind == "column"
+                    else self.input_size_per_partition), layer=name)
         self.overlap_backend = st.backend
         # bf16 or an FP8 recipe, from Megatron's own fp8 fields; refused here if it cannot run
         self.precision = layer_precision(self.config, self.overlap_plan.layer,
@@ -135,7 +136,9 @@ class _OverlapMixin:
                     if order.note:  # the order asked for (or auto's) could not run
                         say_once(logging.WARNING, f"megatron_overlap: {s.name}: {order.note}")
             self._orders = orders
-            if topo is not None and topo.is_hierarchical:
+            if topo is not None and topo.is_hierarchical:  # aggregate auto: pairs over NVLink only
+                self.overlap_plan = plan.plain_across_nodes(
+                    [p for p in plan.auto_pairs if orders[p].order == "flat"])
                 say_once(logging.INFO, f"megatron_overlap: {plan.layer}: TP group over "
                      f"{topo.describe()}; ring order "
                      + ", ".join(f"{p} {o.label}" for p, o in orders.items())
@@ -247,9 +250,10 @@ class OverlapColumnParallelLinear(_OverlapMixin, ColumnParallelLinear):
             out = checks.empty_column(self, input_, w, bias)
         else:
             self._note_tokens(input_, full=not self.sequence_parallel)
+            layouts = self._layouts  # first: the ring orders may change the plan (ring_orders)
             out = ColumnParallelMatmul.apply(input_, w, bias, self.overlap_plan, self.transport,
                                              self.gradient_accumulation_fusion, self._allreduce_dgrad,
-                                             self._layouts, self.pass_graphs, audit, self.precision,
+                                             layouts, self.pass_graphs, audit, self.precision,
                                              self._fp8_weight(w), torch.is_grad_enabled(),
                                              self._fp8_delayed)
         if gather and self.transport.world_size > 1:  # bounded, unlike Megatron's gather
@@ -283,8 +287,9 @@ class OverlapRowParallelLinear(_OverlapMixin, RowParallelLinear):
             out = checks.empty_row(self, x, bias)
         else:
             self._note_tokens(input_, full=True)
+            layouts = self._layouts  # first: the ring orders may change the plan (ring_orders)
             out = RowParallelMatmul.apply(x, w, bias, self.overlap_plan, self.transport,
-                                          self.gradient_accumulation_fusion, self._layouts, self.pass_graphs,
+                                          self.gradient_accumulation_fusion, layouts, self.pass_graphs,
                                           audit, self.precision, self._fp8_weight(w),
                                           torch.is_grad_enabled(), self._fp8_delayed)
         return out, (self.bias if self.skip_bias_add else None)

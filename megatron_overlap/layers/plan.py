@@ -3,6 +3,7 @@ Transformer Engine's meaning) applied to the per-layer settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from ..comm.topology import Topology
 from ..config import BUFFER_NAMES, COLUMN_BUFFERS, ROW_BUFFERS, LayerSettings, OverlapConfig
-from ..config.names import BULK_HIDES
+from ..config.names import AGGREGATE_AUTO, AGGREGATE_MIN_N, BULK_HIDES
 from ..overlap.hierarchical import RingOrder, choose
 
 log = logging.getLogger("megatron_overlap")
@@ -30,6 +31,21 @@ class LayerPlan:
     rs_dgrad: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
     buffer: str | None = None  # the TP-comm buffer name ('qkv', ...): names passes it leaves plain
+    auto_pairs: tuple[str, ...] = ()  # passes whose `aggregate: auto` chose pairs at build
+
+    def plain_across_nodes(self, passes: Sequence[str]) -> "LayerPlan":
+        """This plan with `passes` (of `auto_pairs`) on the plain ring: their flat ring
+        spans nodes, where a block's transfer outlasts its GEMM (`LayerSettings.aggregates`);
+        known only once the TP group's topology is (the first forward)."""
+        if not passes:
+            return self
+        changed = {p: dataclasses.replace(getattr(self, p), aggregate=False) for p in passes}
+        notes = tuple(n for n in self.notes if not any(
+            n.startswith(f"{changed[p].name}: aggregate auto") for p in passes))
+        notes += tuple(f"{changed[p].name}: aggregate auto: plain ring (its flat ring spans "
+                       "nodes)" for p in passes)
+        return dataclasses.replace(self, **changed, notes=notes,
+                                   auto_pairs=tuple(p for p in self.auto_pairs if p not in passes))
 
     def op_name(self, pass_name: str) -> str:
         """What a pass is called in traces, stats and errors: its settings' name
@@ -108,25 +124,40 @@ def _effects(s: LayerSettings, backends: Sequence[str]) -> dict[str, str]:
     return {k: next((e[k] for e in each if e[k] != "active"), "active") for k in each[0]}
 
 
-def _check_pairs(label: str, s: LayerSettings | None, config: Any) -> None:
-    """A ring all-gather with `aggregate` pairs the ranks (`overlap.ring_steps`): refused
-    at build for an odd TP size, before any transfer."""
+def _ring_all_gather(label: str, s: LayerSettings | None, config: Any, n: int,
+                     notes: list[str]) -> LayerSettings | None:
+    """The settings of a ring all-gather pass with `aggregate` resolved for its GEMM of `n`
+    columns per rank (`LayerSettings.aggregates`; "auto" said in the notes). Pairs of ranks
+    asked for by name are refused at build for an odd TP size, before any transfer."""
+    if s is None:
+        return None
     tp = getattr(config, "tensor_model_parallel_size", 1)
-    if s is not None and s.method == "ring_exchange" and s.aggregate and tp % 2:
+    if s.method == "ring_exchange" and s.aggregate is True and tp % 2:
         raise ValueError(
             f"megatron_overlap: layer {label}: {s.name} has aggregate=1, which pairs the "
-            f"ranks of its ring, but the TP size is {tp} (odd). Set aggregate: 0 for "
-            f"{s.name}.")
+            f"ranks of its ring, but the TP size is {tp} (odd). Set aggregate: 0 (or auto) "
+            f"for {s.name}.")
+    out = s.resolved(n, tp)
+    if s.aggregate == AGGREGATE_AUTO and s.method == "ring_exchange" and tp > 2:
+        notes.append(f"{s.name}: aggregate auto: " + (
+            f"pairs (its GEMM's {n} columns a rank outlast a block's transfer: "
+            f"{AGGREGATE_MIN_N} and more)" if out.aggregate else
+            f"plain ring (its GEMM's {n} columns a rank: a block's transfer may outlast its "
+            f"GEMM below {AGGREGATE_MIN_N})" if tp % 2 == 0 else
+            f"plain ring (TP {tp} is odd)"))
+    return out
 
 
 def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_parallel: bool,
                is_expert: bool, settings: OverlapConfig, rs_dgrad_settings: OverlapConfig,
-               layer: str | None = None) -> LayerPlan:
+               ring_n: int, layer: str | None = None) -> LayerPlan:
     """Map Megatron's flags onto this layer, as Megatron's TE layers do: AG overlap
     covers column fprop and row dgrad, RS overlap row fprop, bulk dgrad/wgrad the
     column backward, rs_dgrad turns the column dgrad into GEMM->RS; the disable_qkv /
     disable_fc1 flags turn off AG and rs_dgrad overlap for that layer; experts and
-    unnamed buffers are never overlapped."""
+    unnamed buffers are never overlapped. `ring_n`: the GEMM columns per rank of the
+    layer's all-gather pass (a column layer's output, a row layer's input), which
+    `aggregate: auto` reads."""
     label = layer or f"{buffer_name or '?'} ({kind})"
     base = LayerPlan(label, kind, sequence_parallel)
     if not getattr(config, "tp_comm_overlap", False) or is_expert or buffer_name is None:
@@ -161,11 +192,12 @@ def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_para
         if not sp:
             notes.append("no sequence parallelism: fprop has no communication; "
                          "wgrad hides the dgrad all-reduce")
-        _check_pairs(label, fprop, config)
-        return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, rs_dgrad, tuple(notes), buffer_name)
+        ring = _ring_all_gather(label, fprop, config, ring_n, notes)
+        return LayerPlan(label, kind, sp, ring, dgrad, wgrad, rs_dgrad, tuple(notes), buffer_name,
+                         _auto_pairs("fprop", fprop, ring))
     fprop = get(settings, "fprop") if flag("tp_comm_overlap_rs", True) else None
-    dgrad = get(settings, "dgrad") if sp and flag("tp_comm_overlap_ag", True) else None
-    _check_pairs(label, dgrad, config)
+    given = get(settings, "dgrad") if sp and flag("tp_comm_overlap_ag", True) else None
+    dgrad = _ring_all_gather(label, given, config, ring_n, notes)
     if not sp:
         notes.append("no sequence parallelism: fprop reduces with chunked all-reduces "
                      "(pipeline); the backward has no communication")
@@ -177,4 +209,12 @@ def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_para
                 _warned.add(swap)
                 log.warning("megatron_overlap: %s", swap)
     wgrad = get(settings, "wgrad") if dgrad is not None else None  # reuses dgrad's gathered grad
-    return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, False, tuple(notes), buffer_name)
+    return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, False, tuple(notes), buffer_name,
+                     _auto_pairs("dgrad", given, dgrad))
+
+
+def _auto_pairs(pass_name: str, given: LayerSettings | None, ran: LayerSettings | None
+                ) -> tuple[str, ...]:
+    """(pass_name,) where `aggregate: auto` chose pairs for it, else ()."""
+    picked = given is not None and given.aggregate == AGGREGATE_AUTO and ran.aggregate is True
+    return (pass_name,) if picked else ()

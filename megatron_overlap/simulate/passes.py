@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..config import LayerSettings
+from ..config.names import AGGREGATE_AUTO
 from ..overlap import ring_steps
 from ..overlap.fp8 import row_input_chunks
 from .fp8_work import DELAYED_AMAXES, PassWork, Work, batched, gathered, pass_work
@@ -220,7 +221,8 @@ def run_of(spec: PassSpec, s: LayerSettings, layout: Layout) -> Run:
     schedule, shape, tp = schedule_of(s, layout), spec.shape, layout.tp
     rows, num = shape.m // tp, shape.numerics
     return Run(spec.name, schedule, s.method, spec.comm, tp, layout.local, spec.gemm,
-               (rows, spec.block_elems // rows), s.aggregate, s.splits(tp),
+               (rows, spec.block_elems // rows), s.aggregates(spec.gemm[2], tp, layout.nodes),
+               s.splits(tp),
                gather=spec.pass_name == "dgrad" and shape.column and s.is_reduce_scatter,
                dtype=num.params, a_dtype=spec.gemm_dtype, tail=num.tail(spec.pass_name),
                gather_dtype=num.input_gather)
@@ -279,12 +281,18 @@ def baseline_us(spec: PassSpec, hw: Hardware, layout: Layout, gemm: GemmModel) -
     return coll, gemm.mono_us(m, k, n, spec.gemm_layout) + coll
 
 
+def as_run(spec: PassSpec, s: LayerSettings | None, layout: Layout) -> LayerSettings | None:
+    """Settings `s` as the layer runs them for `spec` on `layout`: `aggregate` resolved for
+    the pass's GEMM ("auto": `LayerSettings.aggregates`, as `layers.plan` resolves it)."""
+    return None if s is None else s.resolved(spec.gemm[2], layout.tp, layout.nodes)
+
+
 def gemm_calls(spec: PassSpec, s: LayerSettings | None, layout: Layout) -> int:
     """How many GEMM calls the pass's schedule issues: one per ring step (every rank's
     block; an aggregate ring's `ring_steps`), one per pipeline chunk, else one."""
     if s is None or spec.comm == "none" or layout.tp == 1:
         return 1
-    return chunk_gemms(s, layout)
+    return chunk_gemms(as_run(spec, s, layout), layout)
 
 
 def chunk_gemms(s: LayerSettings, layout: Layout) -> int:
@@ -293,6 +301,9 @@ def chunk_gemms(s: LayerSettings, layout: Layout) -> int:
     schedule = schedule_of(s, layout)
     if schedule == "rs_pipeline":
         return s.splits(layout.tp)
+    if schedule == "ag_ring" and s.aggregate == AGGREGATE_AUTO:
+        raise ValueError(f"{s.name}: aggregate auto is decided per pass (as_run) before its "
+                         "GEMMs are counted")
     if schedule == "ag_ring" and s.aggregate:
         return len(ring_steps(0, layout.tp, layout.tp % 2 == 0))
     return layout.tp if schedule in ("ag_ring", "ag_hier", "rs_ring", "rs_hier") else 1
@@ -366,6 +377,7 @@ def simulate_pass(spec: PassSpec, s: LayerSettings | None, hw: Hardware, layout:
     eager_comm_us)."""
     if s is not None and s.name != spec.name:
         raise ValueError(f"settings of {s.name} given for pass {spec.name}")
+    s = as_run(spec, s, layout)
     gemm = gemm.for_dtype(spec.gemm_dtype)
     host = measured_host_us(spec, layout, gemm)
     comm_us, base_us = baseline_us(spec, hw, layout, gemm)

@@ -175,7 +175,7 @@ def summary(result) -> str:
     """The choice per pass, as a plain table; passes the non-overlapped path wins marked."""
     fmt = lambda v: f"{'-':>10s}" if v is None else f"{v:10.3f}"  # noqa: E731
     lines = [f"{'shape':16s} {'pass':11s} {'chosen':40s} {'time ms':>9s} {'non-ovl ms':>10s} "
-             f"{'TE dflt ms':>10s}"]
+             f"{'dflt ms':>10s}"]
     slower, totals = [], {"time_ms": 0.0, "baseline_ms": 0.0, "te_default_ms": 0.0}
     for r in result.choice_rows:
         base = r.get("baseline_ms")

@@ -93,12 +93,15 @@ def overlap_pays(result: dict[str, Any]) -> bool:
 
 
 def _te_default_times(results: dict[Trial, dict[str, Any]]) -> dict[tuple[str, str], float]:
-    """(shape, pass) -> the time of the candidate with TE's default settings for that
-    pass (get_default_config()), to say what the tuned YAML gains over them."""
+    """(shape, pass) -> the time of the candidate with the default settings for that pass
+    (TE's get_default_config(), `aggregate` auto resolved for the pass: what runs untuned),
+    to say what the tuned YAML gains over them."""
     from ..config.settings import LayerSettings
+    from ..simulate.passes import as_run
 
     return {(t.spec.shape.name, t.name): r["time_ms"] for t, r in results.items()
-            if not t.comm_moved and t.candidate.settings == LayerSettings.default(t.name)}
+            if not t.comm_moved and t.candidate.settings == as_run(
+                t.spec, LayerSettings.default(t.name), t.candidate.layout)}
 
 
 class _NoProgress:

@@ -129,7 +129,8 @@ def _plan(kind, variant, world):
     config = ModelParallelConfig(tensor_model_parallel_size=world, sequence_parallel=True,
                                  tp_comm_overlap=True, **flags)
     return build_plan(config, "qkv" if kind == "column" else "proj", kind, sequence_parallel=True,
-                      is_expert=False, settings=st.settings, rs_dgrad_settings=st.rs_dgrad_settings)
+                      is_expert=False, settings=st.settings, rs_dgrad_settings=st.rs_dgrad_settings,
+                      ring_n=0)  # (aggregate as the variant names it; auto: the plain ring)
 
 
 def _run_layer(kind, x, w, g, plan, tp):
