@@ -168,3 +168,17 @@ def test_gpt_trains_like_plain_tp_through_hierarchical_orders(tp4):
     table = tp4[0]["gpt"]["table"]
     assert "hier 2x2" in table and f"Transport per TP peer (this rank's view): {INTRA} 1; {INTER} 2-3" in table
     assert max(map(len, table.splitlines())) <= 160
+
+
+def test_aggregate_auto_rings_plain_where_its_flat_ring_spans_nodes(tp4):
+    """The pairs `aggregate: auto` chose at build (an fc1-sized GEMM, one node assumed)
+    are taken back at the first forward where the layer's flat ring spans nodes (blocks
+    cross the network there), and said; under the hierarchical order the key is not read.
+    Both equal Megatron's layer."""
+    for r in tp4:
+        flat, hier = r["auto_pairs"]["flat"], r["auto_pairs"]["auto"]
+        assert flat["built"] is True and flat["ran"] is False
+        assert "qkv_fprop: aggregate auto: plain ring (its flat ring spans nodes)" in flat["notes"]
+        assert hier["built"] is True and hier["ran"] is True
+        for e in (flat, hier):
+            assert e["errors"] and max(e["errors"].values()) < TOL["float32"], e["errors"]

@@ -125,17 +125,18 @@ def run_pair(ref, ours, x: torch.Tensor, seed: int = 1) -> dict[str, float]:
     return results
 
 
-def build_pair(case: Case, tp: int, overrides, flags):
-    """Megatron's layer (random bias) and ours with `overrides` installed, same weights."""
+def build_pair(case: Case, tp: int, overrides, flags, **sizes):
+    """Megatron's layer (random bias) and ours with `overrides` installed, same weights;
+    `sizes`: `build`'s name_in / name_out."""
     import megatron_overlap as mo
 
-    ref = build(case, tp, overlap=False)
+    ref = build(case, tp, overlap=False, **sizes)
     with torch.no_grad():
         if ref.bias is not None:
             ref.bias.normal_()
     mo.install(ub_cfgs=overrides)
     try:
-        ours = build(case, tp, overlap=True, flags=flags)
+        ours = build(case, tp, overlap=True, flags=flags, **sizes)
     finally:
         mo.uninstall()
     ours.load_state_dict(ref.state_dict())

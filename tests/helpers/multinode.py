@@ -208,6 +208,26 @@ def gpt_pair(rank: int, world: int, variant: str) -> dict[str, Any]:
                 rows=rows, table=settings_table(rows))
 
 
+def auto_pairs_across_nodes(rank: int, world: int) -> dict[str, Any]:
+    """`aggregate: auto` on a column layer whose ring GEMM has AGGREGATE_MIN_N columns a
+    rank, against Megatron's layer: pairs chosen at build (one node assumed), then, per
+    ring order: flat (its ring spans nodes: the first forward puts it on the plain ring)
+    and auto (the hierarchical order, which does not read the key)."""
+    from helpers.layers import Case, build_pair, make_input, run_pair
+    from megatron_overlap.config.names import AGGREGATE_MIN_N
+
+    case, out = Case("column", True, "float32", True, False, "column-ring"), {}
+    for order in ("flat", "auto"):
+        ref, ours = build_pair(case, world, {"qkv_fprop": {"method": "ring_exchange",
+                                                           "ring_order": order}}, {},
+                               name_out=world * AGGREGATE_MIN_N)
+        built = ours.overlap_plan.fprop.aggregate
+        errors = run_pair(ref, ours, make_input(case, rank, world, ref))
+        out[order] = dict(built=built, ran=ours.overlap_plan.fprop.aggregate,
+                          notes=ours.overlap_plan.notes, errors=errors)
+    return out
+
+
 # -- what each emulated cluster runs ----------------------------------------------------------
 def run_2x2(rank: int, world: int) -> dict[str, Any]:
     """TP=4 over 2 nodes x 2 (LOCAL_WORLD_SIZE=2)."""
@@ -233,6 +253,7 @@ def run_2x2(rank: int, world: int) -> dict[str, Any]:
         ("column-rs_dgrad_ring", "float32"), ("column-rs_dgrad_pipeline2", "bfloat16"),
         ("row-pipeline2", "float32"), ("row-pipeline2", "bfloat16"), ("row-ring", "float32")])
     out["gpt"] = gpt_pair(rank, world, "gelu_bias")
+    out["auto_pairs"] = auto_pairs_across_nodes(rank, world)
     return out
 
 
