@@ -178,6 +178,7 @@ def test_aggregate_auto_rings_plain_where_its_flat_ring_spans_nodes(tp4):
     for r in tp4:
         flat, hier = r["auto_pairs"]["flat"], r["auto_pairs"]["auto"]
         assert flat["built"] is True and flat["ran"] is False
+        assert flat["gemms"] == 4  # the plain ring's, from the first forward (pairs: 3)
         assert "qkv_fprop: aggregate auto: plain ring (its flat ring spans nodes)" in flat["notes"]
         assert hier["built"] is True and hier["ran"] is True
         for e in (flat, hier):

@@ -124,7 +124,8 @@ def test_invalid_combinations_are_never_tried(layout, rs_dgrad):
         if s.method == "pipeline":
             assert (t.spec.shape.m // layout.tp) % s.num_splits == 0
         effects = s.effects(layout.backend)
-        default = LayerSettings.default(name, s.method)
+        default = dataclasses.replace(LayerSettings.default(name, s.method), aggregate=False)
+        assert s.aggregate in (False, True), (name, s.aggregate)  # never "auto": resolved
         for key in ("use_ce", "num_sm", "aggregate", "ring_order"):
             if effects[key] != "active":
                 assert getattr(s, key) == getattr(default, key), (name, key)
@@ -399,3 +400,15 @@ def test_the_tuner_takes_the_least_compute_side_within_the_tie(tmp_path):
     no_compute = lambda t: {"time_ms": plain(t)["time_ms"]}  # noqa: E731
     no_compute.hardware = {"kind": "fake"}
     assert qkv_fprop_streams(tune(qkv, layout, no_compute, progress=False)) == 1
+
+
+def test_the_defaults_are_timed_at_every_pass():
+    """The candidate that runs the defaults (TE's, `aggregate: auto` resolved per pass as
+    the layer resolves it) is among every pass's trials at TP 2, 4 and 8, so every chosen
+    row says what the defaults took."""
+    for tp in (2, 4, 8):
+        result = tune(PRESETS["70b"].shapes("70B", tp), Layout(tp=tp), _fake([]), progress=False)
+        rows = result.choice_rows
+        assert len(rows) == 12, tp
+        assert all(r.get("te_default_ms") is not None for r in rows), (
+            tp, [r["pass"] for r in rows if r.get("te_default_ms") is None])

@@ -47,8 +47,9 @@ def fingerprint(layer: Any, x: torch.Tensor, modes: dict[str, Any] | None = None
     tp = layer.tp_group.size()
     for s in (plan.fprop, plan.dgrad, plan.wgrad):
         if s is not None:
+            given = "auto" if s.pass_name in plan.auto else int(bool(s.aggregate))
             fp[s.name] = (f"method={s.method} num_splits={s.splits(tp)} "
-                          f"aggregate={int(bool(s.aggregate))} ring_order={s.ring_order}")
+                          f"aggregate={given} ring_order={s.ring_order}")
     return fp
 
 

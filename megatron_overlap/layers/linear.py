@@ -136,7 +136,7 @@ class _OverlapMixin:
                     if order.note:  # the order asked for (or auto's) could not run
                         say_once(logging.WARNING, f"megatron_overlap: {s.name}: {order.note}")
             self._orders = orders
-            if topo is not None and topo.is_hierarchical:  # aggregate auto: pairs over NVLink only
+            if topo is not None and len(topo.nodes) > 1:  # aggregate auto: pairs within a node
                 self.overlap_plan = plan.plain_across_nodes(
                     [p for p in plan.auto_pairs if orders[p].order == "flat"])
                 say_once(logging.INFO, f"megatron_overlap: {plan.layer}: TP group over "
@@ -208,9 +208,9 @@ class _OverlapMixin:
         per_pass = {p: t * self._moved_row(p, es, width) for p in ("fprop", "dgrad", "wgrad")}
         if not isinstance(self, ColumnParallelLinear):
             per_pass["wgrad"] = 0
-        tp = self.transport
+        tp, orders = self.transport, self.ring_orders  # (the orders may change the plan)
         rows = self.overlap_plan.rows(tp.world_size, tp.name, per_pass, backends=tp.backends,
-                                      orders=self.ring_orders, transport=comm.describe_peers(tp))
+                                      orders=orders, transport=comm.describe_peers(tp))
         return [{**r, "precision": self.precision.describe()} for r in rows]
 
 

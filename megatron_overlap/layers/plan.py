@@ -11,7 +11,7 @@ from typing import Any, Mapping, Sequence
 
 from ..comm.topology import Topology
 from ..config import BUFFER_NAMES, COLUMN_BUFFERS, ROW_BUFFERS, LayerSettings, OverlapConfig
-from ..config.names import AGGREGATE_AUTO, AGGREGATE_MIN_N, BULK_HIDES
+from ..config.names import AGGREGATE_AUTO, AGGREGATE_MIN_N, BULK_HIDES, LAYER_NAMES
 from ..overlap.hierarchical import RingOrder, choose
 
 log = logging.getLogger("megatron_overlap")
@@ -32,6 +32,7 @@ class LayerPlan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     buffer: str | None = None  # the TP-comm buffer name ('qkv', ...): names passes it leaves plain
     auto_pairs: tuple[str, ...] = ()  # passes whose `aggregate: auto` chose pairs at build
+    auto: tuple[str, ...] = ()  # passes whose settings say `aggregate: auto`
 
     def plain_across_nodes(self, passes: Sequence[str]) -> "LayerPlan":
         """This plan with `passes` (of `auto_pairs`) on the plain ring: their flat ring
@@ -75,7 +76,8 @@ class LayerPlan:
             if s is None:
                 continue
             order = (orders or {}).get(s.pass_name)
-            notes = list(self.notes) + ([order.note] if order is not None and order.note else [])
+            notes = [n for n in self.notes if not _of_other_pass(n, s.name)]
+            notes += [order.note] if order is not None and order.note else []
             if s.method == "bulk":  # what it hides under: not the schedules' unoverlapped bulk
                 notes.append(f"{s.name}: bulk: {BULK_HIDES[s.pass_name]}")
             effects = _effects(s, backends or (backend,))
@@ -90,6 +92,12 @@ class LayerPlan:
                         "no_effect": {k: v for k, v in effects.items() if v != "active"},
                         "notes": "; ".join(notes)})
         return out
+
+
+def _of_other_pass(note: str, name: str) -> bool:
+    """Whether `note` is about another pass than `name` (it starts with that pass's name)."""
+    head = note.split(":", 1)[0]
+    return head in LAYER_NAMES and head != name
 
 
 def ring_order(s: LayerSettings, sequence_parallel: bool, topo: Topology | None
@@ -193,8 +201,9 @@ def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_para
             notes.append("no sequence parallelism: fprop has no communication; "
                          "wgrad hides the dgrad all-reduce")
         ring = _ring_all_gather(label, fprop, config, ring_n, notes)
-        return LayerPlan(label, kind, sp, ring, dgrad, wgrad, rs_dgrad, tuple(notes), buffer_name,
-                         _auto_pairs("fprop", fprop, ring))
+        return LayerPlan(label, kind, sp, ring, _plain(dgrad), _plain(wgrad), rs_dgrad,
+                         tuple(notes), buffer_name, _auto_pairs("fprop", fprop, ring),
+                         _auto(fprop=fprop, dgrad=dgrad, wgrad=wgrad))
     fprop = get(settings, "fprop") if flag("tp_comm_overlap_rs", True) else None
     given = get(settings, "dgrad") if sp and flag("tp_comm_overlap_ag", True) else None
     dgrad = _ring_all_gather(label, given, config, ring_n, notes)
@@ -209,8 +218,21 @@ def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_para
                 _warned.add(swap)
                 log.warning("megatron_overlap: %s", swap)
     wgrad = get(settings, "wgrad") if dgrad is not None else None  # reuses dgrad's gathered grad
-    return LayerPlan(label, kind, sp, fprop, dgrad, wgrad, False, tuple(notes), buffer_name,
-                     _auto_pairs("dgrad", given, dgrad))
+    return LayerPlan(label, kind, sp, _plain(fprop), dgrad, _plain(wgrad), False, tuple(notes),
+                     buffer_name, _auto_pairs("dgrad", given, dgrad),
+                     _auto(fprop=fprop, dgrad=given, wgrad=wgrad))
+
+
+def _plain(s: LayerSettings | None) -> LayerSettings | None:
+    """A pass that is no ring all-gather, `aggregate` as it runs: not read, false."""
+    return None if s is None else s.resolved(0, 1)
+
+
+def _auto(**passes: LayerSettings | None) -> tuple[str, ...]:
+    """The ring all-gather passes whose `aggregate` is "auto" in the settings (what the TP
+    ranks compare: `agree.fingerprint`, whatever each rank has resolved so far)."""
+    return tuple(p for p, s in passes.items() if s is not None and s.aggregate == AGGREGATE_AUTO
+                 and s.method == "ring_exchange" and not s.is_reduce_scatter)
 
 
 def _auto_pairs(pass_name: str, given: LayerSettings | None, ran: LayerSettings | None

@@ -19,7 +19,7 @@ from ..config.settings import allowed_methods
 from ..overlap import wait_gemm
 from ..overlap.streams import default_gemm_streams
 from .hardware import Layout
-from .passes import PassSpec, chunk_gemms, layer_passes, ring_order_of, schedule_of
+from .passes import PassSpec, as_run, chunk_gemms, layer_passes, ring_order_of, schedule_of
 from .shapes import Shape
 
 SPLITS = (1, 2, 4, 8, 16)
@@ -127,13 +127,15 @@ def stream_slots(s: LayerSettings, layout: Layout) -> int:
 
 
 def _canonical(s: LayerSettings, layout: Layout) -> LayerSettings:
-    """Keys the resolved schedule does not read put back to TE's default, so candidates
+    """Keys the resolved schedule does not read put back to TE's default (`aggregate` too:
+    false, never "auto", as the layer runs it: `passes.as_run`), so candidates
     that would run the same thing collapse into one: a stream count beyond the streams
     the schedule can use is cut to them, and one that runs what the default runs is the
     default; a waiting GEMM only on a flat ring of TP > 1 inside one node
     (`overlap.ag_gemm`: across nodes the ring's chunk GEMMs run)."""
     schedule, default = schedule_of(s, layout), LayerSettings.default(s.name, s.method)
-    if schedule == "ag_hier" or layout.tp <= 2 or layout.tp % 2:  # (pairs: an even TP > 2)
+    if (schedule == "ag_hier" or layout.tp <= 2 or layout.tp % 2  # (pairs: an even TP > 2)
+            or s.aggregate == AGGREGATE_AUTO):  # (where it is not read: TE's false)
         s = dataclasses.replace(s, aggregate=False)
     if schedule != "ag_ring" or layout.nodes > 1 or layout.tp == 1:
         s = dataclasses.replace(s, wait_gemm=default.wait_gemm)
@@ -189,8 +191,8 @@ def trials(shape: Shape, layout: Layout, *, rs_dgrad: bool = False) -> list[Tria
             if waits or not cand.settings.wait_gemm:
                 out.append(Trial(spec, cand))
         if spec.pass_name == "wgrad" and shape.column and rs_dgrad:
-            out.append(Trial(spec, Candidate(LayerSettings.default(spec.name), layout),
-                             comm_moved=True))
+            out.append(Trial(spec, Candidate(as_run(spec, LayerSettings.default(spec.name), layout),
+                                             layout), comm_moved=True))
     return out
 
 

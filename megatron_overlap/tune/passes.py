@@ -33,7 +33,7 @@ from ..layers.plan import LayerPlan
 from ..layers.precision import Precision
 from ..simulate import Trial
 from ..simulate.numerics import Numerics
-from ..simulate.passes import ring_order_of
+from ..simulate.passes import as_run, ring_order_of
 
 
 @dataclass
@@ -238,7 +238,7 @@ def as_timed(trial: Trial, tp: Transport) -> Trial:
     priorities, ring_order, ...) is kept, so it is applied when this trial is timed and is
     part of `timed_key`: time this trial, file the timing under `timed_key(it, tp)`."""
     s, layout = trial.candidate.settings, trial.candidate.layout
-    default = LayerSettings.default(s.name, s.method)
+    default = as_run(trial.spec, LayerSettings.default(s.name, s.method), layout)
     effects = s.effects(layout.backend)
     keep = {f.name: getattr(s, f.name) if effects.get(f.name, ACTIVE) == ACTIVE
             else getattr(default, f.name) for f in dataclasses.fields(s)}

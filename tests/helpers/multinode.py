@@ -214,6 +214,7 @@ def auto_pairs_across_nodes(rank: int, world: int) -> dict[str, Any]:
     ring order: flat (its ring spans nodes: the first forward puts it on the plain ring)
     and auto (the hierarchical order, which does not read the key)."""
     from helpers.layers import Case, build_pair, make_input, run_pair
+    from megatron_overlap.comm import trace
     from megatron_overlap.config.names import AGGREGATE_MIN_N
 
     case, out = Case("column", True, "float32", True, False, "column-ring"), {}
@@ -222,9 +223,11 @@ def auto_pairs_across_nodes(rank: int, world: int) -> dict[str, Any]:
                                                            "ring_order": order}}, {},
                                name_out=world * AGGREGATE_MIN_N)
         built = ours.overlap_plan.fprop.aggregate
-        errors = run_pair(ref, ours, make_input(case, rank, world, ref))
+        with trace.recording() as ev:  # the first forward's GEMMs: pairs run fewer
+            errors = run_pair(ref, ours, make_input(case, rank, world, ref))
         out[order] = dict(built=built, ran=ours.overlap_plan.fprop.aggregate,
-                          notes=ours.overlap_plan.notes, errors=errors)
+                          notes=ours.overlap_plan.notes, errors=errors,
+                          gemms=sum(e[0] == "gemm" for e in _events(ev, "qkv_fprop")))
     return out
 
 
