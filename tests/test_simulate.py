@@ -923,21 +923,25 @@ def test_aggregate_auto_pairs_where_the_model_favours_the_pairs():
     """`aggregate: auto` (config.names.AGGREGATE_MIN_N) against the cost model (its H200 /
     H100 defaults, one node, symm, graphed): from AGGREGATE_MIN_N columns a rank on, a ring
     all-gather's pairs are predicted faster than its plain ring at every row count, K and
-    even TP > 2 swept; and at the 70B and 8B presets' ring all-gathers auto is predicted no
-    slower than TE's plain ring at any pass, and faster over the four."""
+    even TP > 2 swept, in bf16 and in FP8 (the same balance: twice the FLOP/s, half the
+    bytes); and at the 70B and 8B presets' ring all-gathers auto is predicted no slower than
+    TE's plain ring at any pass, and faster over the four."""
     from megatron_overlap.config.names import AGGREGATE_MIN_N
+    from megatron_overlap.simulate.numerics import Numerics
 
     gemm = GemmModel(HW)
 
     def fprop(shape, **kw):
         return simulate_pass(_spec(shape, "fprop"), _ring("qkv_fprop", **kw), HW,
                              Layout(tp=shape.tp), gemm).overlapped_us
-    for tp in (4, 8):
-        for m in (4096, 8192, 16384):
-            for k in (4096, 8192):
-                for n in (AGGREGATE_MIN_N, 4096, 7168, 14336):
-                    shape = Shape("S", "qkv", m, k, n, tp)
-                    assert fprop(shape, aggregate=True) < fprop(shape, aggregate=False), (tp, m, k, n)
+    for numerics in (Numerics(), Numerics(fp8="hybrid")):
+        for tp in (4, 8):
+            for m in (4096, 8192, 16384):
+                for k in (4096, 8192):
+                    for n in (AGGREGATE_MIN_N, 4096, 7168, 14336):
+                        shape = Shape("S", "qkv", m, k, n, tp, numerics=numerics)
+                        assert fprop(shape, aggregate=True) < fprop(shape, aggregate=False), (
+                            numerics.fp8, tp, m, k, n)
     for model, tp in (("70b", 8), ("8b", 4), ("70b", 4)):
         auto = plain = 0.0
         for shape in parse_shapes(model, tp):
