@@ -86,7 +86,7 @@ def layer_effects(s: "LayerSettings", backend: str) -> dict[str, str]:
         return on_b + caps.why_no_ce
 
     def aggregate() -> str:
-        if m != "ring_exchange" or s.is_reduce_scatter:
+        if not s.is_ring_all_gather:
             return "no effect: aggregate only applies to a ring_exchange all-gather"
         return ACTIVE
 
@@ -116,11 +116,10 @@ def layer_effects(s: "LayerSettings", backend: str) -> dict[str, str]:
 
     def waits() -> bool:
         """The layer runs one waiting GEMM where it can (its chunk-GEMM keys then unread)."""
-        return s.wait_gemm and m == "ring_exchange" and not s.is_reduce_scatter \
-            and not caps.why_no_wait
+        return s.wait_gemm and s.is_ring_all_gather and not caps.why_no_wait
 
     def wait_gemm() -> str:
-        if m != "ring_exchange" or s.is_reduce_scatter:
+        if not s.is_ring_all_gather:
             return "no effect: only a ring_exchange all-gather runs one waiting GEMM"
         if caps.why_no_wait:
             return (f"fallback: the ring's chunk GEMMs ({backend}: {caps.why_no_wait})"

@@ -140,6 +140,11 @@ class LayerSettings:
         """TE's classification: GEMM+reduce-scatter (True) or all-gather+GEMM (False)."""
         return is_reduce_scatter(self.name, self.method)
 
+    @property
+    def is_ring_all_gather(self) -> bool:
+        """A ring_exchange all-gather: the passes `aggregate` and `wait_gemm` act on."""
+        return self.method == "ring_exchange" and not self.is_reduce_scatter
+
     def splits(self, tp_size: int) -> int:
         """Chunks the GEMM and its communication are cut into: TP size for a ring exchange,
         num_splits (TE default 4) for a pipeline, 1 for bulk/external (one whole transfer).
@@ -160,7 +165,7 @@ class LayerSettings:
         config.names) at an even TP > 2 (at 2 the pairs are the plain ring) inside one node
         (a flat ring across nodes moves blocks over the network, several times slower).
         False for any other pass."""
-        if self.method != "ring_exchange" or self.is_reduce_scatter:
+        if not self.is_ring_all_gather:
             return False
         if self.aggregate == AGGREGATE_AUTO:
             return n >= AGGREGATE_MIN_N and tp > 2 and tp % 2 == 0 and nodes == 1

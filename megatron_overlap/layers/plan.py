@@ -31,8 +31,12 @@ class LayerPlan:
     rs_dgrad: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
     buffer: str | None = None  # the TP-comm buffer name ('qkv', ...): names passes it leaves plain
-    auto_pairs: tuple[str, ...] = ()  # passes whose `aggregate: auto` chose pairs at build
-    auto: tuple[str, ...] = ()  # passes whose settings say `aggregate: auto`
+    auto: tuple[str, ...] = ()  # ring all-gather passes whose settings say `aggregate: auto`
+
+    @property
+    def auto_pairs(self) -> tuple[str, ...]:
+        """The passes on which `aggregate: auto` runs pairs."""
+        return tuple(p for p in self.auto if getattr(self, p).aggregate)
 
     def plain_across_nodes(self, passes: Sequence[str]) -> "LayerPlan":
         """This plan with `passes` (of `auto_pairs`) on the plain ring: their flat ring
@@ -45,8 +49,7 @@ class LayerPlan:
             n.startswith(f"{changed[p].name}: aggregate auto") for p in passes))
         notes += tuple(f"{changed[p].name}: aggregate auto: plain ring (its flat ring spans "
                        "nodes)" for p in passes)
-        return dataclasses.replace(self, **changed, notes=notes,
-                                   auto_pairs=tuple(p for p in self.auto_pairs if p not in passes))
+        return dataclasses.replace(self, **changed, notes=notes)
 
     def op_name(self, pass_name: str) -> str:
         """What a pass is called in traces, stats and errors: its settings' name
@@ -146,7 +149,7 @@ def _ring_all_gather(label: str, s: LayerSettings | None, config: Any, n: int,
             f"ranks of its ring, but the TP size is {tp} (odd). Set aggregate: 0 (or auto) "
             f"for {s.name}.")
     out = s.resolved(n, tp)
-    if s.aggregate == AGGREGATE_AUTO and s.method == "ring_exchange" and tp > 2:
+    if s.aggregate == AGGREGATE_AUTO and s.is_ring_all_gather and tp > 2:
         notes.append(f"{s.name}: aggregate auto: " + (
             f"pairs (its GEMM's {n} columns a rank outlast a block's transfer: "
             f"{AGGREGATE_MIN_N} and more)" if out.aggregate else
@@ -202,8 +205,7 @@ def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_para
                          "wgrad hides the dgrad all-reduce")
         ring = _ring_all_gather(label, fprop, config, ring_n, notes)
         return LayerPlan(label, kind, sp, ring, _plain(dgrad), _plain(wgrad), rs_dgrad,
-                         tuple(notes), buffer_name, _auto_pairs("fprop", fprop, ring),
-                         _auto(fprop=fprop, dgrad=dgrad, wgrad=wgrad))
+                         tuple(notes), buffer_name, _auto(fprop=fprop, dgrad=dgrad, wgrad=wgrad))
     fprop = get(settings, "fprop") if flag("tp_comm_overlap_rs", True) else None
     given = get(settings, "dgrad") if sp and flag("tp_comm_overlap_ag", True) else None
     dgrad = _ring_all_gather(label, given, config, ring_n, notes)
@@ -219,8 +221,7 @@ def build_plan(config: Any, buffer_name: str | None, kind: str, *, sequence_para
                 log.warning("megatron_overlap: %s", swap)
     wgrad = get(settings, "wgrad") if dgrad is not None else None  # reuses dgrad's gathered grad
     return LayerPlan(label, kind, sp, _plain(fprop), dgrad, _plain(wgrad), False, tuple(notes),
-                     buffer_name, _auto_pairs("dgrad", given, dgrad),
-                     _auto(fprop=fprop, dgrad=given, wgrad=wgrad))
+                     buffer_name, _auto(fprop=fprop, dgrad=given, wgrad=wgrad))
 
 
 def _plain(s: LayerSettings | None) -> LayerSettings | None:
@@ -231,12 +232,5 @@ def _plain(s: LayerSettings | None) -> LayerSettings | None:
 def _auto(**passes: LayerSettings | None) -> tuple[str, ...]:
     """The ring all-gather passes whose `aggregate` is "auto" in the settings (what the TP
     ranks compare: `agree.fingerprint`, whatever each rank has resolved so far)."""
-    return tuple(p for p, s in passes.items() if s is not None and s.aggregate == AGGREGATE_AUTO
-                 and s.method == "ring_exchange" and not s.is_reduce_scatter)
-
-
-def _auto_pairs(pass_name: str, given: LayerSettings | None, ran: LayerSettings | None
-                ) -> tuple[str, ...]:
-    """(pass_name,) where `aggregate: auto` chose pairs for it, else ()."""
-    picked = given is not None and given.aggregate == AGGREGATE_AUTO and ran.aggregate is True
-    return (pass_name,) if picked else ()
+    return tuple(p for p, s in passes.items()
+                 if s is not None and s.aggregate == AGGREGATE_AUTO and s.is_ring_all_gather)

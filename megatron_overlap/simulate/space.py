@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ..config import LayerSettings
-from ..config.names import AGGREGATE_AUTO, RS_DGRAD_LAYERS
+from ..config.names import RS_DGRAD_LAYERS
 from ..config.settings import allowed_methods
 from ..overlap import wait_gemm
 from ..overlap.streams import default_gemm_streams
@@ -134,8 +134,7 @@ def _canonical(s: LayerSettings, layout: Layout) -> LayerSettings:
     default; a waiting GEMM only on a flat ring of TP > 1 inside one node
     (`overlap.ag_gemm`: across nodes the ring's chunk GEMMs run)."""
     schedule, default = schedule_of(s, layout), LayerSettings.default(s.name, s.method)
-    if (schedule == "ag_hier" or layout.tp <= 2 or layout.tp % 2  # (pairs: an even TP > 2)
-            or s.aggregate == AGGREGATE_AUTO):  # (where it is not read: TE's false)
+    if schedule == "ag_hier" or layout.tp <= 2 or layout.tp % 2:  # (pairs: an even TP > 2)
         s = dataclasses.replace(s, aggregate=False)
     if schedule != "ag_ring" or layout.nodes > 1 or layout.tp == 1:
         s = dataclasses.replace(s, wait_gemm=default.wait_gemm)
@@ -161,15 +160,14 @@ def candidates(name: str, layout: Layout, rows_per_rank: int, *, rs_dgrad: bool 
     for method in allowed_methods(name):
         if name in RS_DGRAD_LAYERS and method != "bulk" and not rs_dgrad:
             continue
-        variants = [LayerSettings.default(name, method)]
+        # aggregate from TE's false: candidates never carry "auto", which each pass resolves
+        variants = [dataclasses.replace(LayerSettings.default(name, method), aggregate=False)]
         if method == "pipeline":
             variants = [dataclasses.replace(variants[0], num_splits=k)
                         for k in SPLITS if rows_per_rank % k == 0]
         if layout.nodes > 1:
             variants = _vary(variants, "ring_order", ("auto", "flat"), backend)
-        # true and false where it is read ("auto", the default, is one of the two)
-        variants = [v for v in _vary(variants, "aggregate", (False, True), backend)
-                    if v.aggregate != AGGREGATE_AUTO or v.effects(backend)["aggregate"] != ACTIVE]
+        variants = _vary(variants, "aggregate", (False, True), backend)
         # before the stream keys, which a waiting GEMM does not read (config.effects)
         variants = _vary(variants, "wait_gemm", (False, True), backend)
         variants = _vary(variants, "gemm_streams", GEMM_STREAMS, backend)
