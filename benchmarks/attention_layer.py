@@ -21,8 +21,9 @@ Every arm's collectives and passes run on the mirror transport (layer_compute's
 local copies). On a GPU no arm gets a mask tensor (the causal mask type says it;
 Megatron's arm builds its own).
 
-Measured: eager back to back and graphed (layer_compute's `time_shape`: arms interleaved,
-medians of --repeat samples of --reps calls, graph replays alternating call by call;
+Measured: eager and graphed (layer_compute's `time_shape`: eager calls queued back to back,
+the arms alternating call by call, as the graph replays do; medians of --repeat samples of
+--reps calls per arm;
 ratio = megatron ms / arm ms); memory per arm (`memory`: a steady-state step's peak, the
 buffers the arm keeps once per process, its pass graphs' pool); before timing, every arm
 against Megatron's on the mirror transport (output, input and parameter grads, max |diff|
@@ -434,13 +435,18 @@ def table(doc: dict) -> str:
                          f"{f(r['attention_alone_ms'][a], 2):>8s}  "
                          + ("" if err is None else f"rel {err:.1e}"
                             + (" (as the reference's)" if c["within_reference"].get(a) else "")))
+        for a, t in r["arms"].items():
+            if t.get("eager_passes"):
+                p = t["eager_passes"]
+                lines.append(f"{'':18s} {a}, eager: {p['replays']} of {p['calls']} pass calls replayed, "
+                             f"{p['captures']} captured, {p['evictions']} graphs evicted")
         packed = r["attention_alone_ms"][f"ours_packed_{DOCS}_docs"]
         lines.append(f"{'':18s} ours, attention alone on {DOCS} packed documents per sequence: "
                      f"{packed:.2f} ms ({r['attention_alone_ms']['packed_ran']})")
         for goal, (value, met) in r["goals"].items():
             lines.append(f"{'':18s}   {goal}: {value:.3f} {'met' if met else 'NOT MET'}")
         lines += gt.timeline_lines(r.get("timeline")) + wait_lines(r)
-    lines.append("x meg = megatron ms / arm ms, same mode. eager: calls queued back to back; graph: the "
+    lines.append("x meg = megatron ms / arm ms, same mode. eager: calls queued back to back, arms alternating; graph: the "
                  "layer's fwd+bwd in one CUDA graph; every arm on the " + doc["config"]["timing"] + " transport. "
                  "GiB step: a steady-state step's peak beyond what the arm keeps; kept: buffers it "
                  "keeps (once per process); pools: its pass graphs' pool. "

@@ -17,7 +17,8 @@ a step of several micro-batches mostly runs. fp8_delayed is Megatron's default r
 delayed scaling (the largest of 1024 amaxes, TP reduction), primed by two steps: its casts
 read no amax first. fp8_eager_kernels and fp8_later_micro compute the fp8 arm's numbers (1e-2
 relative at most: the attention backward's own run-to-run differences). Measured: eager
-back to back and graphed (medians of --repeat samples of --reps calls; ratio = bf16 ms /
+(calls queued back to back, the arms alternating call by call) and graphed (medians of
+--repeat samples of --reps calls; ratio = bf16 ms /
 fp8 ms), memory per arm (attention_layer's `memory`: per step, kept, pools). Before timing, the fp8 arm
 against the bf16 arm on the mirror transport: output, input grad and every parameter
 grad within FP8's rounding, relative (norm) <= 0.25 (e4m3 keeps 3 mantissa bits, e5m2 2:
@@ -291,7 +292,7 @@ def table(doc: dict) -> str:
             lines.append(f"{'':18s} goal {goal}: {f(value, 3)} {'met' if met else 'NOT MET'}")
         lines += profile_lines(r, "kernel us per step (eager, torch.profiler)")
         lines += gt.timeline_lines(r.get("timeline")) + al.wait_lines(r)
-    lines.append("x bf16 = bf16 ms / arm ms, same mode. eager: calls queued back to back; graph: the layer's "
+    lines.append("x bf16 = bf16 ms / arm ms, same mode. eager: calls queued back to back, arms alternating; graph: the layer's "
                  "fwd+bwd in one CUDA graph. GiB step: a steady-state step's peak beyond what the arm keeps; kept: "
                  "buffers kept once per process. Every arm on the mirror transport.")
     return "\n".join(lines)

@@ -26,8 +26,10 @@ instead (nothing moved or written), which compares unlike data (timing_transport
 
 Timed, arms interleaved (each repeat one round of a balanced design, `ab.timing.rotated`),
 medians over --repeat:
-- eager, back to back: --reps fwd+bwd calls queued, one sync at the end
-  (device ms per call; host us to issue one);
+- eager: fwd+bwd calls queued back to back, the arms alternating call by call in a
+  serially balanced order (--reps per arm rounded up to whole cycles of it, one sync per
+  cycle: `interleaved_samples`; device ms per call, host us to issue one, medians per
+  repeat); how many of an overlapped arm's passes replayed meanwhile (`eager_passes`);
 - graphed: fwd+bwd of the layer captured in one CUDA graph, replayed (device ms
   per replay; the arms' replays alternate call by call, each right after each other
   equally often, --reps rounded up to whole cycles of that order: time_interleaved; every
@@ -329,7 +331,8 @@ def time_shape(emu, arms: list[Arm], e: Extras, args, transport=None, ref: str =
     fresh `null`)."""
     from megatron_overlap.ab.timing import rotated
     from megatron_overlap.comm import NullTransport
-    from megatron_overlap.tune.measure import graphed, time_b2b, time_interleaved
+    from megatron_overlap.overlap import replay
+    from megatron_overlap.tune.measure import graphed, interleaved_samples, time_interleaved
 
     emu.use(transport or NullTransport(emu.world, emu.rank), [a.layer for a in arms])
     fns = {a.name: (lambda a=a: a.step(e)) for a in arms}
@@ -337,14 +340,27 @@ def time_shape(emu, arms: list[Arm], e: Extras, args, transport=None, ref: str =
         for _ in range(3):
             fn()
     samples = {n: {"eager_ms": [], "host_us": [], "graph_ms": []} for n in fns}
+    passes = {n: dict.fromkeys(replay.totals(), 0) for n in fns}  # pass replays while eager
+
+    def counted(n: str):
+        def call():
+            before = replay.totals()
+            fns[n]()
+            for k, v in replay.totals().items():
+                passes[n][k] += v - before[k]
+        return call
+
     # eager first, then graphed: the graphs' pools (each keeps its step's activations) and
     # an eager step's activations are never held together (70B at 16384 tokens: Megatron's
-    # arm needs ~33 GiB for each, which an 80 GiB card cannot hold beside the other arms')
+    # arm needs ~33 GiB for each, which an 80 GiB card cannot hold beside the other arms').
+    # Eager calls alternate arm by arm, queued back to back (one sync per cycle of them), so
+    # that clock and power drift hit every arm alike: timed in blocks of one arm, the same arm
+    # spread ~10% from block to block at 70B, more than the goals' 3%
     for rep in range(args.repeat):
-        for n in rotated(list(fns), rep):
-            ms, host = time_b2b(fns[n], args.reps, warmup=2)
-            samples[n]["eager_ms"].append(ms)
-            samples[n]["host_us"].append(host)
+        eager = interleaved_samples({n: counted(n) for n in fns}, args.reps, queued=True)
+        for n, (dev, host) in eager.items():
+            samples[n]["eager_ms"].append(statistics.median(dev))
+            samples[n]["host_us"].append(statistics.median(host))
     graph_errors: dict[str, str] = {}
     for rep in range(args.repeat):
         # every repeat captures the graphs anew, in the rotated order: at 70B with 16384
@@ -372,6 +388,8 @@ def time_shape(emu, arms: list[Arm], e: Extras, args, transport=None, ref: str =
     for n, s in samples.items():
         med = {k: statistics.median(v) if v else None for k, v in s.items()}
         out[n] = {**med, "samples": s, "graph_error": graph_errors.get(n)}
+        if passes[n]["calls"]:  # an overlapped arm: did its eager passes replay?
+            out[n]["eager_passes"] = passes[n]
     ref = out[ref]
     for n, r in out.items():
         for mode in ("eager", "graph"):
@@ -439,7 +457,7 @@ def _table(doc: dict) -> str:
             if a["graph_error"]:
                 lines.append(f"{'':8s} {n}: the CUDA-graph capture failed: {a['graph_error'][:300]}")
     lines.append("ratio = megatron ms / arm ms, same mode (goal: ours >= 0.97). eager: calls queued "
-                 "back to back, one sync; graph: fwd+bwd in one CUDA graph, replayed. Both arms "
+                 "back to back, arms alternating; graph: fwd+bwd in one CUDA graph, replayed. Both arms "
                  f"on the {doc['config'].get('timing', 'null')} transport; check: outputs and grads on the "
                  "mirror transport.")
     return "\n".join(lines)

@@ -38,32 +38,52 @@ def time_ms(fn: Callable[[], Any], reps: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2
-                     ) -> dict[str, float]:
-    """Per name, the median of per-call device times (CUDA events), the calls of all
-    `fns` alternating one by one in a serially balanced order (`ab.timing.serial_order`:
+def interleaved_samples(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2,
+                        queued: bool = False) -> dict[str, tuple[list[float], list[float]]]:
+    """Per name, every call's device ms (CUDA events) and host µs to issue it, the calls of
+    all `fns` alternating one by one in a serially balanced order (`ab.timing.serial_order`:
     each name right after each other name equally often, never after itself; `reps`
     rounded up to whole cycles of it), so that the GPU's clock and power drift, which moves
     one GEMM by up to ~10% within seconds on an H200, and the state the previous call left
-    it in hit every one alike: the way to compare arms a few percent apart."""
+    it in hit every one alike: the way to compare arms a few percent apart.
+
+    `queued`: each cycle's calls are queued back to back and synced once at its end, as a
+    training step queues eager work (the host may run ahead; a call's time is its span on
+    the GPU, any wait for the host included). Otherwise every call is synced (graph
+    replays: a launch each)."""
     from ..ab.timing import serial_order
 
     names = list(fns)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+    torch.cuda.synchronize()
     cycle = [names[i] for i in serial_order(len(names))]
     per_cycle = max(len(names) - 1, 1)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    times: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in names}
     for _ in range(-(-reps // per_cycle)):
+        pending = []
         for n in cycle:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
+            t0 = time.perf_counter()
             fns[n]()
+            times[n][1].append((time.perf_counter() - t0) * 1e6)
             b.record()
-            b.synchronize()
-            times[n].append(a.elapsed_time(b))
-    return {n: statistics.median(t) for n, t in times.items()}
+            if not queued:
+                b.synchronize()
+            pending.append((n, a, b))
+        pending[-1][2].synchronize()
+        for n, a, b in pending:
+            times[n][0].append(a.elapsed_time(b))
+    return times
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 2
+                     ) -> dict[str, float]:
+    """Per name, the median of per-call device times, the calls alternating one by one and
+    each synced (`interleaved_samples`)."""
+    return {n: statistics.median(d) for n, (d, _) in interleaved_samples(fns, reps, warmup).items()}
 
 
 def time_b2b(fn: Callable[[], Any], reps: int, warmup: int = 5) -> tuple[float, float]:
