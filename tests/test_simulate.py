@@ -427,7 +427,7 @@ def test_candidates_are_valid_distinct_and_effective(backend, nodes):
                     assert s.method != "pipeline" or s.num_splits == 4
                 # keys that do nothing on this backend stay at TE's default (aggregate's:
                 # false; candidates never carry our "auto", which each pass resolves)
-                default = dataclasses.replace(LayerSettings.default(name, s.method), aggregate=False)
+                default = LayerSettings.te_default(name, s.method)
                 assert s.aggregate in (False, True), (name, s.aggregate)
                 for key in ("use_ce", "num_sm", "aggregate"):
                     if s.effects(backend)[key] != "active":

@@ -124,7 +124,7 @@ def test_invalid_combinations_are_never_tried(layout, rs_dgrad):
         if s.method == "pipeline":
             assert (t.spec.shape.m // layout.tp) % s.num_splits == 0
         effects = s.effects(layout.backend)
-        default = dataclasses.replace(LayerSettings.default(name, s.method), aggregate=False)
+        default = LayerSettings.te_default(name, s.method)
         assert s.aggregate in (False, True), (name, s.aggregate)  # never "auto": resolved
         for key in ("use_ce", "num_sm", "aggregate", "ring_order"):
             if effects[key] != "active":

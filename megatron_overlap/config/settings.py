@@ -127,6 +127,12 @@ class LayerSettings:
             coerce(name, "method", method)
         return cls(name=name, **te_defaults(name, method))
 
+    @classmethod
+    def te_default(cls, name: str, method: str | None = None) -> "LayerSettings":
+        """TE's get_default_config() as TE itself reads it: `default`, with TE's `aggregate`
+        (false) where ours is "auto"."""
+        return replace(cls.default(name, method), aggregate=False)
+
     @property
     def buffer_name(self) -> str:
         return self.name.split("_")[0]

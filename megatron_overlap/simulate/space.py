@@ -161,7 +161,7 @@ def candidates(name: str, layout: Layout, rows_per_rank: int, *, rs_dgrad: bool 
         if name in RS_DGRAD_LAYERS and method != "bulk" and not rs_dgrad:
             continue
         # aggregate from TE's false: candidates never carry "auto", which each pass resolves
-        variants = [dataclasses.replace(LayerSettings.default(name, method), aggregate=False)]
+        variants = [LayerSettings.te_default(name, method)]
         if method == "pipeline":
             variants = [dataclasses.replace(variants[0], num_splits=k)
                         for k in SPLITS if rows_per_rank % k == 0]
