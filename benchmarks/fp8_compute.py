@@ -8,7 +8,8 @@ replay, medians of --repeat rounds of --reps):
 - bf16 chunked: the pass with the picked settings on the null transport, through the
   layer's own pass function (`tune.passes.trial_pass`);
 - fp8 whole: one `torch._scaled_mm` of the pass's size (e4m3; the gradient e5m2 under
-  'hybrid'), the whole-GEMM form every FP8 pass has (row-major x column-major);
+  'hybrid'), the whole-GEMM form every FP8 pass has (row-major x column-major), accumulated
+  fast where the pass's GEMMs are (the forward's, the layers' default);
 - fp8 chunked: the same pass in FP8 (`tune.passes.fp8_trial_pass`: FP8 operands with
   their scaled GEMM into the same pass function);
 - fp8 whole + own work (wgrads and ring reduce-scatters): the whole FP8 GEMM with the
@@ -51,14 +52,14 @@ sys.path.insert(0, HERE)
 from tune_check import _cpu_ms, chosen_trials  # noqa: E402  (the tuner's picks, read once)
 
 from megatron_overlap.comm import NullTransport  # noqa: E402
-from megatron_overlap.layers.precision import Precision  # noqa: E402
+from megatron_overlap.simulate.numerics import Numerics  # noqa: E402
 from megatron_overlap.tune.measure import gemm_operands  # noqa: E402
-from megatron_overlap.tune.passes import layout_nodes, trial_pass  # noqa: E402
+from megatron_overlap.tune.passes import layout_nodes, precision_of, trial_pass  # noqa: E402
 
 GOAL = 0.93
 TUNE = [os.path.join(HERE, "results", f) for f in ("tune_compute_70b_tp8_h200_2026-12-04b.json",
                                                     "tune_compute_8b_tp2_h200_2026-12-04b.json")]
-HYBRID = Precision("tensorwise", torch.float8_e4m3fn, torch.float8_e5m2, True)
+HYBRID = precision_of(Numerics(fp8="hybrid"))  # the layers' default: the fprop accumulates fast
 ARMS = ("bf16_whole", "bf16_chunked", "fp8_whole", "fp8_chunked", "fp8_whole_own")
 
 
@@ -87,7 +88,9 @@ def fns(trial, device: str) -> dict:
         return fp8.quantize(t, s, d), s
     a8, sa = q(torch.randn(m, k, device=device), first)
     b8, sb = q(torch.randn(n, k, device=device), HYBRID.fwd)
-    whole8, out8 = fp8.ScaledGemm(sa, sb, dtype), torch.empty(m, n, device=device, dtype=dtype)
+    fast = HYBRID.fast_accum(trial.spec.pass_name)  # as the pass's own GEMMs
+    whole8 = fp8.ScaledGemm(sa, sb, dtype, fast)
+    out8 = torch.empty(m, n, device=device, dtype=dtype)
     arms = {"bf16_whole": lambda: torch.matmul(a, b),
             "bf16_chunked": trial_pass(trial, tp, device, dtype, nodes=nodes).run,
             "fp8_whole": lambda: whole8(a8, b8.t(), out8, op="whole"),

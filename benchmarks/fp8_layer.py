@@ -15,8 +15,11 @@ layer at a step's later micro-batches under Megatron's schedules, its FP8 weight
 their dgrad transposes) made at the step's first and reused (`is_first_microbatch`): what
 a step of several micro-batches mostly runs. fp8_delayed is Megatron's default recipe,
 delayed scaling (the largest of 1024 amaxes, TP reduction), primed by two steps: its casts
-read no amax first. fp8_eager_kernels and fp8_later_micro compute the fp8 arm's numbers (1e-2
-relative at most: the attention backward's own run-to-run differences). Measured: eager
+read no amax first. The fp8 arm's forward GEMMs accumulate fast (`install(fp8_fast_accum=)`'s
+default, as Transformer Engine's recipes and torchao run them); fp8_accum_none accumulates
+none fast (as the layers ran before), fp8_accum_all every FP8 GEMM (dgrad and wgrad too). fp8_eager_kernels and
+fp8_later_micro compute the fp8 arm's numbers (1e-2 relative at most: the attention
+backward's own run-to-run differences). Measured: eager
 (calls queued back to back, the arms alternating call by call) and graphed (medians of
 --repeat samples of --reps calls; ratio = bf16 ms /
 fp8 ms), memory per arm (attention_layer's `memory`: per step, kept, pools). Before timing, the fp8 arm
@@ -62,7 +65,11 @@ FP8 = dict(fp8="hybrid", fp8_recipe="tensorwise")
 # Megatron's default recipe as Transformer Engine users set it: the largest of 1024 amaxes
 DELAYED = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
                fp8_amax_compute_algo="max", tp_only_amax_red=True)
-ARMS = ("bf16", "fp8", "fp8_eager_kernels", "fp8_later_micro", "fp8_delayed")
+# the fp8 arm with other FP8 GEMMs accumulating fast (install(fp8_fast_accum=); the fp8
+# arm: the forward's, Transformer Engine's and torchao's default): none, as the layers ran
+# before; all, the dgrad and wgrad too
+FAST_ACCUM_ARMS = {"fp8_accum_none": "none", "fp8_accum_all": "all"}
+ARMS = ("bf16", "fp8", "fp8_eager_kernels", "fp8_later_micro", "fp8_delayed", *FAST_ACCUM_ARMS)
 SHAPES = ("70b_tp8_s4096_b2", "8b_tp4_s4096_b2")
 GOAL, TOL, TOL_KERNELS = 1.35, 0.25, 1e-2
 TIMELINE_ARMS = ("bf16", "fp8", "fp8_delayed")  # each one graphed replay profiled (--profile)
@@ -79,13 +86,14 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
 
     import megatron_overlap as mo
 
-    mo.install(args.ub_cfgs, backend="torch_p2p")  # each layer's transport is replaced by mirror / null
-    try:
-        config = {"bf16": {}, "fp8_delayed": DELAYED}
-        layers = {a: lc.build_layer(shape, True, dtype, device, args.fusions, **config.get(a, FP8))
-                  for a in ARMS}
-    finally:
-        mo.uninstall()
+    config, layers = {"bf16": {}, "fp8_delayed": DELAYED}, {}
+    for a in ARMS:
+        # each layer's transport is replaced by mirror / null
+        mo.install(args.ub_cfgs, backend="torch_p2p", fp8_fast_accum=FAST_ACCUM_ARMS.get(a, "fprop"))
+        try:
+            layers[a] = lc.build_layer(shape, True, dtype, device, args.fusions, **config.get(a, FP8))
+        finally:
+            mo.uninstall()
     names = arms_of(args)
     if "fp8_wait" in names:  # FP8 with the ring all-gathers' one waiting GEMM (--wait-arm)
         mo.install(al.wait_cfgs(args.ub_cfgs, tuple(args.wait_arm)), backend="torch_p2p")
@@ -167,11 +175,14 @@ class EagerKernelsArm(lc.Arm):
 def check(emu, arms, e) -> dict:
     """The fp8 arm against the bf16 arm on the mirror transport, relative (norm)."""
     from megatron_overlap.ab.compare import rel_error
+    from megatron_overlap.overlap.fp8 import FAST_ACCUMS
 
     got = lc.mirrored_results(emu, arms, e)[0]
     rel = lambda a, b: rel_error(a, b, dtype=torch.float32)  # noqa: E731
     errs = {k: rel(got["fp8"][k], v) for k, v in got["bf16"].items()}
     delayed = {k: rel(got["fp8_delayed"][k], v) for k, v in got["bf16"].items()}
+    # another accumulation: as far from bf16 as the fp8 arm, not its bits
+    accum = {a: max(rel(got[a][k], v) for k, v in got["bf16"].items()) for a in FAST_ACCUM_ARMS}
     # the compiled kernels compute the eager ones' bits and the reused FP8 weight is the one
     # made: the FP8 arms agree but for the attention backward's own run-to-run differences
     kernels = max(rel(got[a][k], v) for a in ("fp8_eager_kernels", "fp8_later_micro")
@@ -184,9 +195,12 @@ def check(emu, arms, e) -> dict:
         if "fp8_wait" in got else None
     return {"tol_rel_norm": TOL, "rel_err": errs, "max_rel_err": max(errs.values()),
             "worst": max(errs, key=errs.get), "precision": precision,
-            "delayed_max_rel_err": max(delayed.values()),
+            "delayed_max_rel_err": max(delayed.values()), "accum_max_rel_err": accum,
             "fp8_arms_max_rel": kernels, "tol_kernels": TOL_KERNELS, "wait_max_rel_err": wait,
             "passed": max(errs.values()) <= TOL and max(delayed.values()) <= TOL
+            and max(accum.values()) <= TOL
+            and all(f"fast accumulation: {', '.join(FAST_ACCUMS[v]) or 'none'})" in precision[a][0]
+                    for a, v in {"fp8": "fprop", **FAST_ACCUM_ARMS}.items())
             and (wait is None or (wait <= TOL and precision["fp8_wait"][0].startswith("fp8 tensorwise")))
             and precision["fp8"][0].startswith("fp8 tensorwise")
             and precision["fp8_delayed"][0].startswith("fp8 delayed")

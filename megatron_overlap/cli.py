@@ -50,17 +50,22 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "(--megatron-overlap-fp8-scaling rowwise; wgrad in --dtype)")
     p.add_argument("--no-fp8-wgrad", action="store_true",
                    help="with --fp8: the wgrad GEMM in --dtype (Megatron's --no-fp8-wgrad)")
+    p.add_argument("--fp8-fast-accum", choices=("fprop", "none", "all"), default=None,
+                   help="with --fp8: the FP8 GEMMs that accumulate fast (install(fp8_fast_accum=); "
+                        "default fprop, as Transformer Engine and torchao run them)")
 
 
 def numerics_of(args: argparse.Namespace):
     """The linears' precision from --dtype, --fp8, --fp8-recipe, --fp8-scaling,
-    --no-fp8-wgrad (FlagError naming the flags for a combination the layers do not run)."""
+    --no-fp8-wgrad, --fp8-fast-accum (FlagError naming the flags for a combination the
+    layers do not run)."""
     from .simulate.numerics import Numerics
 
     recipe = getattr(args, "fp8_recipe", None)
-    if args.fp8 is None and (args.fp8_scaling or args.no_fp8_wgrad or recipe):
+    fast = getattr(args, "fp8_fast_accum", None)
+    if args.fp8 is None and (args.fp8_scaling or args.no_fp8_wgrad or recipe or fast):
         given = ("--fp8-scaling" if args.fp8_scaling else "--fp8-recipe" if recipe
-                 else "--no-fp8-wgrad")
+                 else "--fp8-fast-accum" if fast else "--no-fp8-wgrad")
         raise FlagError(f"{given} needs --fp8 hybrid or --fp8 e4m3")
     rowwise = args.fp8_scaling == "rowwise"
     if recipe == "delayed" and rowwise:
@@ -70,7 +75,7 @@ def numerics_of(args: argparse.Namespace):
     try:
         return Numerics(args.dtype, args.fp8,
                         "delayed" if recipe == "delayed" else args.fp8_scaling or "tensorwise",
-                        fp8_wgrad=not (args.no_fp8_wgrad or rowwise))
+                        fp8_wgrad=not (args.no_fp8_wgrad or rowwise), fast_accum=fast or "fprop")
     except ValueError as e:
         raise FlagError(f"--dtype {args.dtype} --fp8 {args.fp8} --fp8-scaling "
                         f"{args.fp8_scaling}: {e}") from None

@@ -208,7 +208,8 @@ def test_the_amax_exchange_is_a_named_transfer_of_one_float_per_rank(built):
 
 def test_the_settings_table_says_each_layers_precision(built):
     assert "Precision:" in built["table_fp8"]
-    assert "fp8 tensorwise (e4m3fn fprop, e5m2 grads, wgrad fp8): 2 layers" in built["table_fp8"]
+    assert ("fp8 tensorwise (e4m3fn fprop, e5m2 grads, wgrad fp8, fast accumulation: fprop): 2 layers"
+            in built["table_fp8"])
     assert "Precision:" not in built["table_bf16"]
 
 

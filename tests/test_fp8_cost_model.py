@@ -5,6 +5,7 @@ move where the numbers move; the tuner's measured modes time the FP8 passes on C
 ranks on torch_p2p, and the null transport); the CLI says the precision and refuses what
 the layers do not run."""
 
+import collections
 import dataclasses
 import json
 import math
@@ -325,17 +326,20 @@ def test_compute_side_measure_times_fp8_gemms_and_uses_them(monkeypatch):
                         lambda *a, **kw: fp8_runs.append(a[0].name) or real(*a, **kw))
     ms = {E4M3: 0.25, E5M2: 0.3, torch.float32: 0.5}
 
-    def time_gemm(m, k, n, layout, dtype):
+    def time_gemm(m, k, n, layout, dtype, fast_accum=False):
         asked.append((layout, dtype))
+        fast[layout].add(fast_accum)
         return {"mono_graph_ms": ms[dtype], "mono_ms": ms[dtype]}
 
-    def time_pass(fn, m, k, n, layout, dtype):
+    def time_pass(fn, m, k, n, layout, dtype, fast_accum=False):
+        fast[layout].add(fast_accum)
         fn()
         return {"mono_graph_ms": ms[dtype], "mono_ms": ms[dtype], "sched_graph_ms": ms[dtype],
                 "sched_ms": ms[dtype], "host_us_sched": 10.0}
 
     layout = Layout(tp=2)
     for num, wgrad in ((HYBRID, E5M2), (NO_FP8_WGRAD, torch.float32)):
+        fast = collections.defaultdict(set)
         asked.clear()
         fp8_runs.clear()
         measure = ComputeSideMeasure(Hardware(), layout, reps=1, device="cpu",
@@ -347,6 +351,9 @@ def test_compute_side_measure_times_fp8_gemms_and_uses_them(monkeypatch):
                    for t in trials(shape, layout)}
         assert ("NT", E4M3) in asked and ("TN", wgrad) in asked
         assert ("NN", E5M2 if num.fp8 == "hybrid" else E4M3) in asked
+        # the forward's FP8 GEMMs, whole and chunked, accumulate fast (TE's and torchao's
+        # default, install(fp8_fast_accum='fprop')); the dgrad's and wgrad's do not
+        assert dict(fast) == {"NT": {True}, "NN": {False}, "TN": {False}}
         # the chunked schedules' passes ran in FP8 (bulk and external ones run one GEMM)
         assert set(fp8_runs) == {"qkv_fprop", "proj_fprop", "proj_dgrad"}
         bulk = results[("qkv_wgrad", "bulk")]

@@ -71,7 +71,12 @@ def test_fp8_layer_cpu(tmp_path):
     # fp8 arm's numbers (on CPU both run torch's kernels: equal)
     assert row["check"]["fp8_arms_max_rel"] == 0.0
     assert set(row["kernels"]) == {"bf16", "fp8", "fp8_eager_kernels", "fp8_later_micro",
-                                   "fp8_delayed"}
+                                   "fp8_delayed", "fp8_accum_none", "fp8_accum_all"}
+    # the arms of other accumulations say so; on CPU (one accumulation) as far from bf16 as fp8
+    for arm, said in (("fp8", "fprop"), ("fp8_accum_none", "none"),
+                      ("fp8_accum_all", "fprop, dgrad, wgrad")):
+        assert row["check"]["precision"][arm][0].endswith(f"fast accumulation: {said})")
+    assert all(v == row["check"]["max_rel_err"] for v in row["check"]["accum_max_rel_err"].values())
     # delayed scaling (Megatron's default recipe) moved by FP8's rounding too, no more
     assert row["check"]["precision"]["fp8_delayed"][0].startswith("fp8 delayed")
     assert 1e-3 < row["check"]["delayed_max_rel_err"] <= row["check"]["tol_rel_norm"]

@@ -116,11 +116,11 @@ def _fake_measure(times: dict[str, float]):
 
     asked: dict[str, list] = {"gemm": [], "pass": []}
 
-    def time_gemm(m, k, n, layout, dtype):
+    def time_gemm(m, k, n, layout, dtype, fast_accum=False):
         asked["gemm"].append((m, k, n, layout))
         return {"mono_graph_ms": times[layout], "mono_ms": times[layout]}
 
-    def time_pass(fn, m, k, n, layout, dtype):
+    def time_pass(fn, m, k, n, layout, dtype, fast_accum=False):
         asked["pass"].append((m, k, n, layout))
         t = times[layout]
         return {"mono_graph_ms": t, "mono_ms": t, "sched_graph_ms": 1.1 * t,

@@ -260,7 +260,7 @@ def _cpu_compute_side(layout, monkeypatch):
     monkeypatch.setattr(F, "pass_streams", pass_streams)
     monkeypatch.setattr(F, "all_gather_matmul", all_gather_matmul)
 
-    def time_pass(fn, m, k, n, layout, dtype):
+    def time_pass(fn, m, k, n, layout, dtype, fast_accum=False):
         ran.append({})
         timing.append(ran[-1])
         try:
@@ -273,7 +273,7 @@ def _cpu_compute_side(layout, monkeypatch):
                 "host_us_sched": 10.0, "mono_ms": 0.5}
 
     measure = ComputeSideMeasure(Hardware(), layout, reps=1, device="cpu", dtype=torch.float32,
-                                 time_gemm=lambda m, k, n, layout, dtype: {
+                                 time_gemm=lambda m, k, n, layout, dtype, fast_accum=False: {
                                      "mono_graph_ms": 0.5, "mono_ms": 0.5},
                                  time_pass=time_pass)
     return measure, ran

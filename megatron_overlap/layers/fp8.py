@@ -291,12 +291,12 @@ class Fp8Forward:
         GEMMs are x8's only readers (its backward reads x8t, in x's order, or x)."""
         if chunks is not None and self.rowwise:
             raise ValueError(f"{op}: an input with row-wise scales is not cast chunk-major")
-        fwd = self.p.fwd
+        fwd, fwd_fast = self.p.fwd, self.p.fast_accum("fprop")
         if self.rowwise:  # each row its own scale: nothing to exchange before a gather
             rows_quantized(x2, fwd, out=self.x8)
             self.w_scale.copy_(row_scales(weight, fwd))
             quantize(weight, self.w_scale, fwd, out=self.w8)
-            return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype)
+            return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype, fwd_fast)
         if self.delayed is not None:
             d = self.delayed
             # the input's amax and the weight's, side by side: the exchange `record` makes,
@@ -308,13 +308,13 @@ class Fp8Forward:
             if self.quantize_weight:
                 d.quantize("weight", weight, fwd, self.w_scale, self._amaxes[1], out=self.w8,
                            out_t=self.w8t)
-            return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
+            return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype, fwd_fast)
         a = group_amaxes(x2, tp, f"{op}_amax") if gathered else amax(x2)
         quantize_current(x2, a, fwd, self.x_scale, out=self.x8, out_t=self.x8t, chunks=chunks)
         if self.quantize_weight:  # with the dgrad's layout (cached: made once per step)
             quantize_current(weight, amax(weight), fwd, self.w_scale, out=self.w8,
                              out_t=self.w8t)
-        return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype)
+        return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype, fwd_fast)
 
 
 class Fp8Backward:
@@ -365,8 +365,9 @@ class Fp8Backward:
         if self.rowwise:
             wt = self.weight.t()
             s = row_scales(wt, self.p.fwd)  # [k, 1]: W^T's rows are W's columns
-            return quantize(wt, s, self.p.fwd).contiguous(), RowScaledGemm(s.t(), out_dtype)
-        return self.w8t, ScaledGemm(g_scale, self.w_scale, out_dtype)
+            return quantize(wt, s, self.p.fwd).contiguous(), RowScaledGemm(
+                s.t(), out_dtype, self.p.fast_accum("dgrad"))
+        return self.w8t, ScaledGemm(g_scale, self.w_scale, out_dtype, self.p.fast_accum("dgrad"))
 
     def dequantized(self, g8: torch.Tensor, g_scale: Optional[torch.Tensor],
                     dtype: torch.dtype) -> torch.Tensor:
@@ -377,4 +378,4 @@ class Fp8Backward:
 
     def wgrad(self, g_scale: torch.Tensor, out_dtype: torch.dtype) -> ScaledGemm:
         """The GEMM of g8^T @ x8 (the FP8 input's scale)."""
-        return ScaledGemm(g_scale, self.x_scale, out_dtype)
+        return ScaledGemm(g_scale, self.x_scale, out_dtype, self.p.fast_accum("wgrad"))

@@ -23,16 +23,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
 
 from ..config import ConfigError
+from ..overlap.fp8 import FAST_ACCUMS
 
 RUNS = ("tensorwise", "delayed")  # the fp8_recipe values the overlapped linears run
 SCALINGS = ("tensorwise", "rowwise")  # what fp8_recipe='tensorwise' runs: install(fp8_scaling=)
 _scaling = "tensorwise"
+_fast_accum = "fprop"  # install(fp8_fast_accum=): a key of overlap.fp8.FAST_ACCUMS
 _NOT_RUN = {  # fp8_recipe -> why it is refused
     "mxfp8": "MXFP8 needs block scales (32 values per scale, Blackwell GEMMs)",
     "blockwise": "blockwise scaling needs 128-value block scales",
@@ -61,6 +64,17 @@ def set_scaling(scaling: str) -> str:
     return previous
 
 
+def set_fast_accum(which: str) -> str:
+    """The FP8 GEMMs of layers built from now on that accumulate fast (a key of
+    FAST_ACCUMS); returns the previous value."""
+    global _fast_accum
+    if which not in FAST_ACCUMS:
+        raise ValueError(f"megatron_overlap: fp8_fast_accum must be one of "
+                         f"{tuple(FAST_ACCUMS)}, not {which!r}")
+    previous, _fast_accum = _fast_accum, which
+    return previous
+
+
 @dataclass(frozen=True)
 class Precision:
     """What a layer's GEMMs run in. `recipe` None: the parameters' dtype (bf16)."""
@@ -75,10 +89,15 @@ class Precision:
     algo: str = ""  # fp8_amax_compute_algo: 'max' or 'most_recent'
     margin: int = 0  # fp8_margin: the scale divided by 2^margin
     dp_amax: bool = False  # tp_only_amax_red=False asked data-parallel ranks too: not done
+    fast: tuple[str, ...] = ()  # the FP8 GEMMs ('fprop', 'dgrad', 'wgrad') accumulated fast
 
     @property
     def fp8(self) -> bool:
         return self.recipe is not None
+
+    def fast_accum(self, gemm: str) -> bool:
+        """Whether the FP8 GEMM `gemm` ('fprop', 'dgrad' or 'wgrad') accumulates fast."""
+        return gemm in self.fast
 
     def describe(self) -> str:
         if not self.fp8:
@@ -89,7 +108,8 @@ class Precision:
                    + (" only (not over data-parallel ranks, which tp_only_amax_red=False asks)"
                       if self.dp_amax else "")) if self.recipe == "delayed" else ""
         return (f"fp8 {self.recipe} ({name(self.fwd)} fprop, {name(self.grad)} grads, "
-                f"wgrad {'fp8' if self.wgrad else 'high precision'}{delayed})")
+                f"wgrad {'fp8' if self.wgrad else 'high precision'}{delayed}, fast accumulation: "
+                f"{', '.join(self.fast) or 'none'})")
 
 
 BF16 = Precision()
@@ -180,11 +200,13 @@ def layer_precision(config: Any, layer: str, layer_number: Optional[int] = None)
     grad = torch.float8_e5m2 if fmt == "hybrid" else torch.float8_e4m3fn
     wgrad = bool(getattr(config, "fp8_wgrad", True))
     if recipe == "delayed":
-        return _delayed(config, layer, grad, wgrad)
-    if _scaling == "rowwise":
-        _check_rowwise(config, layer, wgrad)
-        recipe = "rowwise"
-    return Precision(recipe, torch.float8_e4m3fn, grad, wgrad)
+        p = _delayed(config, layer, grad, wgrad)
+    else:
+        if _scaling == "rowwise":
+            _check_rowwise(config, layer, wgrad)
+            recipe = "rowwise"
+        p = Precision(recipe, torch.float8_e4m3fn, grad, wgrad)
+    return dataclasses.replace(p, fast=FAST_ACCUMS[_fast_accum])
 
 
 _DELAYED_ONLY = (

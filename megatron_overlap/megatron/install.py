@@ -16,7 +16,7 @@ log = logging.getLogger("megatron_overlap")
 _previous: list[tuple[state.State | None, tuple]] = []
 
 
-def _check_knobs(graphs, gemm_streams, inter, timeout_s, fp8_scaling) -> None:
+def _check_knobs(graphs, gemm_streams, inter, timeout_s, fp8_scaling, fp8_fast_accum) -> None:
     if graphs is not None and not isinstance(graphs, bool):
         raise ValueError(f"megatron_overlap.install: graphs must be True, False or None, not {graphs!r}")
     streams.check_count(gemm_streams, "megatron_overlap.install")
@@ -28,21 +28,25 @@ def _check_knobs(graphs, gemm_streams, inter, timeout_s, fp8_scaling) -> None:
     if fp8_scaling not in precision.SCALINGS:
         raise ValueError(f"megatron_overlap.install: fp8_scaling must be one of "
                          f"{precision.SCALINGS}, not {fp8_scaling!r}")
+    if fp8_fast_accum not in precision.FAST_ACCUMS:
+        raise ValueError(f"megatron_overlap.install: fp8_fast_accum must be one of "
+                         f"{tuple(precision.FAST_ACCUMS)}, not {fp8_fast_accum!r}")
 
 
 def _set_knobs(knobs: tuple) -> tuple:
-    """(graphs, gemm_streams, inter_backend, timeout_s, attention, fp8_scaling) overrides
-    in force; returns the previous ones."""
-    graphs, gemm_streams, inter, timeout_s, attention, fp8_scaling = knobs
+    """(graphs, gemm_streams, inter_backend, timeout_s, attention, fp8_scaling,
+    fp8_fast_accum) overrides in force; returns the previous ones."""
+    graphs, gemm_streams, inter, timeout_s, attention, fp8_scaling, fast = knobs
     return (replay.set_enabled(graphs), streams.set_default_gemm_streams(gemm_streams),
             comm.set_inter_backend(inter), envvars.set_timeout_s(timeout_s),
-            core_attention.set_mode(attention), precision.set_scaling(fp8_scaling))
+            core_attention.set_mode(attention), precision.set_scaling(fp8_scaling),
+            precision.set_fast_accum(fast))
 
 
 def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool | None = None,
             gemm_streams: int | None = None, inter_backend: str | None = None,
             timeout_s: float | None = None, attention: str = "torch",
-            fp8_scaling: str = "tensorwise") -> OverlapConfig:
+            fp8_scaling: str = "tensorwise", fp8_fast_accum: str = "fprop") -> OverlapConfig:
     """Turn the overlap on for layers built from now on: Megatron's TP linears
     built for the 'qkv' / 'proj' / 'fc1' / 'fc2' buffers of a config with
     `tp_comm_overlap=True` become overlapped, torch norms accept sequence
@@ -70,15 +74,20 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool
     fp8_scaling: the scales of layers whose config asks for FP8 current scaling
     (fp8_recipe="tensorwise"): "tensorwise" (one per tensor) or "rowwise" (one per row
     of each GEMM's first operand and per output column of its second; needs
-    fp8_wgrad=False and bf16 parameters; docs/fp8.md)."""
+    fp8_wgrad=False and bf16 parameters; docs/fp8.md).
+
+    fp8_fast_accum: the FP8 GEMMs that accumulate fast (torch._scaled_mm's use_fast_accum:
+    on Hopper the tensor cores' accumulator, not promoted to fp32 as the sum goes): "fprop"
+    (the forward GEMM, as Transformer Engine's recipes and torchao's Float8Linear run it),
+    "none", or "all" (the dgrad and wgrad too: faster, less exact)."""
     envvars.check_all()  # a bad MEGATRON_OVERLAP_* value fails here, naming it
     if backend != "auto":
         comm.resolve_backend(backend)  # fail now, not at the first forward
-    _check_knobs(graphs, gemm_streams, inter_backend, timeout_s, fp8_scaling)
+    _check_knobs(graphs, gemm_streams, inter_backend, timeout_s, fp8_scaling, fp8_fast_accum)
     core_attention.check(attention)
     new = state.make(ub_cfgs, backend)
     previous_knobs = _set_knobs((graphs, gemm_streams, inter_backend, timeout_s, attention,
-                                 fp8_scaling))
+                                 fp8_scaling, fp8_fast_accum))
     if not _previous:
         swap.patch()
         norms.patch()

@@ -53,6 +53,7 @@ ATTENTION = ("torch", "megatron")  # --megatron-overlap-attention: install(atten
 # Megatron-LM's flags whose batches can be packed sequences (get_batch's cu_seqlens path)
 PACKED = (("--sft", "sft"), ("--dataloader-inter-document-masking", "dataloader_inter_document_masking"))
 FP8_SCALINGS = ("tensorwise", "rowwise")  # --megatron-overlap-fp8-scaling: install(fp8_scaling=)
+FP8_FAST_ACCUMS = ("fprop", "none", "all")  # --megatron-overlap-fp8-fast-accum: install(fp8_fast_accum=)
 BACKENDS = (AUTO,) + _TRANSPORTS  # --tp-comm-overlap-backend: the registry's transports
 ARGS_MODULE = "megatron.training.arguments"
 INIT_MODULE = "megatron.training.initialize"
@@ -168,6 +169,11 @@ _FLAGS = {  # flag -> its argparse keywords
         help="Scales of --fp8-recipe tensorwise in megatron_overlap's linears: tensorwise (one "
         "per tensor) or rowwise (one per row, torchao's rowwise with the wgrad in bf16: needs "
         "--no-fp8-wgrad and --bf16)."),
+    "--megatron-overlap-fp8-fast-accum": dict(
+        type=str, default="fprop", choices=FP8_FAST_ACCUMS,
+        help="FP8 GEMMs of megatron_overlap's linears that accumulate fast (torch's "
+        "use_fast_accum): fprop (the forward GEMM, as Transformer Engine's recipes and torchao "
+        "run it), none, or all (dgrad and wgrad too: faster, less exact)."),
 }
 
 
@@ -189,11 +195,15 @@ def check_args(args: argparse.Namespace) -> None:
     """Our part of validate_args (Megatron-LM's own already requires
     --sequence-parallel for --tp-comm-overlap)."""
     scaling = getattr(args, "megatron_overlap_fp8_scaling", "tensorwise")
+    fast = getattr(args, "megatron_overlap_fp8_fast_accum", "fprop")
     if getattr(args, "tp_comm_overlap_impl", "te") != IMPL:
-        if scaling != "tensorwise":
-            raise ValueError(f"--megatron-overlap-fp8-scaling {scaling} sets the scales of "
-                             "megatron_overlap's linears: it needs --tp-comm-overlap-impl "
-                             "megatron_overlap (Transformer Engine's layers do not read it)")
+        for flag, value, default, what in (
+                ("--megatron-overlap-fp8-scaling", scaling, "tensorwise", "the scales"),
+                ("--megatron-overlap-fp8-fast-accum", fast, "fprop", "the FP8 accumulation")):
+            if value != default:
+                raise ValueError(f"{flag} {value} sets {what} of megatron_overlap's linears: it "
+                                 "needs --tp-comm-overlap-impl megatron_overlap (Transformer "
+                                 "Engine's layers do not read it)")
         return
     overlap = bool(getattr(args, "tp_comm_overlap", False))
     fp8 = getattr(args, "fp8", None)
@@ -291,11 +301,12 @@ def _install(args: argparse.Namespace, ub_cfgs: str | None, why: str) -> None:
 
     attention = getattr(args, "megatron_overlap_attention", "torch")
     scaling = getattr(args, "megatron_overlap_fp8_scaling", "tensorwise")
+    fast = getattr(args, "megatron_overlap_fp8_fast_accum", "fprop")
     _say(args, f"megatron_overlap.install(ub_cfgs={ub_cfgs!r}, "
          f"backend={args.tp_comm_overlap_backend!r}, attention={attention!r}, "
-         f"fp8_scaling={scaling!r}): {why}")
+         f"fp8_scaling={scaling!r}, fp8_fast_accum={fast!r}): {why}")
     megatron_overlap.install(ub_cfgs=ub_cfgs, backend=args.tp_comm_overlap_backend,
-                             attention=attention, fp8_scaling=scaling)
+                             attention=attention, fp8_scaling=scaling, fp8_fast_accum=fast)
 
 
 def _say(args: argparse.Namespace, what: str) -> None:

@@ -601,13 +601,23 @@ def _check(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
                          f"be multiples of 16")
 
 
+# The FP8 GEMMs that accumulate fast, by install(fp8_fast_accum=)'s value (torch._scaled_mm's
+# use_fast_accum: on Hopper the tensor cores' own accumulator, not promoted to fp32 as the sum
+# goes: faster, less exact). "fprop" is what Transformer Engine's recipes (the forward GEMM
+# without split accumulation) and torchao's Float8Linear run by default
+FAST_ACCUMS = {"fprop": ("fprop",), "none": (), "all": ("fprop", "dgrad", "wgrad")}
+
+
 class ScaledGemm:
     """`a @ b` of FP8 operands quantized with the per-tensor scales `a_scale`, `b_scale`
     (torchao's meaning; pairs, whose inverses it reads, or values, whose reciprocals it
     takes), through torch._scaled_mm: the schedules' `gemm` for an FP8 pass. The product
-    is `out`'s dtype, or `out_dtype` (bf16 or fp32), never FP8."""
+    is `out`'s dtype, or `out_dtype` (bf16 or fp32), never FP8. `fast_accum`: torch's
+    use_fast_accum (on Hopper the tensor cores' accumulator, not promoted to fp32 as the
+    sum goes: faster, less exact; `layers.precision.Precision.fast_accum` says which GEMMs)."""
 
-    def __init__(self, a_scale: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype):
+    def __init__(self, a_scale: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
+                 fast_accum: bool = False):
         self.a_inv, self.b_inv = scale_inverse(a_scale), scale_inverse(b_scale)
         for name, inv in (("a", self.a_inv), ("b", self.b_inv)):
             if inv.data_ptr() % 16:  # (checked on every device: a CPU takes any address)
@@ -615,7 +625,7 @@ class ScaledGemm:
                     f"ScaledGemm: the inverse of scale {name} lies {inv.data_ptr() % 16} bytes "
                     f"past a 16-byte boundary, which cuBLASLt refuses (CUBLAS_STATUS_NOT_"
                     f"SUPPORTED); keep scales in pairs of their own (overlap.fp8.scale_pair)")
-        self.out_dtype = out_dtype
+        self.out_dtype, self.fast_accum = out_dtype, fast_accum
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                  op: str, chunk: int = 0) -> torch.Tensor:
@@ -624,15 +634,13 @@ class ScaledGemm:
         dtype = out.dtype if out is not None else self.out_dtype
         if a.dim() == 3 and out is None:
             out = a.new_empty(a.shape[0], a.shape[1], b.shape[-1], dtype=dtype)
+
+        def mm(a2: torch.Tensor, b2: torch.Tensor, o: Optional[torch.Tensor]) -> torch.Tensor:
+            kw = {} if o is None else {"out": o}
+            return torch._scaled_mm(a2, b2, scale_a=self.a_inv, scale_b=self.b_inv,
+                                    out_dtype=dtype, use_fast_accum=self.fast_accum, **kw)
         with off_capture():
-            if a.dim() == 3:
-                return batched(a, b, out, lambda a2, b2, o: torch._scaled_mm(
-                    a2, b2, scale_a=self.a_inv, scale_b=self.b_inv, out_dtype=dtype, out=o))
-            if out is None:
-                return torch._scaled_mm(a, b, scale_a=self.a_inv, scale_b=self.b_inv,
-                                        out_dtype=dtype)
-            return torch._scaled_mm(a, b, scale_a=self.a_inv, scale_b=self.b_inv,
-                                    out_dtype=dtype, out=out)
+            return batched(a, b, out, mm) if a.dim() == 3 else mm(a, b, out)
 
 
 def batched(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, mm) -> torch.Tensor:
@@ -667,11 +675,12 @@ class RowScaledGemm:
     """`a @ b` of a row-scaled FP8 `a` (`rows_quantized`: its scales travel in its rows)
     and an FP8 `b` with one scale per output column (`b_scale`, [1, n], torchao's
     meaning), through torch._scaled_mm with row-wise scales: the schedules' `gemm` for
-    a 'rowwise' pass. Outputs bf16 (`out`'s dtype, or `out_dtype`)."""
+    a 'rowwise' pass. Outputs bf16 (`out`'s dtype, or `out_dtype`); `fast_accum` as
+    `ScaledGemm`'s."""
 
-    def __init__(self, b_scale: torch.Tensor, out_dtype: torch.dtype):
+    def __init__(self, b_scale: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False):
         self.b_inv = b_scale.reciprocal().contiguous()
-        self.out_dtype = out_dtype
+        self.out_dtype, self.fast_accum = out_dtype, fast_accum
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None, *,
                  op: str, chunk: int = 0) -> torch.Tensor:
@@ -685,6 +694,6 @@ class RowScaledGemm:
         def mm(a2: torch.Tensor, b2: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
             inv = row_scale(a2).reciprocal()  # the rows' scales, contiguous
             return torch._scaled_mm(row_data(a2), b2, scale_a=inv, scale_b=self.b_inv,
-                                    out_dtype=dtype, out=o)
+                                    out_dtype=dtype, use_fast_accum=self.fast_accum, out=o)
         with off_capture():  # 3-D: the scales travel with the rows, through batched()'s copy too
             return batched(a, b, out, mm) if a.dim() == 3 else mm(a, b, out)

@@ -255,8 +255,11 @@ def launch(a: torch.Tensor, wt: torch.Tensor, out: torch.Tensor, ready: torch.Te
     programs = min((m // bm) * (n // bn), room)
     scaled = gemm is not matmul
     sa, sb = (gemm.a_inv, gemm.b_inv) if scaled else (ready, ready)
+    # FP8 without fast accumulation (`ScaledGemm.fast_accum`): the tile's products added
+    # into fp32 every BLOCK_K, where Triton's default on Hopper never promotes them
+    imprecise = bk if scaled and not gemm.fast_accum else None
     common = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=min(group, rows // bm),
-                  SCALED=scaled, num_warps=warps, num_stages=stages)
+                  SCALED=scaled, IMPRECISE=imprecise, num_warps=warps, num_stages=stages)
     timeout_ns = int(timeout_s * 1.5e9)
     if descriptors and tma(a, wt, out):
         from triton.tools.tensor_descriptor import TensorDescriptor

@@ -5,7 +5,10 @@ Triton, which the runtime does not need.
 Two kernels, one tile order and one wait: `waiting_gemm_tma` reads its operands through
 TMA descriptors (Hopper and later: the copy engine of each SM streams tiles into shared
 memory, as cuBLAS's Hopper GEMMs do); `waiting_gemm` through pointers (older GPUs, and
-Triton's CPU interpreter for the tests)."""
+Triton's CPU interpreter for the tests). IMPRECISE: `tl.dot`'s max_num_imprecise_acc,
+None (Triton's default: FP8 on Hopper accumulates in the tensor cores' own accumulator,
+cuBLAS's fast accumulation) or BLOCK_K (each tile-step's products added into fp32: the
+GEMMs the layer runs without fast accumulation, `wait_gemm.launch`)."""
 
 import triton
 import triton.language as tl
@@ -82,7 +85,7 @@ def _tile(tile, order, tiles_m, tiles_n, tiles_per_block, GROUP_M: tl.constexpr)
 def waiting_gemm_tma(a, b, c, ready, order, sa, sb, M, N, K, tiles_per_block, programs,
                      timeout_ns, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SCALED: tl.constexpr,
-                     B_NK: tl.constexpr):
+                     B_NK: tl.constexpr, IMPRECISE: tl.constexpr = None):
     """c = a @ b (* sa * sb), every operand a TMA descriptor: a [M, K], c [M, N], b [N, K]
     (B_NK: K contiguous, as a linear's weight) or [K, N]. M is row blocks of
     tiles_per_block * BLOCK_M rows; order[i] is the block that arrives i-th. Persistent:
@@ -100,9 +103,11 @@ def waiting_gemm_tma(a, b, c, ready, order, sa, sb, M, N, K, tiles_per_block, pr
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             if B_NK:
-                acc = tl.dot(a.load([om, k]), b.load([on, k]).T, acc)
+                acc = tl.dot(a.load([om, k]), b.load([on, k]).T, acc,
+                             max_num_imprecise_acc=IMPRECISE)
             else:
-                acc = tl.dot(a.load([om, k]), b.load([k, on]), acc)
+                acc = tl.dot(a.load([om, k]), b.load([k, on]), acc,
+                             max_num_imprecise_acc=IMPRECISE)
         if SCALED:
             acc = acc * (tl.load(sa) * tl.load(sb))
         c.store([om, on], acc.to(c.dtype))
@@ -112,7 +117,8 @@ def waiting_gemm_tma(a, b, c, ready, order, sa, sb, M, N, K, tiles_per_block, pr
 def waiting_gemm(a, b, c, ready, order, sa, sb, M, N, K, stride_am, stride_bk, stride_bn,
                  stride_cm, tiles_per_block, programs, timeout_ns,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 GROUP_M: tl.constexpr, SCALED: tl.constexpr, GPU: tl.constexpr):
+                 GROUP_M: tl.constexpr, SCALED: tl.constexpr, GPU: tl.constexpr,
+                 IMPRECISE: tl.constexpr = None):
     """`waiting_gemm_tma` through pointers: a [M, K] (rows contiguous), b [K, N] (any
     strides), c [M, N] (rows contiguous)."""
     pid = tl.program_id(0)
@@ -128,7 +134,7 @@ def waiting_gemm(a, b, c, ready, order, sa, sb, M, N, K, stride_am, stride_bk, s
         pb = b + rk[:, None] * stride_bk + rn[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for _ in range(0, K // BLOCK_K):
-            acc = tl.dot(tl.load(pa), tl.load(pb), acc)
+            acc = tl.dot(tl.load(pa), tl.load(pb), acc, max_num_imprecise_acc=IMPRECISE)
             pa += BLOCK_K
             pb += BLOCK_K * stride_bk
         if SCALED:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..overlap.fp8 import TAIL
+from ..overlap.fp8 import FAST_ACCUMS, TAIL
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -47,6 +47,7 @@ class Numerics:
     fp8: str | None = None
     scaling: str = "tensorwise"
     fp8_wgrad: bool = True
+    fast_accum: str = "fprop"  # install(fp8_fast_accum=): the FP8 GEMMs accumulated fast
 
     def __post_init__(self) -> None:
         if self.dtype not in PARAM_DTYPES:
@@ -54,6 +55,9 @@ class Numerics:
         if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
             raise ValueError(f"fp8 {self.fp8!r}: one of {', '.join(FP8_FORMATS)} (Megatron's "
                              "fp8 formats the overlapped linears run)")
+        if self.fast_accum not in FAST_ACCUMS:
+            raise ValueError(f"fp8 fast accumulation {self.fast_accum!r}: one of "
+                             f"{', '.join(FAST_ACCUMS)}")
         if self.scaling not in FP8_SCALINGS:
             raise ValueError(f"fp8 scaling {self.scaling!r}: one of {', '.join(FP8_SCALINGS)}")
         if self.scaling == "rowwise":
@@ -101,12 +105,14 @@ class Numerics:
         if not self.fp8:
             return self.dtype
         return (f"fp8 {self.fp8} {self.scaling} ({self.dtype} parameters, wgrad "
-                f"{'fp8' if self.fp8_wgrad else self.dtype})")
+                f"{'fp8' if self.fp8_wgrad else self.dtype}, fast accumulation: "
+                f"{', '.join(FAST_ACCUMS[self.fast_accum]) or 'none'})")
 
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "fp8": self.fp8,
                 "fp8_scaling": self.scaling if self.fp8 else None,
-                "fp8_wgrad": self.wgrad_fp8, "label": self.label()}
+                "fp8_wgrad": self.wgrad_fp8,
+                "fp8_fast_accum": self.fast_accum if self.fp8 else None, "label": self.label()}
 
 
 BF16 = Numerics()

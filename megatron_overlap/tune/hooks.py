@@ -91,15 +91,16 @@ class ComputeSideMeasure:
     pass's monolithic GEMM (its bulk / external compute side, the non-overlapped baseline,
     the reference of its chunked timing's ratio) in that pass's own layout.
 
-    time_gemm(m, k, n, layout, dtype) and time_pass(fn, m, k, n, layout, dtype) -> measure_gemm /
-    measure_pass's dicts (default: those, CUDA); device: where the passes' tensors live.
-    Tests inject CPU ones."""
+    time_gemm(m, k, n, layout, dtype, fast_accum) and time_pass(fn, m, k, n, layout, dtype,
+    fast_accum) -> measure_gemm / measure_pass's dicts (default: those, CUDA; `fast_accum`:
+    the pass's FP8 GEMMs accumulate fast, `Precision.fast_accum`, and so does its whole
+    GEMM); device: where the passes' tensors live. Tests inject CPU ones."""
 
     mode = "compute"
 
     def __init__(self, hw: Hardware, layout: Layout, *, reps: int = 20, dtype: Any = None,
                  host: HostTime | None = None, device: Any = "cuda",
-                 time_gemm: Callable[[int, int, int, str, Any], dict[str, Any]] | None = None,
+                 time_gemm: Callable[..., dict[str, Any]] | None = None,
                  time_pass: Callable[..., dict[str, Any]] | None = None) -> None:
         import torch
 
@@ -118,10 +119,12 @@ class ComputeSideMeasure:
                          "torch": torch.__version__, "gemm_streams_default": default_gemm_streams(),
                          **_machine(hw, layout, host)}
 
-    def _time_gemm(self, m: int, k: int, n: int, layout: str, dtype: Any) -> dict[str, Any]:
+    def _time_gemm(self, m: int, k: int, n: int, layout: str, dtype: Any,
+                   fast_accum: bool = False) -> dict[str, Any]:
         from .measure import measure_gemm
 
-        return measure_gemm(m, k, n, layout, reps=self.reps, dtype=dtype, out_dtype=self.dtype)
+        return measure_gemm(m, k, n, layout, reps=self.reps, dtype=dtype, out_dtype=self.dtype,
+                            fast_accum=fast_accum)
 
     def _calibration(self, dtype: Any) -> Calibration:
         """The measurements of GEMMs in `dtype`: FP8 ones apart, the rest `calibration`."""
@@ -133,11 +136,11 @@ class ComputeSideMeasure:
         return self.calibrations[dtype]
 
     def _time_pass(self, fn: Callable[[], Any], m: int, k: int, n: int, layout: str,
-                   dtype: Any) -> dict[str, Any]:
+                   dtype: Any, fast_accum: bool = False) -> dict[str, Any]:
         from .measure import measure_pass
 
         return measure_pass(fn, m, k, n, layout, reps=self.reps, dtype=dtype,
-                            out_dtype=self.dtype)
+                            out_dtype=self.dtype, fast_accum=fast_accum)
 
     def __call__(self, trial: Trial) -> dict[str, Any]:
         from ..comm import NullTransport
@@ -149,8 +152,13 @@ class ComputeSideMeasure:
         dims, cal, tp = (m, k, n, ops), self._calibration(gdt), self.layout.tp
         measured: dict[str, Any] = {}
         timed_dtype = gdt if gdt.itemsize == 1 else self.dtype  # FP8, else this measure's
+        precision = precision_of(trial.spec.shape.numerics)
+        # FP8: the pass's GEMMs accumulate fast or not as the layer's would, its whole GEMM
+        # too (a layout is one pass's, so its whole GEMM's timing is keyed as before)
+        fast = timed_dtype.itemsize == 1 and precision is not None \
+            and precision.fast_accum(trial.spec.pass_name)
         if dims not in cal.mono_samples:
-            measured = self.time_gemm(m, k, n, ops, timed_dtype)
+            measured = self.time_gemm(m, k, n, ops, timed_dtype, fast)
             cal.add(dims, measured["mono_graph_ms"] * 1e3)
         chunking, key = _chunking(trial, tp), None
         if chunking:
@@ -161,8 +169,8 @@ class ComputeSideMeasure:
                 # the layer's own pass on the null transport, with this candidate's settings
                 timed = as_timed(trial, null)
                 run = trial_pass(timed, null, self.device, self.dtype, nodes=layout_nodes(timed),
-                                 precision=precision_of(trial.spec.shape.numerics))
-                measured = self.time_pass(run.run, m, k, n, ops, timed_dtype)
+                                 precision=precision)
+                measured = self.time_pass(run.run, m, k, n, ops, timed_dtype, fast)
                 own = Calibration()
                 own.add(dims, measured["mono_graph_ms"] * 1e3, kind, chunks,
                         measured["sched_graph_ms"] * 1e3, measured["sched_ms"] * 1e3,

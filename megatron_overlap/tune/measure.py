@@ -156,11 +156,14 @@ def measure_schedule(m: int, k: int, n: int, op: str, tp: int, method: str, spli
 
 def measure_pass(fn: Callable[[], Any], m: int, k: int, n: int, layout: str, *,
                  reps: int = 50, dtype: torch.dtype = torch.bfloat16,
-                 out_dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+                 out_dtype: torch.dtype = torch.bfloat16,
+                 fast_accum: bool = False) -> dict[str, float]:
     """A whole pass (a closure, e.g. a layer pass on the null transport) against one
-    monolithic GEMM of its size (`dtype` operands, `measure_gemm`) in its operand layout
+    monolithic GEMM of its size (`dtype` operands, `measure_gemm`; FP8 accumulated fast
+    with `fast_accum`, as the pass's GEMMs) in its operand layout
     (`PassSpec.gemm_layout`): device times eager and graphed, host time per call."""
-    mono = measure_gemm(m, k, n, layout, reps=reps, dtype=dtype, out_dtype=out_dtype)
+    mono = measure_gemm(m, k, n, layout, reps=reps, dtype=dtype, out_dtype=out_dtype,
+                        fast_accum=fast_accum)
     g_sched = graphed(fn)
     t_sched, tg_sched = time_ms(fn, reps), time_ms(g_sched, reps)
     del g_sched
@@ -184,31 +187,32 @@ def gemm_operands(m: int, k: int, n: int, layout: str, *, device: Any = "cuda",
 
 
 def mono_gemm(m: int, k: int, n: int, layout: str, *, device: Any = "cuda",
-              dtype: torch.dtype = torch.bfloat16,
-              out_dtype: torch.dtype = torch.bfloat16) -> Callable[[], torch.Tensor]:
+              dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.bfloat16,
+              fast_accum: bool = False) -> Callable[[], torch.Tensor]:
     """One monolithic GEMM [m, k] x [k, n] on random operands, as a closure: in operand
     `layout` (`gemm_operands`; a pass's is `PassSpec.gemm_layout`). FP8 `dtype`: the scaled
     GEMM (`overlap.fp8.ScaledGemm`, the second operand e4m3, output `out_dtype`) in the
     one layout cuBLAS multiplies FP8 in (row-major x column-major), whatever `layout`
-    says: the layer makes its FP8 operands so before its GEMMs."""
+    says: the layer makes its FP8 operands so before its GEMMs; `fast_accum` as
+    `ScaledGemm`'s."""
     if dtype.itemsize == 1:
         from ..overlap.fp8 import ScaledGemm
 
         one = torch.ones((), device=device)
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
-        gemm, out = ScaledGemm(one, one, out_dtype), torch.empty(m, n, device=device,
-                                                                 dtype=out_dtype)
+        gemm = ScaledGemm(one, one, out_dtype, fast_accum)
+        out = torch.empty(m, n, device=device, dtype=out_dtype)
         return lambda: gemm(a, b, out, op="mono")
     a, b = gemm_operands(m, k, n, layout, device=device, dtype=dtype)
     return lambda: torch.matmul(a, b)
 
 
 def measure_gemm(m: int, k: int, n: int, layout: str, *, reps: int = 50,
-                 dtype: torch.dtype = torch.bfloat16,
-                 out_dtype: torch.dtype = torch.bfloat16) -> dict[str, float]:
+                 dtype: torch.dtype = torch.bfloat16, out_dtype: torch.dtype = torch.bfloat16,
+                 fast_accum: bool = False) -> dict[str, float]:
     """`mono_gemm` on the GPU, graphed (device time) and eager."""
-    mono = mono_gemm(m, k, n, layout, dtype=dtype, out_dtype=out_dtype)
+    mono = mono_gemm(m, k, n, layout, dtype=dtype, out_dtype=out_dtype, fast_accum=fast_accum)
     return dict(mono_ms=time_ms(mono, reps), mono_graph_ms=time_ms(graphed(mono), reps))
 
 
