@@ -248,10 +248,10 @@ def test_install_refuses_an_unknown_scaling_and_uninstall_restores_it():
         mo.install(fp8_scaling="columnwise")
     mo.install(fp8_scaling="rowwise")
     try:
-        assert precision._scaling == "rowwise"
+        assert precision.chosen("fp8_scaling") == "rowwise"
     finally:
         mo.uninstall()
-    assert precision._scaling == "tensorwise"
+    assert precision.chosen("fp8_scaling") == "tensorwise"
 
 
 def _built(rank, world):

@@ -34,8 +34,11 @@ from ..overlap.fp8 import FAST_ACCUMS
 
 RUNS = ("tensorwise", "delayed")  # the fp8_recipe values the overlapped linears run
 SCALINGS = ("tensorwise", "rowwise")  # what fp8_recipe='tensorwise' runs: install(fp8_scaling=)
-_scaling = "tensorwise"
-_fast_accum = "fprop"  # install(fp8_fast_accum=): a key of overlap.fp8.FAST_ACCUMS
+# what install() chooses beside Megatron's fields, for layers built from now on: the
+# scales of fp8_recipe='tensorwise' (fp8_scaling) and the FP8 GEMMs that accumulate fast
+# (fp8_fast_accum: a key of overlap.fp8.FAST_ACCUMS); the allowed values, then the chosen
+CHOICES = {"fp8_scaling": SCALINGS, "fp8_fast_accum": tuple(FAST_ACCUMS)}
+_chosen = {"fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop"}
 _NOT_RUN = {  # fp8_recipe -> why it is refused
     "mxfp8": "MXFP8 needs block scales (32 values per scale, Blackwell GEMMs)",
     "blockwise": "blockwise scaling needs 128-value block scales",
@@ -53,26 +56,27 @@ _enclosing: contextvars.ContextVar[Any] = contextvars.ContextVar("megatron_overl
                                                                   default=None)
 
 
+def check_choice(key: str, value: str, who: str = "megatron_overlap") -> None:
+    """ValueError unless `value` is one of CHOICES[key] (`key`: an install() keyword)."""
+    if value not in CHOICES[key]:
+        raise ValueError(f"{who}: {key} must be one of {CHOICES[key]}, not {value!r}")
+
+
+def choose(key: str, value: str) -> str:
+    """Choose `value` for the install() keyword `key` (a key of CHOICES) for layers built
+    from now on; returns the previous value."""
+    check_choice(key, value)
+    previous, _chosen[key] = _chosen[key], value
+    return previous
+
+
+def chosen(key: str) -> str:
+    return _chosen[key]
+
+
 def set_scaling(scaling: str) -> str:
-    """The scales fp8_recipe='tensorwise' runs in layers built from now on: 'tensorwise'
-    (one per tensor) or 'rowwise'; returns the previous value."""
-    global _scaling
-    if scaling not in SCALINGS:
-        raise ValueError(f"megatron_overlap: fp8_scaling must be one of {SCALINGS}, "
-                         f"not {scaling!r}")
-    previous, _scaling = _scaling, scaling
-    return previous
-
-
-def set_fast_accum(which: str) -> str:
-    """The FP8 GEMMs of layers built from now on that accumulate fast (a key of
-    FAST_ACCUMS); returns the previous value."""
-    global _fast_accum
-    if which not in FAST_ACCUMS:
-        raise ValueError(f"megatron_overlap: fp8_fast_accum must be one of "
-                         f"{tuple(FAST_ACCUMS)}, not {which!r}")
-    previous, _fast_accum = _fast_accum, which
-    return previous
+    """The scales fp8_recipe='tensorwise' runs: 'tensorwise' (one per tensor) or 'rowwise'."""
+    return choose("fp8_scaling", scaling)
 
 
 @dataclass(frozen=True)
@@ -202,11 +206,11 @@ def layer_precision(config: Any, layer: str, layer_number: Optional[int] = None)
     if recipe == "delayed":
         p = _delayed(config, layer, grad, wgrad)
     else:
-        if _scaling == "rowwise":
+        if _chosen["fp8_scaling"] == "rowwise":
             _check_rowwise(config, layer, wgrad)
             recipe = "rowwise"
         p = Precision(recipe, torch.float8_e4m3fn, grad, wgrad)
-    return dataclasses.replace(p, fast=FAST_ACCUMS[_fast_accum])
+    return dataclasses.replace(p, fast=FAST_ACCUMS[_chosen["fp8_fast_accum"]])
 
 
 _DELAYED_ONLY = (
@@ -219,7 +223,7 @@ _RECOMPUTED = ("mlp", "moe", "shared_experts", "mla_up_proj")  # recompute_modul
 
 def _delayed(config: Any, layer: str, grad: torch.dtype, wgrad: bool) -> Precision:
     """Delayed scaling with Megatron's fields, or the setting that cannot run refused."""
-    if _scaling == "rowwise":
+    if _chosen["fp8_scaling"] == "rowwise":
         raise _refuse(layer, "fp8_recipe", "delayed", "row-wise scales "
                       "(install(fp8_scaling='rowwise'), --megatron-overlap-fp8-scaling rowwise) "
                       "are current scaling's; delayed scaling keeps one scale per tensor",

@@ -25,12 +25,8 @@ def _check_knobs(graphs, gemm_streams, inter, timeout_s, fp8_scaling, fp8_fast_a
                          f"{comm.INTER_BACKENDS} or None, not {inter!r}")
     if timeout_s is not None:
         envvars.checked_timeout_s(timeout_s)
-    if fp8_scaling not in precision.SCALINGS:
-        raise ValueError(f"megatron_overlap.install: fp8_scaling must be one of "
-                         f"{precision.SCALINGS}, not {fp8_scaling!r}")
-    if fp8_fast_accum not in precision.FAST_ACCUMS:
-        raise ValueError(f"megatron_overlap.install: fp8_fast_accum must be one of "
-                         f"{tuple(precision.FAST_ACCUMS)}, not {fp8_fast_accum!r}")
+    for key, value in (("fp8_scaling", fp8_scaling), ("fp8_fast_accum", fp8_fast_accum)):
+        precision.check_choice(key, value, "megatron_overlap.install")
 
 
 def _set_knobs(knobs: tuple) -> tuple:
@@ -39,8 +35,8 @@ def _set_knobs(knobs: tuple) -> tuple:
     graphs, gemm_streams, inter, timeout_s, attention, fp8_scaling, fast = knobs
     return (replay.set_enabled(graphs), streams.set_default_gemm_streams(gemm_streams),
             comm.set_inter_backend(inter), envvars.set_timeout_s(timeout_s),
-            core_attention.set_mode(attention), precision.set_scaling(fp8_scaling),
-            precision.set_fast_accum(fast))
+            core_attention.set_mode(attention), precision.choose("fp8_scaling", fp8_scaling),
+            precision.choose("fp8_fast_accum", fast))
 
 
 def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool | None = None,
