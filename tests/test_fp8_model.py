@@ -224,7 +224,7 @@ def test_rowwise_training_is_within_tolerance_of_the_bf16_model(trained_rowwise)
     _, per_rank = trained_rowwise
     for r in per_rank:
         assert len(r["precision"]) == 8 and all(
-            p == "fp8 rowwise (e4m3fn fprop, e5m2 grads, wgrad high precision)"
+            p == "fp8 rowwise (e4m3fn fprop, e5m2 grads, wgrad high precision, fast accumulation: fprop)"
             for p in r["precision"].values()), r["precision"]
         plain, same, ours = r["losses"]
         assert same == pytest.approx(plain, rel=1e-2) and r["update_err_bf16"] <= 1e-2

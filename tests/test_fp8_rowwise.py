@@ -157,7 +157,7 @@ def _check(case: Fp8Case, per_rank: list[dict], tp: int) -> None:
         got = r[case.id]
         assert not got["megatron_forward"], got
         assert got["precision"] == (f"fp8 rowwise (e4m3fn fprop, {grads} grads, wgrad high "
-                                    f"precision)"), got
+                                    f"precision, fast accumulation: fprop)"), got
         for key in ("output", "input_grad", "weight_grad", "bias_grad"):
             v = got[key]
             assert v["dtype"], (rank, key, v)

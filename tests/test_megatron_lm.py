@@ -632,7 +632,7 @@ def test_fp8_flags_run_fp8_in_our_linears(models):
     for fp8, off in zip(models["fp8"], models["off"]):
         assert fp8["linears"] == models["on"][0]["linears"]
         assert len(fp8["precision"]) == 8 and all(
-            p == "fp8 tensorwise (e4m3fn fprop, e5m2 grads, wgrad fp8)"
+            p == "fp8 tensorwise (e4m3fn fprop, e5m2 grads, wgrad fp8, fast accumulation: fprop)"
             for p in fp8["precision"].values()), fp8["precision"]
         assert fp8["loss"] == pytest.approx(off["loss"], rel=5e-3) and fp8["loss"] != off["loss"]
         assert fp8["te_imported"] is False
@@ -654,7 +654,7 @@ def test_rowwise_fp8_flags_run_rowwise_fp8_in_our_linears(models):
     for rw, bf16 in zip(models["fp8_rowwise"], models["bf16"]):
         assert rw["install"][0]["fp8_scaling"] == "rowwise"
         assert len(rw["precision"]) == 8 and all(
-            p == "fp8 rowwise (e4m3fn fprop, e5m2 grads, wgrad high precision)"
+            p == "fp8 rowwise (e4m3fn fprop, e5m2 grads, wgrad high precision, fast accumulation: fprop)"
             for p in rw["precision"].values()), rw["precision"]
         assert rw["loss"] == pytest.approx(bf16["loss"], rel=5e-3) and rw["loss"] != bf16["loss"]
         assert rw["te_imported"] is False
