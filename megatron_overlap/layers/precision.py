@@ -8,6 +8,11 @@ or is refused when the layer is built (`ConfigError` naming the layer, the setti
 and what does run); it is never replaced by bf16 in silence. A layer Megatron keeps
 in bf16 (`first_last_layers_bf16`) runs bf16 by that rule, said in its `why`.
 
+Which FP8 GEMMs accumulate fast (torch's use_fast_accum) is not a Megatron field either
+(Transformer Engine keeps it in its recipes: the forward's fast, the dgrad's and wgrad's
+promoted to fp32, as torchao's Float8Linear): `install(fp8_fast_accum=...)`, by default
+'fprop', as they do (`Precision.fast`, named in `describe()`).
+
 Row-wise scaling is not one of Megatron's recipes (its `Fp8Recipe`: delayed, tensorwise,
 mxfp8, blockwise, custom; Megatron-LM's --fp8-recipe takes no other). It is chosen
 here, for layers whose config asks for current scaling (fp8_recipe='tensorwise'):
