@@ -89,7 +89,7 @@ def fns(trial, device: str) -> dict:
     a8, sa = q(torch.randn(m, k, device=device), first)
     b8, sb = q(torch.randn(n, k, device=device), HYBRID.fwd)
     fast = HYBRID.fast_accum(trial.spec.pass_name)  # as the pass's own GEMMs
-    whole8 = fp8.ScaledGemm(sa, sb, dtype, fast)
+    whole8 = fp8.ScaledGemm(sa, sb, dtype, fast_accum=fast)
     out8 = torch.empty(m, n, device=device, dtype=dtype)
     arms = {"bf16_whole": lambda: torch.matmul(a, b),
             "bf16_chunked": trial_pass(trial, tp, device, dtype, nodes=nodes).run,

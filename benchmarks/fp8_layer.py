@@ -175,7 +175,7 @@ class EagerKernelsArm(lc.Arm):
 def check(emu, arms, e) -> dict:
     """The fp8 arm against the bf16 arm on the mirror transport, relative (norm)."""
     from megatron_overlap.ab.compare import rel_error
-    from megatron_overlap.overlap.fp8 import FAST_ACCUMS
+    from megatron_overlap.config.names import FAST_ACCUMS, fast_accum_label
 
     got = lc.mirrored_results(emu, arms, e)[0]
     rel = lambda a, b: rel_error(a, b, dtype=torch.float32)  # noqa: E731
@@ -199,7 +199,7 @@ def check(emu, arms, e) -> dict:
             "fp8_arms_max_rel": kernels, "tol_kernels": TOL_KERNELS, "wait_max_rel_err": wait,
             "passed": max(errs.values()) <= TOL and max(delayed.values()) <= TOL
             and max(accum.values()) <= TOL
-            and all(f"fast accumulation: {', '.join(FAST_ACCUMS[v]) or 'none'})" in precision[a][0]
+            and all(f"{fast_accum_label(FAST_ACCUMS[v])})" in precision[a][0]
                     for a, v in {"fp8": "fprop", **FAST_ACCUM_ARMS}.items())
             and (wait is None or (wait <= TOL and precision["fp8_wait"][0].startswith("fp8 tensorwise")))
             and precision["fp8"][0].startswith("fp8 tensorwise")

@@ -79,7 +79,8 @@ def probe_shape(name: str, m: int, k: int, n: int, tp: int, dtype: str, configs:
     out = torch.empty(m, n, dtype=DTYPES[dtype], device=device)
     if dtype == "fp8":
         (xa, xs, _), (wa, ws, _) = (quantized(t, torch.float8_e4m3fn) for t in (x, w))
-        gemm = ScaledGemm(xs, ws, torch.bfloat16)
+        # accumulated as the layer's pass would: fast in a forward (install()'s default)
+        gemm = ScaledGemm(xs, ws, torch.bfloat16, fast_accum="fprop" in name)
         whole = lambda: gemm(xa, wa.t(), out=out, op="whole")  # noqa: E731
     else:
         xa, wa, gemm = x, w, matmul

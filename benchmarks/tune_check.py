@@ -38,7 +38,7 @@ from megatron_overlap.config import LayerSettings
 from megatron_overlap.simulate import Candidate, Layout, PassSpec, Shape, Trial
 from megatron_overlap.simulate.shapes import GEMM_LAYOUTS
 from megatron_overlap.tune.measure import mono_gemm
-from megatron_overlap.tune.passes import layout_nodes, precision_of, trial_pass
+from megatron_overlap.tune.passes import fast_accum_of, layout_nodes, precision_of, trial_pass
 
 
 def chosen_trials(doc: dict[str, Any]) -> list[tuple[dict[str, Any], Trial]]:
@@ -78,7 +78,7 @@ def measure(trial: Trial, device: str, reps: int, rounds: int = 3) -> dict[str, 
                      nodes=layout_nodes(trial), precision=precision).run
     gemm_dtype = trial.spec.gemm_dtype if precision is not None else dtype
     mono = mono_gemm(*trial.spec.gemm, trial.spec.gemm_layout, device=device, dtype=gemm_dtype,
-                     out_dtype=dtype)
+                     out_dtype=dtype, fast_accum=fast_accum_of(trial))
     if device != "cuda":
         ms = _cpu_ms(run, reps)
         return {"graph_ms": ms, "b2b_ms": ms, "mono_ms": _cpu_ms(mono, reps)}

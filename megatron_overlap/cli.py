@@ -12,6 +12,7 @@ import sys
 from typing import Sequence
 
 from .config.backends import BACKENDS
+from .config.names import FAST_ACCUM_DEFAULT, FAST_ACCUMS
 from .cli_args import FlagError, check_layout, model_spec, positive_int
 
 
@@ -50,7 +51,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "(--megatron-overlap-fp8-scaling rowwise; wgrad in --dtype)")
     p.add_argument("--no-fp8-wgrad", action="store_true",
                    help="with --fp8: the wgrad GEMM in --dtype (Megatron's --no-fp8-wgrad)")
-    p.add_argument("--fp8-fast-accum", choices=("fprop", "none", "all"), default=None,
+    p.add_argument("--fp8-fast-accum", choices=tuple(FAST_ACCUMS), default=None,
                    help="with --fp8: the FP8 GEMMs that accumulate fast (install(fp8_fast_accum=); "
                         "default fprop, as Transformer Engine and torchao run them)")
 
@@ -75,7 +76,8 @@ def numerics_of(args: argparse.Namespace):
     try:
         return Numerics(args.dtype, args.fp8,
                         "delayed" if recipe == "delayed" else args.fp8_scaling or "tensorwise",
-                        fp8_wgrad=not (args.no_fp8_wgrad or rowwise), fast_accum=fast or "fprop")
+                        fp8_wgrad=not (args.no_fp8_wgrad or rowwise),
+                        fast_accum=fast or FAST_ACCUM_DEFAULT)
     except ValueError as e:
         raise FlagError(f"--dtype {args.dtype} --fp8 {args.fp8} --fp8-scaling "
                         f"{args.fp8_scaling}: {e}") from None

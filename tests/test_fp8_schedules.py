@@ -61,7 +61,8 @@ def _cases(rank, world):
             w8 = fp8.quantize(w, sw, ref.E4M3)
             out = torch.empty(world * ROWS, N, dtype=dtype)
             y, gathered = all_gather_matmul(x8, w8, tp, op="ag", out=out,
-                                            gemm=fp8.ScaledGemm(sx, sw, dtype), **kw)
+                                            gemm=fp8.ScaledGemm(sx, sw, dtype,
+                                                                fast_accum=False), **kw)
             moved = stats.snapshot()["ag"]["bytes"]
             key = f"{name}-{str(dtype)[6:]}"
             # compared before the next pass: a ring's gathered tensor is the transport's
@@ -94,7 +95,8 @@ def _cases(rank, world):
             b8 = fp8.quantize(parts_w[rank], sb, ref.E4M3)
             out = torch.empty(want.shape, dtype=dtype)
             y = matmul_reduce_scatter(a8, b8, tp, method, splits, op="rs", scatter=scatter,
-                                      nodes=nodes, out=out, gemm=fp8.ScaledGemm(sa, sb, dtype))
+                                      nodes=nodes, out=out, gemm=fp8.ScaledGemm(sa, sb, dtype,
+                                                                                fast_accum=False))
             res["rs"][f"{name}-{str(dtype)[6:]}"] = dict(dtype=y.dtype == dtype,
                                                          rel=ref.rel(y, want))
 
@@ -106,7 +108,7 @@ def _cases(rank, world):
     except ContractError as exc:
         res["fp8_reduction"] = str(exc)
     try:
-        fp8.ScaledGemm(sx_ref, sw_ref, torch.bfloat16)(x8_ref, w8_ref, op="bad")
+        fp8.ScaledGemm(sx_ref, sw_ref, torch.bfloat16, fast_accum=False)(x8_ref, w8_ref, op="bad")
         res["layout"] = "no error"
     except ValueError as exc:
         res["layout"] = str(exc)
@@ -177,12 +179,12 @@ def test_a_pipeline_chunk_is_one_fp8_gemm_over_every_ranks_rows(monkeypatch, row
     e4 = torch.float8_e4m3fn
     if rowwise:
         x8, ws = fp8.rows_quantized(x, e4), fp8.row_scales(w, e4)
-        gemm = fp8.RowScaledGemm(ws.t(), torch.bfloat16)
+        gemm = fp8.RowScaledGemm(ws.t(), torch.bfloat16, fast_accum=False)
         w8 = fp8.quantize(w, ws, e4)
     else:
         xs, ws = fp8.scale_for(fp8.amax(x), e4), fp8.scale_for(fp8.amax(w), e4)
         x8, w8 = fp8.quantize(x, xs, e4), fp8.quantize(w, ws, e4)
-        gemm = fp8.ScaledGemm(xs, ws, torch.bfloat16)
+        gemm = fp8.ScaledGemm(xs, ws, torch.bfloat16, fast_accum=False)
     chunk = x8.view(world, splits, sub, x8.shape[-1])[:, 1]  # the pipeline's chunk 1: strided
     wt = w8.t()
     calls = _count_scaled_mm(monkeypatch)

@@ -232,11 +232,16 @@ def test_rowwise_scaling_flag_reaches_install_and_needs_fp8_tensorwise(fake_lm, 
 
 
 def test_fast_accumulation_flag_reaches_install_and_needs_our_impl(fake_lm, installs):
-    lm = fake_lm(argv=OURS + ["--megatron-overlap-fp8-fast-accum", "all"])
+    lm = fake_lm(argv=OURS + ["--megatron-overlap-fp8-fast-accum", "all", "--fp8-format", "hybrid",
+                              "--fp8-recipe", "tensorwise"])
     hooks.install_hooks()
     lm.initialize.initialize_megatron()
     assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch",
                          "fp8_scaling": "tensorwise", "fp8_fast_accum": "all"}]
+    lm.arguments.ARGV[:] = OURS + ["--megatron-overlap-fp8-fast-accum", "none"]  # no FP8 at all
+    with pytest.raises(ValueError, match="--megatron-overlap-fp8-fast-accum none chooses the FP8 "
+                                         "GEMMs that accumulate fast: it needs --fp8-format"):
+        lm.initialize.initialize_megatron()
     lm.arguments.ARGV[:] = ["--megatron-overlap-fp8-fast-accum", "none", "--fp8-format", "hybrid",
                             "--sequence-parallel"]  # Transformer Engine's path: not read there
     with pytest.raises(ValueError, match="--megatron-overlap-fp8-fast-accum none sets the FP8 "

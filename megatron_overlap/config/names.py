@@ -20,6 +20,17 @@ PASSES: tuple[str, ...] = ("fprop", "dgrad", "wgrad")
 # TE's ub_cfgs layer names: qkv_fprop, qkv_dgrad, qkv_wgrad, proj_fprop, ...
 LAYER_NAMES: tuple[str, ...] = tuple(f"{b}_{p}" for b in BUFFER_NAMES for p in PASSES)
 METHODS: tuple[str, ...] = ("ring_exchange", "pipeline", "bulk", "external")
+# The FP8 GEMMs that accumulate fast (torch._scaled_mm's use_fast_accum: on Hopper the tensor
+# cores' own accumulator, not promoted to fp32 as the sum goes: faster, less exact), by
+# install(fp8_fast_accum=)'s value. "fprop" is what Transformer Engine's recipes (the
+# forward GEMM without split accumulation) and torchao's Float8Linear run by default
+FAST_ACCUMS: dict[str, tuple[str, ...]] = {"fprop": ("fprop",), "none": (), "all": PASSES}
+FAST_ACCUM_DEFAULT = "fprop"
+
+
+def fast_accum_label(gemms: tuple[str, ...]) -> str:
+    """How a precision names the FP8 GEMMs that accumulate fast."""
+    return f"fast accumulation: {', '.join(gemms) or 'none'}"
 
 # TE's ub_cfgs keys, in the order they are written out, then ours (EXTENSION_KEYS).
 TE_KEYS: tuple[str, ...] = (

@@ -296,7 +296,7 @@ class Fp8Forward:
             rows_quantized(x2, fwd, out=self.x8)
             self.w_scale.copy_(row_scales(weight, fwd))
             quantize(weight, self.w_scale, fwd, out=self.w8)
-            return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype, fwd_fast)
+            return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype, fast_accum=fwd_fast)
         if self.delayed is not None:
             d = self.delayed
             # the input's amax and the weight's, side by side: the exchange `record` makes,
@@ -308,13 +308,15 @@ class Fp8Forward:
             if self.quantize_weight:
                 d.quantize("weight", weight, fwd, self.w_scale, self._amaxes[1], out=self.w8,
                            out_t=self.w8t)
-            return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype, fwd_fast)
+            return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype,
+                                                fast_accum=fwd_fast)
         a = group_amaxes(x2, tp, f"{op}_amax") if gathered else amax(x2)
         quantize_current(x2, a, fwd, self.x_scale, out=self.x8, out_t=self.x8t, chunks=chunks)
         if self.quantize_weight:  # with the dgrad's layout (cached: made once per step)
             quantize_current(weight, amax(weight), fwd, self.w_scale, out=self.w8,
                              out_t=self.w8t)
-        return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype, fwd_fast)
+        return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype,
+                                            fast_accum=fwd_fast)
 
 
 class Fp8Backward:
@@ -366,8 +368,9 @@ class Fp8Backward:
             wt = self.weight.t()
             s = row_scales(wt, self.p.fwd)  # [k, 1]: W^T's rows are W's columns
             return quantize(wt, s, self.p.fwd).contiguous(), RowScaledGemm(
-                s.t(), out_dtype, self.p.fast_accum("dgrad"))
-        return self.w8t, ScaledGemm(g_scale, self.w_scale, out_dtype, self.p.fast_accum("dgrad"))
+                s.t(), out_dtype, fast_accum=self.p.fast_accum("dgrad"))
+        return self.w8t, ScaledGemm(g_scale, self.w_scale, out_dtype,
+                                         fast_accum=self.p.fast_accum("dgrad"))
 
     def dequantized(self, g8: torch.Tensor, g_scale: Optional[torch.Tensor],
                     dtype: torch.dtype) -> torch.Tensor:
@@ -378,4 +381,4 @@ class Fp8Backward:
 
     def wgrad(self, g_scale: torch.Tensor, out_dtype: torch.dtype) -> ScaledGemm:
         """The GEMM of g8^T @ x8 (the FP8 input's scale)."""
-        return ScaledGemm(g_scale, self.x_scale, out_dtype, self.p.fast_accum("wgrad"))
+        return ScaledGemm(g_scale, self.x_scale, out_dtype, fast_accum=self.p.fast_accum("wgrad"))

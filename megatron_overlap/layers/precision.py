@@ -35,15 +35,15 @@ from typing import Any, Iterator, Optional
 import torch
 
 from ..config import ConfigError
-from ..overlap.fp8 import FAST_ACCUMS
+from ..config.names import FAST_ACCUM_DEFAULT, FAST_ACCUMS, fast_accum_label
 
 RUNS = ("tensorwise", "delayed")  # the fp8_recipe values the overlapped linears run
 SCALINGS = ("tensorwise", "rowwise")  # what fp8_recipe='tensorwise' runs: install(fp8_scaling=)
 # what install() chooses beside Megatron's fields, for layers built from now on: the
 # scales of fp8_recipe='tensorwise' (fp8_scaling) and the FP8 GEMMs that accumulate fast
-# (fp8_fast_accum: a key of overlap.fp8.FAST_ACCUMS); the allowed values, then the chosen
+# (fp8_fast_accum: a key of config.names.FAST_ACCUMS); the allowed values, then the chosen
 CHOICES = {"fp8_scaling": SCALINGS, "fp8_fast_accum": tuple(FAST_ACCUMS)}
-_chosen = {"fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop"}
+_chosen = {"fp8_scaling": "tensorwise", "fp8_fast_accum": FAST_ACCUM_DEFAULT}
 _NOT_RUN = {  # fp8_recipe -> why it is refused
     "mxfp8": "MXFP8 needs block scales (32 values per scale, Blackwell GEMMs)",
     "blockwise": "blockwise scaling needs 128-value block scales",
@@ -117,8 +117,8 @@ class Precision:
                    + (" only (not over data-parallel ranks, which tp_only_amax_red=False asks)"
                       if self.dp_amax else "")) if self.recipe == "delayed" else ""
         return (f"fp8 {self.recipe} ({name(self.fwd)} fprop, {name(self.grad)} grads, "
-                f"wgrad {'fp8' if self.wgrad else 'high precision'}{delayed}, fast accumulation: "
-                f"{', '.join(self.fast) or 'none'})")
+                f"wgrad {'fp8' if self.wgrad else 'high precision'}{delayed}, "
+                f"{fast_accum_label(self.fast)})")
 
 
 BF16 = Precision()

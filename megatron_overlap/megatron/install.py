@@ -7,6 +7,7 @@ import logging
 from .. import comm
 from ..config import env as envvars
 from ..config import OverlapConfig, state
+from ..config.names import FAST_ACCUM_DEFAULT
 from ..layers import precision
 from ..overlap import replay, streams
 from . import attention as core_attention
@@ -42,7 +43,8 @@ def _set_knobs(knobs: tuple) -> tuple:
 def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool | None = None,
             gemm_streams: int | None = None, inter_backend: str | None = None,
             timeout_s: float | None = None, attention: str = "torch",
-            fp8_scaling: str = "tensorwise", fp8_fast_accum: str = "fprop") -> OverlapConfig:
+            fp8_scaling: str = "tensorwise",
+            fp8_fast_accum: str = FAST_ACCUM_DEFAULT) -> OverlapConfig:
     """Turn the overlap on for layers built from now on: Megatron's TP linears
     built for the 'qkv' / 'proj' / 'fc1' / 'fc2' buffers of a config with
     `tp_comm_overlap=True` become overlapped, torch norms accept sequence

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config.backends import AUTO, BACKENDS as _TRANSPORTS
+from ..config.names import FAST_ACCUM_DEFAULT, FAST_ACCUMS
 
 IMPL = "megatron_overlap"
 IMPLS = ("te", IMPL)
@@ -53,7 +54,7 @@ ATTENTION = ("torch", "megatron")  # --megatron-overlap-attention: install(atten
 # Megatron-LM's flags whose batches can be packed sequences (get_batch's cu_seqlens path)
 PACKED = (("--sft", "sft"), ("--dataloader-inter-document-masking", "dataloader_inter_document_masking"))
 FP8_SCALINGS = ("tensorwise", "rowwise")  # --megatron-overlap-fp8-scaling: install(fp8_scaling=)
-FP8_FAST_ACCUMS = ("fprop", "none", "all")  # --megatron-overlap-fp8-fast-accum: install(fp8_fast_accum=)
+FP8_FAST_ACCUMS = tuple(FAST_ACCUMS)  # --megatron-overlap-fp8-fast-accum: install(fp8_fast_accum=)
 BACKENDS = (AUTO,) + _TRANSPORTS  # --tp-comm-overlap-backend: the registry's transports
 ARGS_MODULE = "megatron.training.arguments"
 INIT_MODULE = "megatron.training.initialize"
@@ -170,7 +171,7 @@ _FLAGS = {  # flag -> its argparse keywords
         "per tensor) or rowwise (one per row, torchao's rowwise with the wgrad in bf16: needs "
         "--no-fp8-wgrad and --bf16)."),
     "--megatron-overlap-fp8-fast-accum": dict(
-        type=str, default="fprop", choices=FP8_FAST_ACCUMS,
+        type=str, default=FAST_ACCUM_DEFAULT, choices=FP8_FAST_ACCUMS,
         help="FP8 GEMMs of megatron_overlap's linears that accumulate fast (torch's "
         "use_fast_accum): fprop (the forward GEMM, as Transformer Engine's recipes and torchao "
         "run it), none, or all (dgrad and wgrad too: faster, less exact)."),
@@ -195,11 +196,12 @@ def check_args(args: argparse.Namespace) -> None:
     """Our part of validate_args (Megatron-LM's own already requires
     --sequence-parallel for --tp-comm-overlap)."""
     scaling = getattr(args, "megatron_overlap_fp8_scaling", "tensorwise")
-    fast = getattr(args, "megatron_overlap_fp8_fast_accum", "fprop")
+    fast = getattr(args, "megatron_overlap_fp8_fast_accum", FAST_ACCUM_DEFAULT)
     if getattr(args, "tp_comm_overlap_impl", "te") != IMPL:
         for flag, value, default, what in (
                 ("--megatron-overlap-fp8-scaling", scaling, "tensorwise", "the scales"),
-                ("--megatron-overlap-fp8-fast-accum", fast, "fprop", "the FP8 accumulation")):
+                ("--megatron-overlap-fp8-fast-accum", fast, FAST_ACCUM_DEFAULT,
+                 "the FP8 accumulation")):
             if value != default:
                 raise ValueError(f"{flag} {value} sets {what} of megatron_overlap's linears: it "
                                  "needs --tp-comm-overlap-impl megatron_overlap (Transformer "
@@ -214,6 +216,9 @@ def check_args(args: argparse.Namespace) -> None:
             "--tp-comm-overlap Megatron-core's local linears are built, which run in the "
             "params dtype without Transformer Engine (and do not say so); add "
             "--tp-comm-overlap, or drop --fp8-format")
+    if fast != FAST_ACCUM_DEFAULT and not fp8:
+        raise ValueError(f"--megatron-overlap-fp8-fast-accum {fast} chooses the FP8 GEMMs that "
+                         "accumulate fast: it needs --fp8-format")
     if scaling != "tensorwise" and (not fp8 or getattr(args, "fp8_recipe", None) != "tensorwise"):
         raise ValueError(
             f"--megatron-overlap-fp8-scaling {scaling} chooses the scales of FP8 current "
@@ -301,7 +306,7 @@ def _install(args: argparse.Namespace, ub_cfgs: str | None, why: str) -> None:
 
     attention = getattr(args, "megatron_overlap_attention", "torch")
     scaling = getattr(args, "megatron_overlap_fp8_scaling", "tensorwise")
-    fast = getattr(args, "megatron_overlap_fp8_fast_accum", "fprop")
+    fast = getattr(args, "megatron_overlap_fp8_fast_accum", FAST_ACCUM_DEFAULT)
     _say(args, f"megatron_overlap.install(ub_cfgs={ub_cfgs!r}, "
          f"backend={args.tp_comm_overlap_backend!r}, attention={attention!r}, "
          f"fp8_scaling={scaling!r}, fp8_fast_accum={fast!r}): {why}")

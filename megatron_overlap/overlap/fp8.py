@@ -601,23 +601,17 @@ def _check(a: torch.Tensor, b: torch.Tensor, op: str) -> None:
                          f"be multiples of 16")
 
 
-# The FP8 GEMMs that accumulate fast, by install(fp8_fast_accum=)'s value (torch._scaled_mm's
-# use_fast_accum: on Hopper the tensor cores' own accumulator, not promoted to fp32 as the sum
-# goes: faster, less exact). "fprop" is what Transformer Engine's recipes (the forward GEMM
-# without split accumulation) and torchao's Float8Linear run by default
-FAST_ACCUMS = {"fprop": ("fprop",), "none": (), "all": ("fprop", "dgrad", "wgrad")}
-
-
 class ScaledGemm:
     """`a @ b` of FP8 operands quantized with the per-tensor scales `a_scale`, `b_scale`
     (torchao's meaning; pairs, whose inverses it reads, or values, whose reciprocals it
     takes), through torch._scaled_mm: the schedules' `gemm` for an FP8 pass. The product
     is `out`'s dtype, or `out_dtype` (bf16 or fp32), never FP8. `fast_accum`: torch's
     use_fast_accum (on Hopper the tensor cores' accumulator, not promoted to fp32 as the
-    sum goes: faster, less exact; `layers.precision.Precision.fast_accum` says which GEMMs)."""
+    sum goes: faster, less exact; `layers.precision.Precision.fast_accum` says which GEMMs; asked
+    of every caller, so that none falls back to one in silence)."""
 
-    def __init__(self, a_scale: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype,
-                 fast_accum: bool = False):
+    def __init__(self, a_scale: torch.Tensor, b_scale: torch.Tensor, out_dtype: torch.dtype, *,
+                 fast_accum: bool):
         self.a_inv, self.b_inv = scale_inverse(a_scale), scale_inverse(b_scale)
         for name, inv in (("a", self.a_inv), ("b", self.b_inv)):
             if inv.data_ptr() % 16:  # (checked on every device: a CPU takes any address)
@@ -678,7 +672,7 @@ class RowScaledGemm:
     a 'rowwise' pass. Outputs bf16 (`out`'s dtype, or `out_dtype`); `fast_accum` as
     `ScaledGemm`'s."""
 
-    def __init__(self, b_scale: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False):
+    def __init__(self, b_scale: torch.Tensor, out_dtype: torch.dtype, *, fast_accum: bool):
         self.b_inv = b_scale.reciprocal().contiguous()
         self.out_dtype, self.fast_accum = out_dtype, fast_accum
 

@@ -36,8 +36,10 @@ log = logging.getLogger("megatron_overlap")
 SM_LEFT = 1  # SMs the kernel leaves to the transfers' signal kernels and the flag writes
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M) by operand bytes: the best of
 # benchmarks/probe_chunk_wait_gemm.py's configs on an H100 (through TMA: FP8 0.88-1.04 of
-# cuBLAS on the whole input at the passes whose chunk GEMMs keep least, bf16 0.85-1.00),
-# then a narrower tile, on 4 warps (through TMA 1-2% ahead of 8 at every probed pass)
+# cuBLAS on the whole input at the passes whose chunk GEMMs keep least, bf16 0.85-1.00;
+# those FP8 tiles accumulated fast where cuBLAS promoted: not re-probed since the kernel
+# accumulates as the pass does), then a narrower tile, on 4 warps (through TMA 1-2% ahead
+# of 8 at every probed pass)
 CONFIGS: dict[int, tuple[tuple[int, int, int, int, int, int], ...]] = {
     1: ((128, 256, 128, 8, 3, 8), (128, 128, 128, 4, 4, 8)),
     2: ((128, 256, 64, 8, 3, 8), (128, 128, 64, 4, 4, 8)),

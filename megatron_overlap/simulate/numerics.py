@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from ..overlap.fp8 import FAST_ACCUMS, TAIL
+from ..config.names import FAST_ACCUM_DEFAULT, FAST_ACCUMS, fast_accum_label
+from ..overlap.fp8 import TAIL
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -47,7 +48,9 @@ class Numerics:
     fp8: str | None = None
     scaling: str = "tensorwise"
     fp8_wgrad: bool = True
-    fast_accum: str = "fprop"  # install(fp8_fast_accum=): the FP8 GEMMs accumulated fast
+    # install(fp8_fast_accum=): the FP8 GEMMs accumulated fast (the GEMMs' speed is measured:
+    # `tune` times each pass with it; the model itself reads no difference)
+    fast_accum: str = FAST_ACCUM_DEFAULT
 
     def __post_init__(self) -> None:
         if self.dtype not in PARAM_DTYPES:
@@ -105,8 +108,8 @@ class Numerics:
         if not self.fp8:
             return self.dtype
         return (f"fp8 {self.fp8} {self.scaling} ({self.dtype} parameters, wgrad "
-                f"{'fp8' if self.fp8_wgrad else self.dtype}, fast accumulation: "
-                f"{', '.join(FAST_ACCUMS[self.fast_accum]) or 'none'})")
+                f"{'fp8' if self.fp8_wgrad else self.dtype}, "
+                f"{fast_accum_label(FAST_ACCUMS[self.fast_accum])})")
 
     def to_dict(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "fp8": self.fp8,

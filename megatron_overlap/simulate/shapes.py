@@ -58,7 +58,9 @@ class Shape:
         if min(self.m, self.k, self.n, self.tp) < 1:
             raise ValueError(f"shape {self.name}: dimensions must be >= 1")
         if isinstance(self.numerics, dict):  # read back from a JSON (dataclasses.asdict)
-            object.__setattr__(self, "numerics", Numerics(**self.numerics))
+            # (written before fast accumulation was chosen: none was)
+            object.__setattr__(self, "numerics", Numerics(**{"fast_accum": "none",
+                                                             **self.numerics}))
 
     @property
     def name(self) -> str:

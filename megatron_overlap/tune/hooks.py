@@ -144,7 +144,8 @@ class ComputeSideMeasure:
 
     def __call__(self, trial: Trial) -> dict[str, Any]:
         from ..comm import NullTransport
-        from .passes import as_timed, layout_nodes, precision_of, timed_key, trial_pass
+        from .passes import (as_timed, fast_accum_of, layout_nodes, precision_of, timed_key,
+                             trial_pass)
 
         m, k, n = trial.spec.gemm
         ops = trial.spec.gemm_layout  # the pass's operand layout: its GEMMs are timed in it
@@ -155,10 +156,9 @@ class ComputeSideMeasure:
         precision = precision_of(trial.spec.shape.numerics)
         # FP8: the pass's GEMMs accumulate fast or not as the layer's would, its whole GEMM
         # too (a layout is one pass's, so its whole GEMM's timing is keyed as before)
-        fast = timed_dtype.itemsize == 1 and precision is not None \
-            and precision.fast_accum(trial.spec.pass_name)
+        fast = fast_accum_of(trial)
         if dims not in cal.mono_samples:
-            measured = self.time_gemm(m, k, n, ops, timed_dtype, fast)
+            measured = self.time_gemm(m, k, n, ops, timed_dtype, fast_accum=fast)
             cal.add(dims, measured["mono_graph_ms"] * 1e3)
         chunking, key = _chunking(trial, tp), None
         if chunking:
@@ -170,7 +170,7 @@ class ComputeSideMeasure:
                 timed = as_timed(trial, null)
                 run = trial_pass(timed, null, self.device, self.dtype, nodes=layout_nodes(timed),
                                  precision=precision)
-                measured = self.time_pass(run.run, m, k, n, ops, timed_dtype, fast)
+                measured = self.time_pass(run.run, m, k, n, ops, timed_dtype, fast_accum=fast)
                 own = Calibration()
                 own.add(dims, measured["mono_graph_ms"] * 1e3, kind, chunks,
                         measured["sched_graph_ms"] * 1e3, measured["sched_ms"] * 1e3,

@@ -201,7 +201,7 @@ def mono_gemm(m: int, k: int, n: int, layout: str, *, device: Any = "cuda",
         one = torch.ones((), device=device)
         a = torch.randn(m, k, device=device).to(dtype)
         b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
-        gemm = ScaledGemm(one, one, out_dtype, fast_accum)
+        gemm = ScaledGemm(one, one, out_dtype, fast_accum=fast_accum)
         out = torch.empty(m, n, device=device, dtype=out_dtype)
         return lambda: gemm(a, b, out, op="mono")
     a, b = gemm_operands(m, k, n, layout, device=device, dtype=dtype)

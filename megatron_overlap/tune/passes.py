@@ -31,7 +31,7 @@ from ..config.effects import ACTIVE
 from ..layers import functions as F
 from ..layers.plan import LayerPlan
 from ..layers.precision import Precision
-from ..overlap.fp8 import FAST_ACCUMS
+from ..config.names import FAST_ACCUMS
 from ..simulate import Trial
 from ..simulate.numerics import Numerics
 from ..simulate.passes import as_run, ring_order_of
@@ -54,6 +54,14 @@ def precision_of(numerics: Numerics) -> Precision | None:
         return None
     return Precision(numerics.scaling, numerics.fwd, numerics.grad, numerics.fp8_wgrad,
                      fast=FAST_ACCUMS[numerics.fast_accum])
+
+
+def fast_accum_of(trial: Trial) -> bool:
+    """Whether the trial's pass runs FP8 GEMMs that accumulate fast (as the layer would),
+    and so the whole GEMM it is held to."""
+    p = precision_of(trial.spec.shape.numerics)
+    return p is not None and trial.spec.gemm_dtype.itemsize == 1 \
+        and p.fast_accum(trial.spec.pass_name)
 
 
 def trial_plan(trial: Trial, overlap: bool = True) -> LayerPlan:
@@ -183,7 +191,7 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
         x8, sx = q8(precision.fwd, m // w if shape.column else m, k)
         t.update(x=x8, out=empty(m if shape.column else m // w, n))
         run = F.column_fprop if shape.column else F.row_fprop
-        gemm = fp8.ScaledGemm(sx, sw, dtype, precision.fast_accum("fprop"))
+        gemm = fp8.ScaledGemm(sx, sw, dtype, fast_accum=precision.fast_accum("fprop"))
         kw, t["x_in"] = {}, x8  # x (row order) for a reference; x_in as the pass reads it
         if not shape.column:  # a row layer's input as its cast lays it out
             kw = {"scaling": precision.recipe}
@@ -197,7 +205,7 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
         if shape.column:  # the input the wgrad gathers
             x8 = q8(precision.fwd, m // w, k)[0]
             t["x"] = x8 if precision.wgrad else x8.to(torch.float32).to(dtype)
-        gemm = fp8.ScaledGemm(sg, sw, dtype, precision.fast_accum("dgrad"))
+        gemm = fp8.ScaledGemm(sg, sw, dtype, fast_accum=precision.fast_accum("dgrad"))
 
         def body():
             _, streams = F.begin(tp, plan, "dgrad")
@@ -209,7 +217,7 @@ def fp8_trial_pass(trial: Trial, tp: Transport, device: Any, dtype: torch.dtype,
     else:  # wgrad: g^T @ input, both FP8 (the gathered input, the gathered gradient)
         g8, sg = q8(precision.grad, m, n)
         x8, sx = q8(precision.fwd, m, k)
-        gemm = fp8.ScaledGemm(sg, sx, dtype, precision.fast_accum("wgrad"))
+        gemm = fp8.ScaledGemm(sg, sx, dtype, fast_accum=precision.fast_accum("wgrad"))
         t["grad_w"] = empty(n, k)
         if shape.column:  # the gradient column-major, as its cast leaves it
             t.update(g=transposed(g8).t(), inp=x8, grad_in=empty(m // w, k))

@@ -50,7 +50,7 @@ KERNELS = pytest.mark.parametrize("descriptors", [True, False], ids=["tma", "poi
 
 
 @KERNELS
-@pytest.mark.parametrize("case", ["bf16_fprop", "bf16_dgrad", "e4m3", "e5m2_e4m3"])
+@pytest.mark.parametrize("case", ["bf16_fprop", "bf16_dgrad", "e4m3", "e4m3_fast", "e5m2_e4m3"])
 def test_the_kernel_equals_torchs_gemm(case, descriptors):
     from megatron_overlap.overlap.fp8 import ScaledGemm
     from megatron_overlap.overlap.gemm import matmul
@@ -67,9 +67,11 @@ def test_the_kernel_equals_torchs_gemm(case, descriptors):
         wt = w.t() if case == "bf16_fprop" else w.t().contiguous()
         want, gemm = a @ wt, matmul
     else:
-        a_dtype = torch.float8_e4m3fn if case == "e4m3" else torch.float8_e5m2
+        a_dtype = torch.float8_e4m3fn if case.startswith("e4m3") else torch.float8_e5m2
         (aq, sa), (wq, sw) = _quantized(a, a_dtype), _quantized(w, torch.float8_e4m3fn)
-        gemm = ScaledGemm(sa, sw, torch.bfloat16)
+        # e4m3_fast: a forward's accumulation (install()'s default), the tiles never promoted;
+        # the others promote to fp32 every BLOCK_K, as cuBLAS without fast accumulation
+        gemm = ScaledGemm(sa, sw, torch.bfloat16, fast_accum=case.endswith("_fast"))
         a, wt = aq, wq.t()
         want = gemm(a, wt, op="want")
     out = torch.full((world * ROWS, N), float("nan"), dtype=want.dtype, device="cuda")
@@ -161,7 +163,7 @@ def _symm_rings(rank, world):
     errs = {}
     x_full, w = gpu.full(1, world * ROWS, K), gpu.full(2, N, K) / K ** 0.5
     (xq, sx), (wq, sw) = _quantized(x_full, torch.float8_e4m3fn), _quantized(w, torch.float8_e4m3fn)
-    gemm8 = ScaledGemm(sx, sw, torch.bfloat16)
+    gemm8 = ScaledGemm(sx, sw, torch.bfloat16, fast_accum=False)
     cases = {"bf16": (x_full.bfloat16(), w.bfloat16(), None), "fp8": (xq, wq, gemm8)}
     for name, (xf, wf, gemm) in cases.items():
         kw = {} if gemm is None else {"gemm": gemm}
