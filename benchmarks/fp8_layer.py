@@ -85,15 +85,20 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     import megatron_overlap as mo
+    from megatron_overlap.config.names import FAST_ACCUM_DEFAULT
 
     config, layers = {"bf16": {}, "fp8_delayed": DELAYED}, {}
-    for a in ARMS:
+    accum = {a: FAST_ACCUM_ARMS.get(a, FAST_ACCUM_DEFAULT) for a in ARMS}
+    for fast in dict.fromkeys(accum.values()):  # one install per accumulation, in ARMS' order
         # each layer's transport is replaced by mirror / null
-        mo.install(args.ub_cfgs, backend="torch_p2p", fp8_fast_accum=FAST_ACCUM_ARMS.get(a, "fprop"))
+        mo.install(args.ub_cfgs, backend="torch_p2p", fp8_fast_accum=fast)
         try:
-            layers[a] = lc.build_layer(shape, True, dtype, device, args.fusions, **config.get(a, FP8))
+            layers.update({a: lc.build_layer(shape, True, dtype, device, args.fusions,
+                                             **config.get(a, FP8))
+                           for a in ARMS if accum[a] == fast})
         finally:
             mo.uninstall()
+    layers = {a: layers[a] for a in ARMS}
     names = arms_of(args)
     if "fp8_wait" in names:  # FP8 with the ring all-gathers' one waiting GEMM (--wait-arm)
         mo.install(al.wait_cfgs(args.ub_cfgs, tuple(args.wait_arm)), backend="torch_p2p")
@@ -175,7 +180,7 @@ class EagerKernelsArm(lc.Arm):
 def check(emu, arms, e) -> dict:
     """The fp8 arm against the bf16 arm on the mirror transport, relative (norm)."""
     from megatron_overlap.ab.compare import rel_error
-    from megatron_overlap.config.names import FAST_ACCUMS, fast_accum_label
+    from megatron_overlap.config.names import FAST_ACCUM_DEFAULT, FAST_ACCUMS, fast_accum_label
 
     got = lc.mirrored_results(emu, arms, e)[0]
     rel = lambda a, b: rel_error(a, b, dtype=torch.float32)  # noqa: E731
@@ -200,7 +205,7 @@ def check(emu, arms, e) -> dict:
             "passed": max(errs.values()) <= TOL and max(delayed.values()) <= TOL
             and max(accum.values()) <= TOL
             and all(f"{fast_accum_label(FAST_ACCUMS[v])})" in precision[a][0]
-                    for a, v in {"fp8": "fprop", **FAST_ACCUM_ARMS}.items())
+                    for a, v in {"fp8": FAST_ACCUM_DEFAULT, **FAST_ACCUM_ARMS}.items())
             and (wait is None or (wait <= TOL and precision["fp8_wait"][0].startswith("fp8 tensorwise")))
             and precision["fp8"][0].startswith("fp8 tensorwise")
             and precision["fp8_delayed"][0].startswith("fp8 delayed")

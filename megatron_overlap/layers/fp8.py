@@ -296,7 +296,8 @@ class Fp8Forward:
             rows_quantized(x2, fwd, out=self.x8)
             self.w_scale.copy_(row_scales(weight, fwd))
             quantize(weight, self.w_scale, fwd, out=self.w8)
-            return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype, fast_accum=fwd_fast)
+            return self.x8, self.w8, RowScaledGemm(self.w_scale.t(), out_dtype,
+                                                   fast_accum=fwd_fast)
         if self.delayed is not None:
             d = self.delayed
             # the input's amax and the weight's, side by side: the exchange `record` makes,
@@ -370,7 +371,7 @@ class Fp8Backward:
             return quantize(wt, s, self.p.fwd).contiguous(), RowScaledGemm(
                 s.t(), out_dtype, fast_accum=self.p.fast_accum("dgrad"))
         return self.w8t, ScaledGemm(g_scale, self.w_scale, out_dtype,
-                                         fast_accum=self.p.fast_accum("dgrad"))
+                                    fast_accum=self.p.fast_accum("dgrad"))
 
     def dequantized(self, g8: torch.Tensor, g_scale: Optional[torch.Tensor],
                     dtype: torch.dtype) -> torch.Tensor:

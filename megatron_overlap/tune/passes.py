@@ -28,10 +28,10 @@ import torch
 from ..comm.transport import Transport
 from ..config import LayerSettings
 from ..config.effects import ACTIVE
+from ..config.names import FAST_ACCUMS
 from ..layers import functions as F
 from ..layers.plan import LayerPlan
 from ..layers.precision import Precision
-from ..config.names import FAST_ACCUMS
 from ..simulate import Trial
 from ..simulate.numerics import Numerics
 from ..simulate.passes import as_run, ring_order_of
