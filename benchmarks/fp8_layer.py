@@ -17,7 +17,11 @@ a step of several micro-batches mostly runs. fp8_delayed is Megatron's default r
 delayed scaling (the largest of 1024 amaxes, TP reduction), primed by two steps: its casts
 read no amax first. The fp8 arm's forward GEMMs accumulate fast (`install(fp8_fast_accum=)`'s
 default, as Transformer Engine's recipes and torchao run them); fp8_accum_none accumulates
-none fast (as the layers ran before), fp8_accum_all every FP8 GEMM (dgrad and wgrad too). fp8_eager_kernels and
+none fast (as the layers ran before), fp8_accum_all every FP8 GEMM (dgrad and wgrad too).
+Every FP8 arm's SwiGLU writes fc2's FP8 input and fc1's FP8 output gradient itself
+(install(fp8_fused_activation=True), the default: megatron/mlp.py); fp8_unfused_act and
+fp8_delayed_unfused_act are the fp8 and fp8_delayed arms with Megatron's SwiGLU (bf16,
+then each linear's cast), what the fused kernels win. fp8_eager_kernels and
 fp8_later_micro compute the fp8 arm's numbers (1e-2 relative at most: the attention
 backward's own run-to-run differences). Measured: eager
 (calls queued back to back, the arms alternating call by call) and graphed (medians of
@@ -69,7 +73,12 @@ DELAYED = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
 # arm: the forward's, Transformer Engine's and torchao's default): none, as the layers ran
 # before; all, the dgrad and wgrad too
 FAST_ACCUM_ARMS = {"fp8_accum_none": "none", "fp8_accum_all": "all"}
-ARMS = ("bf16", "fp8", "fp8_eager_kernels", "fp8_later_micro", "fp8_delayed", *FAST_ACCUM_ARMS)
+# the fp8 and fp8_delayed arms with Megatron's SwiGLU (install(fp8_fused_activation=False)):
+# its output and its backward's written in bf16, then cast by fc2 and fc1; in every other
+# FP8 arm the SwiGLU writes them in FP8 itself (megatron/mlp.py)
+UNFUSED_ACT_ARMS = {"fp8_unfused_act": "fp8", "fp8_delayed_unfused_act": "fp8_delayed"}
+ARMS = ("bf16", "fp8", "fp8_eager_kernels", "fp8_later_micro", "fp8_delayed", *FAST_ACCUM_ARMS,
+        *UNFUSED_ACT_ARMS)
 SHAPES = ("70b_tp8_s4096_b2", "8b_tp4_s4096_b2")
 GOAL, TOL, TOL_KERNELS = 1.35, 0.25, 1e-2
 TIMELINE_ARMS = ("bf16", "fp8", "fp8_delayed")  # each one graphed replay profiled (--profile)
@@ -87,15 +96,19 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
     import megatron_overlap as mo
     from megatron_overlap.config.names import FAST_ACCUM_DEFAULT
 
-    config, layers = {"bf16": {}, "fp8_delayed": DELAYED}, {}
-    accum = {a: FAST_ACCUM_ARMS.get(a, FAST_ACCUM_DEFAULT) for a in ARMS}
-    for fast in dict.fromkeys(accum.values()):  # one install per accumulation, in ARMS' order
+    config = {"bf16": {}, "fp8_delayed": DELAYED, "fp8_delayed_unfused_act": DELAYED}
+    layers: dict = {}
+    # (accumulation, SwiGLU fused with the casts) of each arm: one install per pair
+    knobs = {a: (FAST_ACCUM_ARMS.get(a, FAST_ACCUM_DEFAULT), a not in UNFUSED_ACT_ARMS)
+             for a in ARMS}
+    for fast, fused in dict.fromkeys(knobs.values()):  # in ARMS' order
         # each layer's transport is replaced by mirror / null
-        mo.install(args.ub_cfgs, backend="torch_p2p", fp8_fast_accum=fast)
+        mo.install(args.ub_cfgs, backend="torch_p2p", fp8_fast_accum=fast,
+                   fp8_fused_activation=fused)
         try:
             layers.update({a: lc.build_layer(shape, True, dtype, device, args.fusions,
                                              **config.get(a, FP8))
-                           for a in ARMS if accum[a] == fast})
+                           for a in ARMS if knobs[a] == (fast, fused)})
         finally:
             mo.uninstall()
     layers = {a: layers[a] for a in ARMS}
@@ -117,7 +130,7 @@ def build_arms(shape: lc.LayerShape, args, dtype, device):
                            rotary_base=500000)(d.seq_length).to(device)
     mask = None if device.type == "cuda" else torch.ones(d.seq_length, d.seq_length).triu(1).bool()[None, None]
     kinds = {"fp8_eager_kernels": EagerKernelsArm, "fp8_later_micro": LaterMicroArm,
-             "fp8_delayed": DelayedArm}
+             "fp8_delayed": DelayedArm, "fp8_delayed_unfused_act": DelayedArm}
     arms = [kinds.get(a, lc.Arm)(a, layers[a], x.clone().requires_grad_(True), True) for a in names]
     return arms, lc.Extras(g, rope, mask)
 
@@ -186,8 +199,13 @@ def check(emu, arms, e) -> dict:
     rel = lambda a, b: rel_error(a, b, dtype=torch.float32)  # noqa: E731
     errs = {k: rel(got["fp8"][k], v) for k, v in got["bf16"].items()}
     delayed = {k: rel(got["fp8_delayed"][k], v) for k, v in got["bf16"].items()}
-    # another accumulation: as far from bf16 as the fp8 arm, not its bits
-    accum = {a: max(rel(got[a][k], v) for k, v in got["bf16"].items()) for a in FAST_ACCUM_ARMS}
+    # another accumulation, Megatron's SwiGLU: as far from bf16 as the fp8 arm, not its bits
+    accum = {a: max(rel(got[a][k], v) for k, v in got["bf16"].items())
+             for a in (*FAST_ACCUM_ARMS, *UNFUSED_ACT_ARMS)}
+    # the MLP each arm built: the SwiGLU fused with the casts in every FP8 arm but those
+    mlp = {a.name: type(a.layer.mlp).__name__ for a in arms}
+    mlp_ok = all(v == ("MLP" if k == "bf16" or k in UNFUSED_ACT_ARMS else "OverlapMLP")
+                 for k, v in mlp.items())
     # the compiled kernels compute the eager ones' bits and the reused FP8 weight is the one
     # made: the FP8 arms agree but for the attention backward's own run-to-run differences
     kernels = max(rel(got[a][k], v) for a in ("fp8_eager_kernels", "fp8_later_micro")
@@ -202,7 +220,8 @@ def check(emu, arms, e) -> dict:
             "worst": max(errs, key=errs.get), "precision": precision,
             "delayed_max_rel_err": max(delayed.values()), "accum_max_rel_err": accum,
             "fp8_arms_max_rel": kernels, "tol_kernels": TOL_KERNELS, "wait_max_rel_err": wait,
-            "passed": max(errs.values()) <= TOL and max(delayed.values()) <= TOL
+            "mlp": mlp,
+            "passed": mlp_ok and max(errs.values()) <= TOL and max(delayed.values()) <= TOL
             and max(accum.values()) <= TOL
             and all(f"{fast_accum_label(FAST_ACCUMS[v])})" in precision[a][0]
                     for a, v in {"fp8": FAST_ACCUM_DEFAULT, **FAST_ACCUM_ARMS}.items())

@@ -15,6 +15,7 @@ import torch
 pytest.importorskip("torchao", reason="the [fp8] extra (torchao) is not installed")
 
 from megatron_overlap.overlap import fp8 as f  # noqa: E402
+from megatron_overlap.overlap import fp8_act  # noqa: E402
 from megatron_overlap.overlap import fp8_kernels as k  # noqa: E402
 
 E4M3 = torch.float8_e4m3fn
@@ -27,16 +28,24 @@ class StandIn:
         self.name, self.launches = name, launches
 
     def __getitem__(self, grid):
-        def cast_t(x, s, o, ot, used, amax, m, n, na, blocks, chunks, *, FMAX, CAST, WRITE_T,
-                   AMAX, FROM_AMAX, T_FROM_O, CHUNK_MAJOR, NA, BM, BN, num_warps):
-            # T_FROM_O: the transposed copy from the bytes written to o (the same bytes)
-            assert T_FROM_O == (CAST and WRITE_T and x.dtype == torch.float32)
+        def cast_t(x, s, o, ot, used, amax, y, m, n, na, blocks, chunks, nh, *, FMAX, CAST,
+                   WRITE_T, AMAX, FROM_AMAX, T_FROM_O, CHUNK_MAJOR, NA, ACT, AMAX_ONLY, BM, BN,
+                   num_warps):
+            # T_FROM_O: the transposed copy from the bytes written to o (the same bytes); an
+            # activation's always (its x is made in float32)
+            assert T_FROM_O == (bool(ACT) or (CAST and WRITE_T and x.dtype == torch.float32))
             assert CHUNK_MAJOR == ((blocks, chunks) != (1, 1)) and m % (blocks * chunks) == 0
             self.launches.append(dict(grid=grid, m=m, n=n, CAST=CAST, WRITE_T=WRITE_T, AMAX=AMAX,
                                       FROM_AMAX=FROM_AMAX, T_FROM_O=T_FROM_O,
-                                      CHUNK_MAJOR=CHUNK_MAJOR))
+                                      CHUNK_MAJOR=CHUNK_MAJOR, ACT=ACT, AMAX_ONLY=AMAX_ONLY))
+            if ACT:  # x made from y = [gate, up] ([m, 2 nh]); ACT 2: x_ptr is the output grad
+                assert y.shape == (m, 2 * nh) and n == (nh if ACT == 1 else 2 * nh)
+                x = fp8_act.swiglu(y) if ACT == 1 else fp8_act.swiglu_grad(x, y)
             assert (m, n) == tuple(x.shape) and grid == (-(-m // BM), -(-n // BN))
             assert NA >= na and NA & (NA - 1) == 0  # a power of two holding the amaxes
+            if AMAX_ONLY:
+                amax.copy_(torch.maximum(amax, x.float().abs().max()))
+                return
             if FROM_AMAX:  # s: the amaxes; the scale made from their max, written with its inverse
                 a = amax[:na].max().double().clamp(min=1e-12)
                 scale = (FMAX / a).float()
@@ -378,7 +387,7 @@ def test_a_failing_kernel_is_logged_once_and_not_tried_again(monkeypatch, caplog
     with caplog.at_level(logging.WARNING, logger="megatron_overlap"):
         assert not k.run("cast_transpose", args, False)
         assert not k.run("cast_transpose", args, False)
-    assert len(calls) == 1 and k._broken == set(k.KERNELS)  # no Triton: none tried again
+    assert len(calls) == 1 and k._broken == set(k.EVERY)  # no Triton: none tried again
     assert sum("its Triton kernel failed" in r.message for r in caplog.records) == 1
 
 
@@ -436,3 +445,47 @@ def test_a_scaled_gemm_refuses_an_inverse_cublaslt_cannot_take():
     with pytest.raises(ValueError, match="ScaledGemm: the inverse of scale b lies 4 bytes .*"
                                          "cuBLASLt refuses"):
         f.ScaledGemm(pair, off, torch.bfloat16, fast_accum=False)
+
+
+@pytest.mark.parametrize("act,chunks", [("swiglu", (1, 1)), ("swiglu", (2, 4)),
+                                        ("swiglu_grad", (1, 1))])
+@pytest.mark.parametrize("delayed", [False, True], ids=["current", "delayed"])
+def test_the_swiglu_casts_launch_one_kernel_each_with_the_eager_bytes(kernel, act, chunks,
+                                                                      delayed):
+    """`fp8_kernels.run_act` (what overlap.fp8_act runs on a GPU) gives the bytes of
+    overlap.fp8_act's eager path: current scaling an amax launch (writing nothing) and a
+    cast, delayed one cast that reduces its amax; rows chunk-major, the transposed copy."""
+    gen = torch.Generator().manual_seed(5)
+    y = (torch.randn(64, 96, generator=gen) * 3).bfloat16()
+    g = torch.randn(64, 48, generator=gen).bfloat16() if act == "swiglu_grad" else None
+    n = 48 if act == "swiglu" else 96
+    fp8 = E4M3 if act == "swiglu" else torch.float8_e5m2
+    state = None
+    if delayed:
+        state = f.AmaxHistory(4, torch.device("cpu"))
+        state.scale.copy_(f.pair_of(torch.tensor(4.0)))
+
+    def outs():
+        return (torch.empty(64, n, dtype=fp8), torch.empty(n, 64, dtype=fp8), f.scale_pair("cpu"),
+                torch.empty((), dtype=torch.float32))
+    o, ot, pair, amax = outs()
+    kw = dict(o=o, ot=ot, used=pair, chunks=chunks)
+    if delayed:
+        assert k.run_act(act, "delayed", False, y, g, amax, scale=state.scale, **kw)
+    else:
+        assert k.run_act(act, "amax", False, y, g, amax)
+        assert k.run_act(act, "current", False, y, g, amax, **kw)
+    modes = [(x["ACT"], x["AMAX_ONLY"], x["CHUNK_MAJOR"]) for x in kernel.launches]
+    want_act = 1 if act == "swiglu" else 2
+    assert modes == ([(want_act, False, chunks != (1, 1))] if delayed else
+                     [(want_act, True, False), (want_act, False, chunks != (1, 1))])
+    eo, eot, epair, eamax = outs()
+    fp8_act.quantized(act, y, g, fp8, epair, eo, eot, None if chunks == (1, 1) else chunks,
+                      state, eamax)
+    for a, b in ((o, eo), (ot, eot), (pair, epair), (amax, eamax)):
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                           b.view(torch.uint8) if b.element_size() == 1 else b)
+    # what it declines: an odd width, a gradient of another shape
+    assert k.act_launch(act, "amax", y[:, :95].contiguous(), g, amax) is None
+    if g is not None:
+        assert k.act_launch(act, "amax", y, g[:32], amax) is None

@@ -235,21 +235,32 @@ class Fp8Forward:
     quantizes, or, with `reuse`, only reads). `input_t` (tensorwise): the input's cast also
     writes it transposed (`x8t`), what a wgrad on this rank's own, ungathered input takes,
     kept for the backward in place of `x8`. `delayed`: the layer's DelayedScales (fp8_recipe
-    'delayed'), whose histories give the scales and record the amaxes."""
+    'delayed'), whose histories give the scales and record the amaxes. `given`: the input
+    already quantized for this pass by the kernel that made it (`fp8_act.Fp8Activation`,
+    tensorwise or delayed): its FP8 tensors, scale and amax are this pass's, not cast
+    again."""
 
     def __init__(self, p: Precision, rows: torch.Tensor, weight: torch.Tensor,
                  cache: Optional[Fp8WeightCache] = None, reuse: bool = False,
                  input_t: bool = False, weight_t: bool = True,
-                 delayed: Optional[DelayedScales] = None):
-        self.p, self.delayed = p, delayed
+                 delayed: Optional[DelayedScales] = None, given=None):
+        self.p, self.delayed, self.given = p, delayed, given
         self.rowwise = p.recipe == "rowwise"
         tokens, k = rows.shape
         f32 = dict(dtype=torch.float32, device=rows.device)
-        self.x8 = torch.empty((tokens, k + TAIL) if self.rowwise else rows.shape, dtype=p.fwd,
-                              device=rows.device)
-        self.x8t = (torch.empty((k, tokens), dtype=p.fwd, device=rows.device)
-                    if input_t and not self.rowwise else None)
-        self.x_scale = scale_pair(rows.device)  # (row-wise: unused, the scales are in x8)
+        if given is not None:
+            if (self.rowwise or given.fp8.dtype != p.fwd or (given.fp8_t is not None) != input_t
+                    or (given.amax is None) != (delayed is None)):
+                raise ValueError(f"an FP8 input made for {given.fp8.dtype}, transposed copy "
+                                 f"{given.fp8_t is not None}, does not fit a pass that casts "
+                                 f"{p.fwd} ({p.recipe}), transposed copy {input_t}")
+            self.x8, self.x8t, self.x_scale = given.fp8, given.fp8_t, given.scale
+        else:
+            self.x8 = torch.empty((tokens, k + TAIL) if self.rowwise else rows.shape,
+                                  dtype=p.fwd, device=rows.device)
+            self.x8t = (torch.empty((k, tokens), dtype=p.fwd, device=rows.device)
+                        if input_t and not self.rowwise else None)
+            self.x_scale = scale_pair(rows.device)  # (row-wise: unused, the scales are in x8)
         self.quantize_weight = not reuse
         if cache is not None and not self.rowwise:
             self.w8, self.w_scale, self.w8t = cache.tensors(weight, p.fwd)
@@ -292,6 +303,11 @@ class Fp8Forward:
         if chunks is not None and self.rowwise:
             raise ValueError(f"{op}: an input with row-wise scales is not cast chunk-major")
         fwd, fwd_fast = self.p.fwd, self.p.fast_accum("fprop")
+        given = self.given  # the input cast already (`fp8_act`): only the weight is cast here
+        if given is not None and (gathered or given.chunks != chunks):
+            raise ValueError(f"{op}: an FP8 input made with rows {given.chunks or 'in order'} "
+                             f"and its own amax does not fit this pass (rows "
+                             f"{chunks or 'in order'}{', gathered' if gathered else ''})")
         if self.rowwise:  # each row its own scale: nothing to exchange before a gather
             rows_quantized(x2, fwd, out=self.x8)
             self.w_scale.copy_(row_scales(weight, fwd))
@@ -303,16 +319,21 @@ class Fp8Forward:
             # the input's amax and the weight's, side by side: the exchange `record` makes,
             # of one size on every rank (where the weight is not quantized, its place is
             # exchanged unread)
-            self._amaxes = torch.empty(2, dtype=torch.float32, device=x2.device)
-            d.quantize("input", x2, fwd, self.x_scale, self._amaxes[0], out=self.x8,
-                       out_t=self.x8t, chunks=chunks)
+            if given is not None:
+                self._amaxes = given.amax
+            else:
+                self._amaxes = torch.empty(2, dtype=torch.float32, device=x2.device)
+                d.quantize("input", x2, fwd, self.x_scale, self._amaxes[0], out=self.x8,
+                           out_t=self.x8t, chunks=chunks)
             if self.quantize_weight:
                 d.quantize("weight", weight, fwd, self.w_scale, self._amaxes[1], out=self.w8,
                            out_t=self.w8t)
             return self.x8, self.w8, ScaledGemm(self.x_scale, self.w_scale, out_dtype,
                                                 fast_accum=fwd_fast)
-        a = group_amaxes(x2, tp, f"{op}_amax") if gathered else amax(x2)
-        quantize_current(x2, a, fwd, self.x_scale, out=self.x8, out_t=self.x8t, chunks=chunks)
+        if given is None:
+            a = group_amaxes(x2, tp, f"{op}_amax") if gathered else amax(x2)
+            quantize_current(x2, a, fwd, self.x_scale, out=self.x8, out_t=self.x8t,
+                             chunks=chunks)
         if self.quantize_weight:  # with the dgrad's layout (cached: made once per step)
             quantize_current(weight, amax(weight), fwd, self.w_scale, out=self.w8,
                              out_t=self.w8t)
@@ -331,6 +352,7 @@ class Fp8Backward:
         self.p, self.w8t, self.w_scale, self.x_scale = p, w8t, w_scale, x_scale
         self.rowwise, self.weight, self.delayed = p.recipe == "rowwise", weight, delayed
         self._amax: Optional[torch.Tensor] = None  # delayed: the gradient's, for `record`
+        self.given = None  # the gradient, quantized before the pass (`grad`)
         if delayed is not None:  # made before the pass: its replay key holds their addresses
             delayed.get("grad", w_scale.device)
 
@@ -344,7 +366,10 @@ class Fp8Backward:
         its cast): the wgrad's layout of a gradient not gathered). Tensorwise: the
         TP group's amax when `gathered`; delayed: the history's scale, the group's amax
         recorded by `record` at the pass's end ('<op>_amax'). Row-wise: (g row-scaled,
-        None, None), its rows' amaxes."""
+        None, None), its rows' amaxes. `given` set (an `fp8_act.Fp8Activation`, the
+        gradient quantized by the kernel that made it): its FP8 tensors, not cast again."""
+        if self.given is not None:
+            return self._given_grad(op, gathered, col)
         if self.rowwise:
             return rows_quantized(g, self.p.grad), None, None
         if self.delayed is None:
@@ -354,6 +379,19 @@ class Fp8Backward:
         self._amax = torch.empty((), dtype=torch.float32, device=g.device)
         g8 = self.delayed.quantize("grad", g, self.p.grad, g_scale, self._amax, out_t=t)
         return g8, g_scale, (None if t is None else t.t())
+
+    def _given_grad(self, op: str, gathered: bool, col: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        g = self.given
+        if (self.rowwise or gathered or g.chunks is not None or g.fp8.dtype != self.p.grad
+                or (col and g.fp8_t is None) or (g.amax is None) != (self.delayed is None)):
+            raise ValueError(f"{op}: an FP8 gradient made as {g.fp8.dtype}"
+                             f"{', transposed' if g.fp8_t is not None else ''} with its own "
+                             f"amax does not fit this pass ({self.p.grad}, {self.p.recipe}"
+                             f"{', gathered' if gathered else ''}"
+                             f"{', transposed for the wgrad' if col else ''})")
+        self._amax = g.amax
+        return g.fp8, g.scale, (g.fp8_t.t() if col else None)
 
     def record(self, tp: Transport, op: str) -> None:
         """Delayed scaling, at the end of the backward pass: the gradient's amax recorded

@@ -26,6 +26,7 @@ from ..overlap.fp8 import row_input_chunks
 from ..overlap.replay import PassGraphs
 from ..overlap.streams import ChunkStreams, plain
 from .fp8 import DelayedScales, Fp8Backward, Fp8Forward, col_major
+from .fp8_act import Fp8Activation
 from .plan import LayerPlan
 from .precision import Precision
 from .wgrad import accumulates, grad_buffer, grad_for_autograd, main_grad_written, weight_grad
@@ -321,7 +322,7 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
 # -- autograd ------------------------------------------------------------------------------
 def _fp8_forward(precision: Optional[Precision], x: torch.Tensor, weight: torch.Tensor,
                  fp8_weight: Optional[tuple] = None, own_input: bool = False,
-                 grad_mode: bool = True, delayed: Optional[DelayedScales] = None
+                 grad_mode: bool = True, delayed: Optional[DelayedScales] = None,
                  ) -> Optional[Fp8Forward]:
     """The FP8 forward's operands; `fp8_weight`: (the layer's Fp8WeightCache, reuse) or None;
     `delayed`: the layer's DelayedScales (fp8_recipe 'delayed').
@@ -329,12 +330,15 @@ def _fp8_forward(precision: Optional[Precision], x: torch.Tensor, weight: torch.
     column layer without SP): its cast also writes the wgrad's layout when an FP8 wgrad
     will run. `grad_mode`: autograd was on at the call (inside the Function it never is),
     so a backward may follow; without one no layout for it is written (an uncached
-    weight's neither)."""
+    weight's neither). `x` an `Fp8Activation`: the input quantized for this pass already."""
+    given = x if isinstance(x, Fp8Activation) else None
     if precision is None or not precision.fp8:
+        if given is not None:
+            raise ValueError("an FP8 input reached a linear that does not run FP8")
         return None
     input_t = own_input and precision.wgrad and weight.requires_grad and grad_mode
-    return Fp8Forward(precision, _flat(x), weight, *(fp8_weight or (None, False)),
-                      input_t=input_t, weight_t=grad_mode, delayed=delayed)
+    return Fp8Forward(precision, _rows(x), weight, *(fp8_weight or (None, False)),
+                      input_t=input_t, weight_t=grad_mode, delayed=delayed, given=given)
 
 
 def _fp8_static(q: Optional[Fp8Forward]) -> tuple:
@@ -372,11 +376,12 @@ def _forward(ctx, fprop, x: torch.Tensor, weight: torch.Tensor, bias, seq: int,
     final shape (`seq` long: no host-side view after a replay), and `fprop` (the layer's
     forward pass function) run as the transport pass 'fprop', replayed where it can be."""
     _save(ctx, x, weight, q)
-    out = x.new_empty((seq, *x.shape[1:-1], weight.shape[0]))
+    out = torch.empty((seq, *x.shape[1:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    rows = _rows(x)  # (an Fp8Activation: its FP8 rows, which the pass reads)
     _run(graphs, "fprop", tp,
-         lambda: fprop(_flat(x), weight, bias, _flat(out), plan, tp, layouts.get("fprop"), q),
-         x, weight, bias, out, *(q.tensors() if q is not None else ()), static=_fp8_static(q),
-         audit=audit)
+         lambda: fprop(rows, weight, bias, _flat(out), plan, tp, layouts.get("fprop"), q),
+         rows, weight, bias, out, *(q.tensors() if q is not None else ()),
+         static=_fp8_static(q), audit=audit)
     return out
 
 
@@ -391,6 +396,29 @@ def token_rows(t: torch.Tensor) -> int:
 
 def _flat(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return None if t is None else t.reshape(-1, t.shape[-1])  # (None: a frozen layer's input)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """`_flat(t)`; of an `Fp8Activation`, its FP8 rows (never its values dequantized)."""
+    return t.fp8 if isinstance(t, Fp8Activation) else _flat(t)
+
+
+def _given_grad(grad_out: torch.Tensor, q: Optional[Fp8Backward], bias: bool) -> torch.Tensor:
+    """The output gradient's rows; an `Fp8Activation` (quantized by the kernel that made
+    it, `fp8_act`) handed to the FP8 backward `q`, its FP8 rows returned."""
+    if not isinstance(grad_out, Fp8Activation):
+        return _flat(grad_out)
+    if q is None or bias:
+        raise ValueError("an FP8 gradient reached a linear whose backward does not run FP8 "
+                         "or that sums it for its bias")
+    q.given = grad_out
+    return grad_out.fp8
+
+
+def _given_tensors(q: Optional[Fp8Backward]) -> tuple:
+    """What of a given FP8 gradient a replayed pass reads beyond its rows (bound by address)."""
+    g = None if q is None else q.given
+    return () if g is None else (g.fp8_t, g.scale, g.amax)
 
 
 class ColumnParallelMatmul(torch.autograd.Function):
@@ -419,17 +447,19 @@ class ColumnParallelMatmul(torch.autograd.Function):
         if not (need_in or wgrad):  # frozen weight, input without grad: only a bias trains
             grad_b = _flat(grad_out).sum(0) if need_b else None
             return None, None, grad_b, *(None,) * 11
-        grad_in, grad_w = _grad_in(ctx, weight), grad_buffer(weight, grad_out, fuse, wgrad)
-        grad_b = grad_out.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
+        g = _given_grad(grad_out, q, ctx.use_bias)  # (an Fp8Activation: its FP8 rows, given to q)
+        grad_in = _grad_in(ctx, weight)
+        grad_w = grad_buffer(weight, grad_in, fuse, wgrad)
+        grad_b = grad_in.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
         full = gathered_input(_flat(x), plan, tp, wgrad)
         # whether the wgrad runs changes what the pass issues: part of its replay key
         _run(ctx.graphs, "bwd", tp,
-             lambda: column_bwd(_flat(grad_out), _flat(x), weight, _flat(grad_in), grad_w, grad_b,
+             lambda: column_bwd(g, _flat(x), weight, _flat(grad_in), grad_w, grad_b,
                                 plan, tp, ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad, wgrad, q,
                                 full),
-             grad_out, x, weight, grad_in, grad_w, grad_b, full, main_grad_written(weight, fuse, wgrad),
-             *(q.tensors() if q is not None else ()), static=(ctx.allreduce_dgrad, wgrad),
-             audit=ctx.audit)
+             g, x, weight, grad_in, grad_w, grad_b, full, main_grad_written(weight, fuse, wgrad),
+             *(q.tensors() if q is not None else ()), *_given_tensors(q),
+             static=(ctx.allreduce_dgrad, wgrad), audit=ctx.audit)
         grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
         return grad_in, grad_w, grad_b, *(None,) * 11
 

@@ -11,7 +11,7 @@ from ..config.names import FAST_ACCUM_DEFAULT
 from ..layers import precision
 from ..overlap import replay, streams
 from . import attention as core_attention
-from . import norms, recompute, swap
+from . import mlp, norms, recompute, swap
 
 log = logging.getLogger("megatron_overlap")
 _previous: list[tuple[state.State | None, tuple]] = []
@@ -32,19 +32,20 @@ def _check_knobs(graphs, gemm_streams, inter, timeout_s, fp8_scaling, fp8_fast_a
 
 def _set_knobs(knobs: tuple) -> tuple:
     """(graphs, gemm_streams, inter_backend, timeout_s, attention, fp8_scaling,
-    fp8_fast_accum) overrides in force; returns the previous ones."""
-    graphs, gemm_streams, inter, timeout_s, attention, fp8_scaling, fast = knobs
+    fp8_fast_accum, fp8_fused_activation) overrides in force; returns the previous ones."""
+    graphs, gemm_streams, inter, timeout_s, attention, fp8_scaling, fast, fused_act = knobs
     return (replay.set_enabled(graphs), streams.set_default_gemm_streams(gemm_streams),
             comm.set_inter_backend(inter), envvars.set_timeout_s(timeout_s),
             core_attention.set_mode(attention), precision.choose("fp8_scaling", fp8_scaling),
-            precision.choose("fp8_fast_accum", fast))
+            precision.choose("fp8_fast_accum", fast), mlp.set_enabled(fused_act))
 
 
 def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool | None = None,
             gemm_streams: int | None = None, inter_backend: str | None = None,
             timeout_s: float | None = None, attention: str = "torch",
             fp8_scaling: str = "tensorwise",
-            fp8_fast_accum: str = FAST_ACCUM_DEFAULT) -> OverlapConfig:
+            fp8_fast_accum: str = FAST_ACCUM_DEFAULT,
+            fp8_fused_activation: bool = True) -> OverlapConfig:
     """Turn the overlap on for layers built from now on: Megatron's TP linears
     built for the 'qkv' / 'proj' / 'fc1' / 'fc2' buffers of a config with
     `tp_comm_overlap=True` become overlapped, torch norms accept sequence
@@ -77,17 +78,26 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool
     fp8_fast_accum: the FP8 GEMMs that accumulate fast (torch._scaled_mm's use_fast_accum:
     on Hopper the tensor cores' accumulator, not promoted to fp32 as the sum goes): "fprop"
     (the forward GEMM, as Transformer Engine's recipes and torchao's Float8Linear run it),
-    "none", or "all" (the dgrad and wgrad too: faster, less exact)."""
+    "none", or "all" (the dgrad and wgrad too: faster, less exact).
+
+    fp8_fused_activation: an FP8 MLP's SwiGLU writes fc2's FP8 input and, in the backward,
+    fc1's FP8 output gradient itself, in one kernel each (Transformer Engine's activations
+    write FP8 too), where the linears otherwise read its bf16 output again to cast it
+    (`megatron.mlp`); False keeps Megatron's SwiGLU."""
     envvars.check_all()  # a bad MEGATRON_OVERLAP_* value fails here, naming it
     if backend != "auto":
         comm.resolve_backend(backend)  # fail now, not at the first forward
     _check_knobs(graphs, gemm_streams, inter_backend, timeout_s, fp8_scaling, fp8_fast_accum)
+    if not isinstance(fp8_fused_activation, bool):
+        raise ValueError(f"megatron_overlap.install: fp8_fused_activation must be True or "
+                         f"False, not {fp8_fused_activation!r}")
     core_attention.check(attention)
     new = state.make(ub_cfgs, backend)
     previous_knobs = _set_knobs((graphs, gemm_streams, inter_backend, timeout_s, attention,
-                                 fp8_scaling, fp8_fast_accum))
+                                 fp8_scaling, fp8_fast_accum, fp8_fused_activation))
     if not _previous:
         swap.patch()
+        mlp.patch()
         norms.patch()
         core_attention.patch()
         recompute.patch()
@@ -110,6 +120,7 @@ def uninstall() -> None:
     _set_knobs(knobs)
     if not _previous:
         swap.unpatch()
+        mlp.unpatch()
         norms.unpatch()
         core_attention.unpatch()
         recompute.unpatch()

@@ -156,7 +156,7 @@ def _launch(name: str, args: tuple, chunks: tuple[int, int] = (1, 1),
         if (x.dim() != 2 or not (x.is_contiguous() and ot.is_contiguous())
                 or ot.shape != x.shape[::-1] or x.element_size() != 1 or ot.element_size() != 1):
             return None  # (bytes only: the kernel moves them as uint8)
-        x2, tensors = x, (x, x, x, ot, x, x)
+        x2, tensors = x, (x, x, x, ot, x, x, x)
         flags, na = dict(CAST=False, WRITE_T=True, AMAX=False, FROM_AMAX=False, FMAX=0.0), 1
     elif name.startswith("current_cast"):
         (x, amaxes, pair, o), ot = args[:4], (args[4] if len(args) > 4 else None)
@@ -167,7 +167,7 @@ def _launch(name: str, args: tuple, chunks: tuple[int, int] = (1, 1),
                 or not amaxes.device == pair.device == x.device):
             return None
         x2, o2 = layout
-        tensors = (x2, amaxes, o2, ot if ot is not None else o2, pair, amaxes)
+        tensors = (x2, amaxes, o2, ot if ot is not None else o2, pair, amaxes, x2)
         flags = dict(CAST=True, WRITE_T=ot is not None, AMAX=False, FROM_AMAX=True,
                      FMAX=float(torch.finfo(o.dtype).max))
     else:
@@ -187,7 +187,7 @@ def _launch(name: str, args: tuple, chunks: tuple[int, int] = (1, 1),
         x2, o2 = layout
         scale = scale.reshape(()) if amax is None else scale
         tensors = (x2, scale, o2, ot if ot is not None else o2,
-                   used if used is not None else scale, amax if amax is not None else scale)
+                   used if used is not None else scale, amax if amax is not None else scale, x2)
         flags = dict(CAST=True, WRITE_T=ot is not None, AMAX=amax is not None, FROM_AMAX=False,
                      FMAX=float(torch.finfo(o.dtype).max))
         na = 1
@@ -199,10 +199,74 @@ def _launch(name: str, args: tuple, chunks: tuple[int, int] = (1, 1),
         return None
     # a float32 x's transposed copy from the bytes written to o (fp8_triton.cast_t says why)
     t_from_o = flags["CAST"] and flags["WRITE_T"] and x2.dtype == torch.float32
-    return Launch("cast_t", tensors, (m, n, na, *chunks),
+    return Launch("cast_t", tensors, (m, n, na, *chunks, 0),
                   {**flags, "T_FROM_O": t_from_o, "CHUNK_MAJOR": chunk_major,
-                   "NA": triton_pow2(na), "BM": bm, "BN": bn},
+                   "NA": triton_pow2(na), "ACT": 0, "AMAX_ONLY": False, "BM": bm, "BN": bn},
                   (-(-m // bm), -(-n // bn)), warps)
+
+
+ACTS = {"swiglu": 1, "swiglu_grad": 2}  # fp8_triton.swiglu_tile's ACT of each activation
+ACT_MODES = ("amax", "current", "delayed")
+EVERY = (*KERNELS, *(f"{a}_{m}" for a in ACTS for m in ACT_MODES))  # every name `_go` runs
+
+
+def act_launch(act: str, mode: str, y: torch.Tensor, g: Optional[torch.Tensor],
+               amax: torch.Tensor, o: Optional[torch.Tensor] = None,
+               ot: Optional[torch.Tensor] = None, scale: Optional[torch.Tensor] = None,
+               used: Optional[torch.Tensor] = None, chunks: tuple[int, int] = (1, 1)
+               ) -> Optional[Launch]:
+    """The cast kernel with `act` made in its tiles from y ([..., 2 h] contiguous: gate,
+    up) and, for 'swiglu_grad', the output gradient g ([..., h], y's dtype): `mode`
+    'amax' (max |x| into `amax`, nothing written), 'current' (the scale from the amax
+    at `amax`, written with its inverse into the pair `used`, then the cast) or
+    'delayed' (the cast with the pair `scale`, copied into `used`, its amax into
+    `amax`); o [m, n] (chunk-major with `chunks`) and ot [n, m] as the other casts'.
+    None where these tensors do not fit."""
+    y2 = _flat2d(y)
+    if y2 is None or y2.shape[1] % 2 or not y2.is_floating_point() or y2.numel() == 0:
+        return None
+    m, nh = y2.shape[0], y2.shape[1] // 2
+    n = nh if act == "swiglu" else 2 * nh
+    g2 = None if g is None else _flat2d(g)
+    if (act not in ACTS or mode not in ACT_MODES or (g2 is None) != (act == "swiglu")
+            or (g2 is not None and (g2.shape != (m, nh) or g2.dtype != y2.dtype))
+            or amax.dtype != torch.float32 or amax.numel() != 1 or -(-n // BLOCK[1]) > MAX_GRID_Y):
+        return None
+    if mode != "amax":
+        o2 = None if o is None else _flat2d(o)
+        pairs = (used,) if mode == "current" else (scale, used)
+        if (o2 is None or o2.shape != (m, n) or o2.element_size() != 1
+                or any(t is None or t.dtype != torch.float32 or t.shape != PAIR
+                       or not t.is_contiguous() for t in pairs)
+                or (ot is not None and (not ot.is_contiguous() or ot.shape != (n, m)))):
+            return None
+    if chunks != (1, 1) and (mode == "amax" or min(chunks) < 1 or m % (chunks[0] * chunks[1])):
+        return None
+    x = g2 if g2 is not None else y2  # (the kernel's x_ptr: the output gradient, or unread)
+    o2 = o2 if mode != "amax" else x
+    amax = amax.reshape(1)  # (current: the amaxes the scale is made from, one here)
+    t = (x, amax if mode == "current" else (scale if mode == "delayed" else amax), o2,
+         ot if ot is not None else o2, used if used is not None else amax, amax, y2)
+    fmax = float(torch.finfo(o2.dtype).max) if mode != "amax" else 0.0
+    bm, bn, warps = BLOCK
+    # the transposed copy from the bytes written to o, as a float32 x's (fp8_triton.cast_t)
+    flags = dict(FMAX=fmax, CAST=True, WRITE_T=ot is not None and mode != "amax",
+                 AMAX=mode == "delayed", FROM_AMAX=mode == "current", T_FROM_O=True,
+                 CHUNK_MAJOR=chunks != (1, 1), NA=1, ACT=ACTS[act], AMAX_ONLY=mode == "amax",
+                 BM=bm, BN=bn)
+    return Launch("cast_t", t, (m, n, 1, *chunks, nh), flags, (-(-m // bm), -(-n // bn)), warps)
+
+
+def run_act(act: str, mode: str, capturing: bool, y: torch.Tensor, g: Optional[torch.Tensor],
+            amax: torch.Tensor, **kw) -> bool:
+    """`act_launch`'s kernel run (its amax zeroed first where it reduces one); False where
+    it does not run (`run`'s reasons)."""
+    launch = None if f"{act}_{mode}" in _broken else act_launch(act, mode, y, g, amax, **kw)
+    if launch is None:
+        return False
+    if mode != "current":
+        amax.zero_()  # the atomic max's start (|x| >= 0)
+    return _go(f"{act}_{mode}", launch, capturing)
 
 
 def run(name: str, args: tuple, capturing: bool, chunks: tuple[int, int] = (1, 1),
@@ -213,12 +277,20 @@ def run(name: str, args: tuple, capturing: bool, chunks: tuple[int, int] = (1, 1
     (a compile there could break the capture: the caller's kernels run instead, as
     `_run_compiled`'s do). `chunks`: a cast's output rows chunk-major (`_launch`);
     `consts`: its constants beside the tensors (`_launch`)."""
-    global _kernels
     if name in _broken:
         return False
     launch = _launch(name, args, chunks, consts)
     if launch is None:
         return False
+    if name == "amax":
+        args[1].zero_()  # the atomic max's start (|x| >= 0)
+    return _go(name, launch, capturing)
+
+
+def _go(name: str, launch: Launch, capturing: bool) -> bool:
+    """`launch` run for kernel `name` (`run`'s rules: compiled outside a capture only, a
+    failure logged once and not tried again)."""
+    global _kernels
     t = launch.tensors
     # what Triton compiles a variant for: the kernel, its flags, each pointer's dtype and
     # 16-byte alignment, each size's divisibility by 16, whether it is 1 and whether it
@@ -231,14 +303,12 @@ def run(name: str, args: tuple, capturing: bool, chunks: tuple[int, int] = (1, 1
     try:
         if _kernels is None:
             _kernels = _make()
-        if name == "amax":
-            t[1].zero_()  # the atomic max's start (|x| >= 0)
         _kernels[launch.kernel][launch.grid](*t, *launch.sizes, num_warps=launch.warps,
                                             **launch.flags)
     except Exception as exc:  # noqa: BLE001  (no Triton, or it failed: the caller's kernels run)
         if capturing:
             raise
-        _broken.update(KERNELS if _kernels is None else (name,))  # no Triton here: none runs
+        _broken.update(EVERY if _kernels is None else (name,))  # no Triton here: none runs
         log.warning("megatron_overlap: FP8 %s runs as compiled kernels: its Triton kernel "
                     "failed (%s: %s)", name, type(exc).__name__, exc)
         return False

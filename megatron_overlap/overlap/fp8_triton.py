@@ -60,11 +60,31 @@ def chunk_major_row(r, m, blocks, chunks):
     return ((r // sub) % chunks * blocks + r // (sub * chunks)) * sub + r % sub
 
 
+@triton.jit
+def swiglu_tile(g_ptr, y_ptr, rm, rn, mask, nh, ACT: tl.constexpr):
+    """A [BM, BN] tile of a SwiGLU's output (ACT 1: silu(gate) * up, columns of [m, nh]) or
+    input gradient (ACT 2: [d gate, d up], columns of [m, 2 nh], from the output gradient
+    g [m, nh]), in float32 from y = [gate, up] ([m, 2 nh]): overlap.fp8_act's eager
+    definition (Megatron's swiglu and swiglu_back), term for term."""
+    col = rn if ACT == 1 else tl.where(rn < nh, rn, rn - nh)
+    at = rm[:, None].to(tl.int64) * (2 * nh) + col[None, :]
+    gate = tl.load(y_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(y_ptr + at + nh, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    if ACT == 1:
+        return gate * sig * up
+    g = tl.load(g_ptr + rm[:, None].to(tl.int64) * nh + col[None, :], mask=mask,
+                other=0.0).to(tl.float32)
+    return tl.where(rn[None, :] < nh, g * sig * (1.0 + gate * (1.0 - sig)) * up,
+                    g * (gate * sig))
+
+
 @triton.jit  # (m, n specialized as Triton does: 16-divisible rows vectorize its accesses)
-def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, blocks, chunks,
-           FMAX: tl.constexpr, CAST: tl.constexpr, WRITE_T: tl.constexpr, AMAX: tl.constexpr,
-           FROM_AMAX: tl.constexpr, T_FROM_O: tl.constexpr, CHUNK_MAJOR: tl.constexpr,
-           NA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, y_ptr, m, n, na, blocks, chunks,
+           nh, FMAX: tl.constexpr, CAST: tl.constexpr, WRITE_T: tl.constexpr,
+           AMAX: tl.constexpr, FROM_AMAX: tl.constexpr, T_FROM_O: tl.constexpr,
+           CHUNK_MAJOR: tl.constexpr, NA: tl.constexpr, ACT: tl.constexpr,
+           AMAX_ONLY: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """One [BM, BN] tile of x [m, n]: with CAST, saturate(fp32(x) * scale) into o and,
     with WRITE_T, transposed into ot; the scale read at s_ptr, or with FROM_AMAX made
     from the `na` amaxes at amax_ptr (current scaling: the TP group's) and written with
@@ -72,7 +92,10 @@ def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, blocks, ch
     and the pair into used; without CAST, x's bytes transposed into ot. T_FROM_O: the
     transposed copy made from the tile's bytes just written to o (read back), not from
     the values in registers. CHUNK_MAJOR: o's rows in the chunk-major order of `blocks`
-    x `chunks` (`chunk_major_row`); ot keeps x's order."""
+    x `chunks` (`chunk_major_row`); ot keeps x's order. ACT: x is not read but made from
+    y [m, 2 nh], a SwiGLU's input (gate, then up): ACT 1 its output, x [m, nh]; ACT 2 its
+    input gradient, x [m, 2 nh], from x_ptr, the output gradient [m, nh] (`swiglu_tile`).
+    AMAX_ONLY: max |x| into amax, nothing written (current scaling's amax of a made x)."""
     pm, pn = tl.program_id(0), tl.program_id(1)
     rm = pm * BM + tl.arange(0, BM)
     rn = pn * BN + tl.arange(0, BN)
@@ -83,7 +106,13 @@ def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, blocks, ch
     else:
         offs_o = offs
     if CAST:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if ACT == 0:
+            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            x = swiglu_tile(x_ptr, y_ptr, rm, rn, mask, nh, ACT)
+    if AMAX_ONLY:
+        amax_into(x, amax_ptr)
+    elif CAST:
         if FROM_AMAX:
             s = scale_from(amax_ptr, na, FMAX, NA)
             if (pm == 0) & (pn == 0):
@@ -101,7 +130,7 @@ def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, m, n, na, blocks, ch
             if (pm == 0) & (pn == 0):
                 pair = tl.arange(0, 2)
                 tl.store(used_ptr + pair, tl.load(s_ptr + pair))
-    if WRITE_T:
+    if WRITE_T and not AMAX_ONLY:
         if T_FROM_O:
             # With a float32 x, the tile transposed from its registers came out with whole
             # rows of the transposed copy unwritten on an H100 (rows 1, 5, 9, ... of each
