@@ -247,11 +247,49 @@ def compiled_kernels(ledger: Ledger):
         fp8._run_compiled = original
 
 
+@contextlib.contextmanager
+def fused_activation(ledger: Ledger):
+    """A GPU's SwiGLU fused with its casts (`overlap.fp8_act._fused`, CUDA only) as the
+    kernels it launches: current scaling an amax (reading y, and the gradient, writing its
+    scalar) and a cast (reading them again and the amax, writing the FP8 layouts and the
+    scale pair); delayed scaling one cast (reading the history's scale too, writing the
+    amax beside). The same numbers (its eager definition, unrecorded)."""
+    from megatron_overlap.overlap import fp8, fp8_act
+
+    def fused(act, y, g, dtype, pair, out, out_t, chunks, state, amax_out) -> bool:
+        if not fp8._fusing:
+            return False
+        with _disable_current_modes():
+            before = fp8.set_fused(False)
+            try:
+                fp8_act._eager(act, y, g, dtype, pair, out, out_t, chunks, state, amax_out)
+            finally:
+                fp8.set_fused(before)
+        ins = [t for t in (y, g) if t is not None]
+        read, shapes = sum(map(_bytes, ins)), [list(t.shape) for t in ins]
+        written = sum(_bytes(t) for t in (out, out_t, pair) if t is not None)
+        if state is None:
+            ledger.add(Op(f"fused {act} amax", "reduction", _site(), ledger.phase, read, 4, 0.0,
+                          shapes))
+            ledger.add(Op(f"fused {act} cast", "fp8 cast", _site(), ledger.phase, read + 4,
+                          written, 0.0, shapes))
+        else:
+            ledger.add(Op(f"fused {act} cast", "fp8 cast", _site(), ledger.phase, read + 8,
+                          written + 4, 0.0, shapes))
+        return True
+
+    original, fp8_act._fused = fp8_act._fused, fused
+    try:
+        yield
+    finally:
+        fp8_act._fused = original
+
+
 def record(arm: lc.Arm, e: lc.Extras) -> list[Op]:
     """One warm-up step (the arm's own `step`: first-call work, and whatever an arm does
     before its steady state, out of the record), then one recorded step."""
     ledger = Ledger()
-    with compiled_kernels(ledger), ledger:
+    with compiled_kernels(ledger), fused_activation(ledger), ledger:
         arm.step(e)
         arm.x.grad = None
         for p in arm.layer.parameters():

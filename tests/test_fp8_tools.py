@@ -71,12 +71,21 @@ def test_fp8_layer_cpu(tmp_path):
     # fp8 arm's numbers (on CPU both run torch's kernels: equal)
     assert row["check"]["fp8_arms_max_rel"] == 0.0
     assert set(row["kernels"]) == {"bf16", "fp8", "fp8_eager_kernels", "fp8_later_micro",
-                                   "fp8_delayed", "fp8_accum_none", "fp8_accum_all"}
+                                   "fp8_delayed", "fp8_accum_none", "fp8_accum_all",
+                                   "fp8_unfused_act", "fp8_delayed_unfused_act"}
     # the arms of other accumulations say so; on CPU (one accumulation) as far from bf16 as fp8
     for arm, said in (("fp8", "fprop"), ("fp8_accum_none", "none"),
                       ("fp8_accum_all", "fprop, dgrad, wgrad")):
         assert row["check"]["precision"][arm][0].endswith(f"fast accumulation: {said})")
     assert all(v == row["check"]["max_rel_err"] for v in row["check"]["accum_max_rel_err"].values())
+    # Megatron's SwiGLU (bf16, then the linears' casts) in the FP8 arms that keep it; the
+    # fused one everywhere else: as far from bf16 as the fp8 arm, not its bits
+    mlp = row["check"]["mlp"]
+    assert mlp["bf16"] == mlp["fp8_unfused_act"] == mlp["fp8_delayed_unfused_act"] == "MLP"
+    assert mlp["fp8"] == mlp["fp8_delayed"] == "OverlapMLP"
+    unfused = row["check"]["unfused_act_max_rel_err"]
+    assert all(1e-3 < v <= row["check"]["tol_rel_norm"] and v != row["check"]["max_rel_err"]
+               for v in unfused.values()), unfused
     # delayed scaling (Megatron's default recipe) moved by FP8's rounding too, no more
     assert row["check"]["precision"]["fp8_delayed"][0].startswith("fp8 delayed")
     assert 1e-3 < row["check"]["delayed_max_rel_err"] <= row["check"]["tol_rel_norm"]
@@ -327,13 +336,21 @@ def test_layer_ledger_counts_what_the_fp8_layer_adds(tmp_path):
     assert len(casts) == 12  # per linear: input and weight, then the grad
     # each reads its bf16 tensor (2 bytes an element) and its amaxes (the TP group's for
     # the gathered tensors: the column inputs, the row gradients), writes its scale pair (8
-    # bytes) and 1 byte an element: the gathered tensors in one layout, the 8 others in
-    # both (cast-transpose: 2 bytes); no scale kernel of their own
+    # bytes) and 1 byte an element: the gathered tensors in one layout, the 6 others in
+    # both (cast-transpose: 2 bytes); no scale kernel of their own. fc2's input and fc1's
+    # gradient come out of the SwiGLU's kernels, in both layouts, from fc1's output (2 x
+    # 2 bytes an element of fc2's input) and, for the gradient, fc2's input gradient
     one = [o for o in casts if o["name"] == "compiled current_cast"]
     both = [o for o in casts if o["name"] == "compiled current_cast_t"]
-    assert len(one) == 4 and len(both) == 8, casts
+    assert len(one) == 4 and len(both) == 6, casts
     assert all(o["written"] - 8 == (o["read"] - 4 * tp) // 2 for o in one), one
     assert all(o["written"] - 8 == o["read"] - 4 for o in both), both
+    act = {o["name"]: o for o in casts if o["name"].startswith("fused ")}
+    assert set(act) == {"fused swiglu cast", "fused swiglu_grad cast"}, casts
+    assert act["fused swiglu cast"]["written"] - 8 == (act["fused swiglu cast"]["read"] - 4) // 2
+    g = act["fused swiglu_grad cast"]
+    assert (g["written"] - 8) * 3 == (g["read"] - 4) * 2  # reads g and y: 2 + 4 bytes, writes 2 x 2
+    assert all(act[n]["site"].startswith("overlap/fp8_act.py") for n in act), act
     assert not [o for o in row["ops"]["fp8"] if o["name"] in ("compiled scale", "reciprocal")]
     assert "fp8's largest sites of the rest" in r.stdout
     assert fp8["comm"]["mib"] < bf16["comm"]["mib"]  # the gathers move FP8

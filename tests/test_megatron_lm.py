@@ -132,7 +132,7 @@ def test_hooks_turn_tp_comm_init_into_install(fake_lm, installs):
         assert hasattr(getattr(mod, name), "__wrapped__"), f"{mod.__name__}.{name} not hooked"
     lm.initialize.initialize_megatron()
     assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch",
-                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop"}]
+                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop", "fp8_fused_activation": True}]
     assert lm.initialize.TE_CALLS == []
     args = lm.training.ARGS
     assert (args.tp_comm_overlap_impl, args.tp_comm_overlap_backend) == ("megatron_overlap", "symm")
@@ -152,7 +152,7 @@ def test_impl_without_tp_comm_overlap_installs_with_everything_off(fake_lm, inst
     hooks.install_hooks()
     lm.initialize.initialize_megatron()
     assert installs == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch",
-                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop"}]  # at validation: SP norms
+                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop", "fp8_fused_activation": True}]  # at validation: SP norms
     assert lm.initialize.TE_CALLS == []
 
 
@@ -168,7 +168,7 @@ def test_attention_choice_and_the_dataloaders_causal_masks(fake_lm, installs, ex
     hooks.install_hooks()
     lm.initialize.initialize_megatron()
     assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": attention,
-                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop"}]
+                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop", "fp8_fused_activation": True}]
     assert lm.training.ARGS.create_attention_mask_in_dataloader is masks
 
 
@@ -198,7 +198,7 @@ def test_packed_sequences_with_megatron_s_attention_stop_at_validation(fake_lm, 
     hooks.install_hooks()
     lm.initialize.initialize_megatron()
     assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch",
-                         "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop"}]
+                         "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop", "fp8_fused_activation": True}]
 
 
 def test_validation(fake_lm, installs):
@@ -218,7 +218,7 @@ def test_rowwise_scaling_flag_reaches_install_and_needs_fp8_tensorwise(fake_lm, 
     hooks.install_hooks()
     lm.initialize.initialize_megatron()
     assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch",
-                         "fp8_scaling": "rowwise", "fp8_fast_accum": "fprop"}]
+                         "fp8_scaling": "rowwise", "fp8_fast_accum": "fprop", "fp8_fused_activation": True}]
     for extra, said in (([], "--fp8-format None"), (["--fp8-format", "hybrid"], "--fp8-recipe delayed")):
         lm.arguments.ARGV[:] = OURS + rowwise + extra
         with pytest.raises(ValueError, match="needs --fp8-format and --fp8-recipe tensorwise") as e:
@@ -237,7 +237,7 @@ def test_fast_accumulation_flag_reaches_install_and_needs_our_impl(fake_lm, inst
     hooks.install_hooks()
     lm.initialize.initialize_megatron()
     assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch",
-                         "fp8_scaling": "tensorwise", "fp8_fast_accum": "all"}]
+                         "fp8_scaling": "tensorwise", "fp8_fast_accum": "all", "fp8_fused_activation": True}]
     lm.arguments.ARGV[:] = OURS + ["--megatron-overlap-fp8-fast-accum", "none"]  # no FP8 at all
     with pytest.raises(ValueError, match="--megatron-overlap-fp8-fast-accum none chooses the FP8 "
                                          "GEMMs that accumulate fast: it needs --fp8-format"):
@@ -248,6 +248,16 @@ def test_fast_accumulation_flag_reaches_install_and_needs_our_impl(fake_lm, inst
                                          "accumulation .* needs --tp-comm-overlap-impl megatron_overlap"):
         lm.initialize.initialize_megatron()
     assert len(installs) == 1 and lm.initialize.TE_CALLS == []
+
+
+def test_unfused_activation_flag_reaches_install(fake_lm, installs):
+    lm = fake_lm(argv=OURS + ["--megatron-overlap-fp8-unfused-activation", "--fp8-format",
+                              "hybrid", "--fp8-recipe", "tensorwise"])
+    hooks.install_hooks()
+    lm.initialize.initialize_megatron()
+    assert installs == [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch",
+                         "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop",
+                         "fp8_fused_activation": False}]
 
 
 def test_fp8_without_tp_comm_overlap_stops_at_validation(fake_lm, installs):
@@ -368,7 +378,7 @@ def test_entry_point_runs_the_script_with_the_hooks(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(run.stdout.split("RESULT ", 1)[1])
     assert result == {"calls": [{"ub_cfgs": "ub.yaml", "backend": "symm", "attention": "torch",
-                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop"}], "te": [],
+                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop", "fp8_fused_activation": True}], "te": [],
                       "argv0": str(script), "path0": str(tmp_path)}
     run = subprocess.run([sys.executable, "-m", "megatron_overlap.megatron_lm", str(script),
                           "--help"], capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -476,15 +486,15 @@ def test_validation_in_that_tree(probe):
     else:
         assert probe["sft_megatron_attention"] is None
     assert probe["off_install"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch",
-                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop"}]
+                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop", "fp8_fused_activation": True}]
 
 
 def test_tp_communicator_init_calls_install_not_te(probe):
     assert probe["ours_init"] == {"calls": [{"ub_cfgs": "x.yaml", "backend": "auto", "attention": "torch",
-                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop"}],
+                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop", "fp8_fused_activation": True}],
                                   "error": None, "te_imported": False}
     assert probe["no_cfg_init"]["calls"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch",
-                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop"}]
+                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop", "fp8_fused_activation": True}]
     # te: Megatron-LM's own function, which needs Transformer Engine (absent on CPU)
     assert probe["te_init"]["calls"] == []
     if probe["te_init"]["error"] is not None:
@@ -577,7 +587,7 @@ def test_model_provider_builds_our_layers_with_the_overlap_on(models, tree):
         assert Path(rank["pretrain_gpt"]).resolve() == tree / "pretrain_gpt.py"
         assert Path(rank["megatron_core"]).resolve().is_relative_to(tree)
         assert rank["install"] == [{"ub_cfgs": models["cfg"], "backend": "torch_p2p", "attention": "torch",
-                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop"}]
+                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop", "fp8_fused_activation": True}]
         assert rank["installed"] == {"backend": "torch_p2p", "source": models["cfg"],
                                      "fc2_fprop_num_sm": 8}
         assert rank["linears"] == {
@@ -615,7 +625,7 @@ def test_sft_packs_conversations_that_our_layers_run_as_if_alone(models, probe):
 def test_model_provider_builds_megatron_s_layers_with_the_overlap_off(models):
     for rank in models["off"]:
         assert rank["install"] == [{"ub_cfgs": None, "backend": "torch_p2p", "attention": "torch",
-                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop"}]
+                        "fp8_scaling": "tensorwise", "fp8_fast_accum": "fprop", "fp8_fused_activation": True}]
         assert rank["linears"] == {"linear_qkv": ["ColumnParallelLinear"] * 2,
                                    "linear_proj": ["RowParallelLinear"] * 2,
                                    "linear_fc1": ["ColumnParallelLinear"] * 2,

@@ -175,6 +175,11 @@ _FLAGS = {  # flag -> its argparse keywords
         help="FP8 GEMMs of megatron_overlap's linears that accumulate fast (torch's "
         "use_fast_accum): fprop (the forward GEMM, as Transformer Engine's recipes and torchao "
         "run it), none, or all (dgrad and wgrad too: faster, less exact)."),
+    "--megatron-overlap-fp8-unfused-activation": dict(
+        action="store_true",
+        help="Keep Megatron's SwiGLU between FP8 fc1 and fc2 (bf16, then each linear's cast), "
+        "where megatron_overlap's MLP writes fc2's FP8 input and fc1's FP8 output gradient in "
+        "the SwiGLU's own kernel; for A/B runs."),
 }
 
 
@@ -307,11 +312,14 @@ def _install(args: argparse.Namespace, ub_cfgs: str | None, why: str) -> None:
     attention = getattr(args, "megatron_overlap_attention", "torch")
     scaling = getattr(args, "megatron_overlap_fp8_scaling", "tensorwise")
     fast = getattr(args, "megatron_overlap_fp8_fast_accum", FAST_ACCUM_DEFAULT)
+    fused = not getattr(args, "megatron_overlap_fp8_unfused_activation", False)
     _say(args, f"megatron_overlap.install(ub_cfgs={ub_cfgs!r}, "
          f"backend={args.tp_comm_overlap_backend!r}, attention={attention!r}, "
-         f"fp8_scaling={scaling!r}, fp8_fast_accum={fast!r}): {why}")
+         f"fp8_scaling={scaling!r}, fp8_fast_accum={fast!r}, "
+         f"fp8_fused_activation={fused}): {why}")
     megatron_overlap.install(ub_cfgs=ub_cfgs, backend=args.tp_comm_overlap_backend,
-                             attention=attention, fp8_scaling=scaling, fp8_fast_accum=fast)
+                             attention=attention, fp8_scaling=scaling, fp8_fast_accum=fast,
+                             fp8_fused_activation=fused)
 
 
 def _say(args: argparse.Namespace, what: str) -> None:

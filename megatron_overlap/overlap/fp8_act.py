@@ -59,20 +59,39 @@ def quantized(act: str, y: torch.Tensor, g: Optional[torch.Tensor], dtype: torch
     y, g = y.detach(), (None if g is None else g.detach())
     if state is not None and amax_out is None:
         raise ValueError(f"{act}: delayed scaling records the amax: amax_out is needed")
-    if fp8._fusing and y.device.type == "cuda":
-        capturing = torch.cuda.is_current_stream_capturing()
-        kw = dict(o=out, ot=out_t, used=pair, chunks=chunks or (1, 1))
-        if state is not None:
-            if fp8_kernels.run_act(act, "delayed", capturing, y, g, amax_out, scale=state.scale,
-                                   **kw):
-                return out
-        else:
-            a = amax_out if amax_out is not None else torch.empty(
-                (), dtype=torch.float32, device=y.device)
-            if (fp8_kernels.run_act(act, "amax", capturing, y, g, a)
-                    and fp8_kernels.run_act(act, "current", capturing, y, g, a, **kw)):
-                return out
+    args = (act, y, g, dtype, pair, out, out_t, chunks, state, amax_out)
+    if not _fused(*args):
+        _eager(*args)
+    return out
+
+
+def _fused(act: str, y: torch.Tensor, g: Optional[torch.Tensor], dtype: torch.dtype,
+           pair: torch.Tensor, out: torch.Tensor, out_t: Optional[torch.Tensor],
+           chunks: Optional[tuple[int, int]], state: Optional[fp8.AmaxHistory],
+           amax_out: Optional[torch.Tensor]) -> bool:
+    """`quantized` as the Triton kernels (overlap/fp8_kernels.py `run_act`: current scaling
+    an amax launch, then the cast; delayed one cast); False where they do not run (CPU,
+    `fp8.set_fused(False)`, tensors they do not take, no Triton)."""
+    if not fp8._fusing or y.device.type != "cuda":
+        return False
+    capturing = torch.cuda.is_current_stream_capturing()
+    kw = dict(o=out, ot=out_t, used=pair, chunks=chunks or (1, 1))
+    if state is not None:
+        return fp8_kernels.run_act(act, "delayed", capturing, y, g, amax_out, scale=state.scale,
+                                   **kw)
+    a = amax_out if amax_out is not None else torch.empty((), dtype=torch.float32,
+                                                           device=y.device)
+    return (fp8_kernels.run_act(act, "amax", capturing, y, g, a)
+            and fp8_kernels.run_act(act, "current", capturing, y, g, a, **kw))
+
+
+def _eager(act: str, y: torch.Tensor, g: Optional[torch.Tensor], dtype: torch.dtype,
+           pair: torch.Tensor, out: torch.Tensor, out_t: Optional[torch.Tensor],
+           chunks: Optional[tuple[int, int]], state: Optional[fp8.AmaxHistory],
+           amax_out: Optional[torch.Tensor]) -> None:
+    """`quantized`'s definition: the float32 SwiGLU, then `overlap.fp8`'s casts."""
     x = _made(act, y, g)
     if state is not None:
-        return fp8.delayed_quantize(x, state, dtype, pair, amax_out, out, out_t, chunks)
-    return fp8.quantize_current(x, fp8.amax(x, out=amax_out), dtype, pair, out, out_t, chunks)
+        fp8.delayed_quantize(x, state, dtype, pair, amax_out, out, out_t, chunks)
+    else:
+        fp8.quantize_current(x, fp8.amax(x, out=amax_out), dtype, pair, out, out_t, chunks)
