@@ -31,9 +31,9 @@ class StandIn:
         def cast_t(x, s, o, ot, used, amax, y, m, n, na, blocks, chunks, nh, *, FMAX, CAST,
                    WRITE_T, AMAX, FROM_AMAX, T_FROM_O, CHUNK_MAJOR, NA, ACT, AMAX_ONLY, BM, BN,
                    num_warps):
-            # T_FROM_O: the transposed copy from the bytes written to o (the same bytes); an
-            # activation's always (its x is made in float32)
-            assert T_FROM_O == (bool(ACT) or (CAST and WRITE_T and x.dtype == torch.float32))
+            # T_FROM_O: the transposed copy from the bytes written to o (the same bytes); never
+            # an activation's (its x is made from bf16 loads)
+            assert T_FROM_O == (not ACT and CAST and WRITE_T and x.dtype == torch.float32)
             assert CHUNK_MAJOR == ((blocks, chunks) != (1, 1)) and m % (blocks * chunks) == 0
             self.launches.append(dict(grid=grid, m=m, n=n, CAST=CAST, WRITE_T=WRITE_T, AMAX=AMAX,
                                       FROM_AMAX=FROM_AMAX, T_FROM_O=T_FROM_O,
@@ -456,9 +456,9 @@ def test_the_swiglu_casts_launch_one_kernel_each_with_the_eager_bytes(kernel, ac
     overlap.fp8_act's eager path: current scaling an amax launch (writing nothing) and a
     cast, delayed one cast that reduces its amax; rows chunk-major, the transposed copy."""
     gen = torch.Generator().manual_seed(5)
-    y = (torch.randn(64, 96, generator=gen) * 3).bfloat16()
-    g = torch.randn(64, 48, generator=gen).bfloat16() if act == "swiglu_grad" else None
-    n = 48 if act == "swiglu" else 96
+    y = (torch.randn(64, 512, generator=gen) * 3).bfloat16()  # (nh 256: two column tiles)
+    g = torch.randn(64, 256, generator=gen).bfloat16() if act == "swiglu_grad" else None
+    n = 256 if act == "swiglu" else 512
     fp8 = E4M3 if act == "swiglu" else torch.float8_e5m2
     state = None
     if delayed:
@@ -485,7 +485,10 @@ def test_the_swiglu_casts_launch_one_kernel_each_with_the_eager_bytes(kernel, ac
     for a, b in ((o, eo), (ot, eot), (pair, epair), (amax, eamax)):
         assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
                            b.view(torch.uint8) if b.element_size() == 1 else b)
-    # what it declines: an odd width, a gradient of another shape
+    # what it declines: an odd width, a gradient of another shape, a gradient's tile across
+    # both halves (nh not a multiple of the tile's width)
     assert k.act_launch(act, "amax", y[:, :95].contiguous(), g, amax) is None
     if g is not None:
         assert k.act_launch(act, "amax", y, g[:32], amax) is None
+        assert k.act_launch(act, "amax", y[:, :192].contiguous(), g[:, :96].contiguous(),
+                            amax) is None

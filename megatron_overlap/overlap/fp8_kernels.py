@@ -242,6 +242,8 @@ def act_launch(act: str, mode: str, y: torch.Tensor, g: Optional[torch.Tensor],
             return None
     if chunks != (1, 1) and (mode == "amax" or min(chunks) < 1 or m % (chunks[0] * chunks[1])):
         return None
+    if act == "swiglu_grad" and nh % BLOCK[1]:  # (each tile in one half: `swiglu_tile`)
+        return None
     x = g2 if g2 is not None else y2  # (the kernel's x_ptr: the output gradient, or unread)
     o2 = o2 if mode != "amax" else x
     amax = amax.reshape(1)  # (current: the amaxes the scale is made from, one here)
@@ -249,9 +251,9 @@ def act_launch(act: str, mode: str, y: torch.Tensor, g: Optional[torch.Tensor],
          ot if ot is not None else o2, used if used is not None else amax, amax, y2)
     fmax = float(torch.finfo(o2.dtype).max) if mode != "amax" else 0.0
     bm, bn, warps = BLOCK
-    # the transposed copy from the bytes written to o, as a float32 x's (fp8_triton.cast_t)
+    # (x made in float32 from y's loads: its tile transposes from registers as a bf16 x's)
     flags = dict(FMAX=fmax, CAST=True, WRITE_T=ot is not None and mode != "amax",
-                 AMAX=mode == "delayed", FROM_AMAX=mode == "current", T_FROM_O=True,
+                 AMAX=mode == "delayed", FROM_AMAX=mode == "current", T_FROM_O=False,
                  CHUNK_MAJOR=chunks != (1, 1), NA=1, ACT=ACTS[act], AMAX_ONLY=mode == "amax",
                  BM=bm, BN=bn)
     return Launch("cast_t", t, (m, n, 1, *chunks, nh), flags, (-(-m // bm), -(-n // bn)), warps)

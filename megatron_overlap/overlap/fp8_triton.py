@@ -61,22 +61,30 @@ def chunk_major_row(r, m, blocks, chunks):
 
 
 @triton.jit
-def swiglu_tile(g_ptr, y_ptr, rm, rn, mask, nh, ACT: tl.constexpr):
+def swiglu_tile(g_ptr, y_ptr, rm, rn, first, mask, nh, ACT: tl.constexpr):
     """A [BM, BN] tile of a SwiGLU's output (ACT 1: silu(gate) * up, columns of [m, nh]) or
     input gradient (ACT 2: [d gate, d up], columns of [m, 2 nh], from the output gradient
     g [m, nh]), in float32 from y = [gate, up] ([m, 2 nh]): overlap.fp8_act's eager
-    definition (Megatron's swiglu and swiglu_back), term for term."""
-    col = rn if ACT == 1 else tl.where(rn < nh, rn, rn - nh)
+    definition (Megatron's swiglu and swiglu_back), term for term. ACT 2: a tile lies in one
+    half (the launch asks BN to divide nh; `first`: its first column), so its columns are
+    one contiguous run of y's and g's, offset by a scalar (vectorized loads, where a select
+    per column was not)."""
+    lo = first < nh  # (ACT 2) d gate's half, else d up's
+    if ACT == 1:
+        col = rn
+    else:
+        col = rn - tl.where(lo, 0, nh)
     at = rm[:, None].to(tl.int64) * (2 * nh) + col[None, :]
     gate = tl.load(y_ptr + at, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(y_ptr + at + nh, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(gate)
     if ACT == 1:
-        return gate * sig * up
-    g = tl.load(g_ptr + rm[:, None].to(tl.int64) * nh + col[None, :], mask=mask,
-                other=0.0).to(tl.float32)
-    return tl.where(rn[None, :] < nh, g * sig * (1.0 + gate * (1.0 - sig)) * up,
-                    g * (gate * sig))
+        x = gate * sig * up
+    else:
+        g = tl.load(g_ptr + rm[:, None].to(tl.int64) * nh + col[None, :], mask=mask,
+                    other=0.0).to(tl.float32)
+        x = tl.where(lo, g * sig * (1.0 + gate * (1.0 - sig)) * up, g * (gate * sig))
+    return x
 
 
 @triton.jit  # (m, n specialized as Triton does: 16-divisible rows vectorize its accesses)
@@ -109,7 +117,7 @@ def cast_t(x_ptr, s_ptr, o_ptr, ot_ptr, used_ptr, amax_ptr, y_ptr, m, n, na, blo
         if ACT == 0:
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         else:
-            x = swiglu_tile(x_ptr, y_ptr, rm, rn, mask, nh, ACT)
+            x = swiglu_tile(x_ptr, y_ptr, rm, rn, pn * BN, mask, nh, ACT)
     if AMAX_ONLY:
         amax_into(x, amax_ptr)
     elif CAST:
