@@ -31,9 +31,9 @@ class StandIn:
         def cast_t(x, s, o, ot, used, amax, y, m, n, na, blocks, chunks, nh, *, FMAX, CAST,
                    WRITE_T, AMAX, FROM_AMAX, T_FROM_O, CHUNK_MAJOR, NA, ACT, AMAX_ONLY, BM, BN,
                    num_warps):
-            # T_FROM_O: the transposed copy from the bytes written to o (the same bytes); never
-            # an activation's (its x is made from bf16 loads)
-            assert T_FROM_O == (not ACT and CAST and WRITE_T and x.dtype == torch.float32)
+            # T_FROM_O: the transposed copy from the bytes written to o (the same bytes); an
+            # activation's always (its x is made in float32)
+            assert T_FROM_O == (bool(ACT) or (CAST and WRITE_T and x.dtype == torch.float32))
             assert CHUNK_MAJOR == ((blocks, chunks) != (1, 1)) and m % (blocks * chunks) == 0
             self.launches.append(dict(grid=grid, m=m, n=n, CAST=CAST, WRITE_T=WRITE_T, AMAX=AMAX,
                                       FROM_AMAX=FROM_AMAX, T_FROM_O=T_FROM_O,

@@ -251,9 +251,10 @@ def act_launch(act: str, mode: str, y: torch.Tensor, g: Optional[torch.Tensor],
          ot if ot is not None else o2, used if used is not None else amax, amax, y2)
     fmax = float(torch.finfo(o2.dtype).max) if mode != "amax" else 0.0
     bm, bn, warps = BLOCK
-    # (x made in float32 from y's loads: its tile transposes from registers as a bf16 x's)
+    # the transposed copy from the bytes written to o, as a float32 x's (fp8_triton.cast_t:
+    # x is made in float32 here; the copy from registers has not run on a GPU)
     flags = dict(FMAX=fmax, CAST=True, WRITE_T=ot is not None and mode != "amax",
-                 AMAX=mode == "delayed", FROM_AMAX=mode == "current", T_FROM_O=False,
+                 AMAX=mode == "delayed", FROM_AMAX=mode == "current", T_FROM_O=True,
                  CHUNK_MAJOR=chunks != (1, 1), NA=1, ACT=ACTS[act], AMAX_ONLY=mode == "amax",
                  BM=bm, BN=bn)
     return Launch("cast_t", t, (m, n, 1, *chunks, nh), flags, (-(-m // bm), -(-n // bn)), warps)
