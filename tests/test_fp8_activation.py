@@ -105,7 +105,15 @@ def _mlp_run(rank, world, sp, recipe):
     from megatron_overlap.layers.fp8_act import Fp8Activation
     from megatron_overlap.megatron.mlp import OverlapMLP
 
+    from megatron_overlap.layers import functions
+
     init(world)
+    given, original = [], functions._given_grad
+
+    def spy(grad_out, *args):  # what fc1's backward is handed: FP8 from the SwiGLU, or not
+        given.append(type(grad_out).__name__)
+        return original(grad_out, *args)
+    functions._given_grad = spy
     gen = torch.Generator().manual_seed(7)
     X = torch.randn(SEQ, BATCH, H, generator=gen).bfloat16()
     W1 = (torch.randn(2 * F, H, generator=gen) / H ** 0.5).bfloat16()
@@ -131,9 +139,14 @@ def _mlp_run(rank, world, sp, recipe):
                               dw2=mlp.linear_fc2.weight.grad.clone()))
             mlp.zero_grad()
         a = seen[0]
+        histories = ({} if recipe != "delayed" else
+                     {(fc, role): getattr(mlp, fc)._fp8_delayed.get(role, "cpu").history.clone()
+                      for fc, role in (("linear_fc2", "input"), ("linear_fc1", "grad"))})
         out[fused] = dict(cls=type(mlp).__name__, fused=isinstance(mlp, OverlapMLP),
                           carrier=isinstance(a, Fp8Activation), steps=steps,
-                          a=a.dequantized() if isinstance(a, Fp8Activation) else None)
+                          a=a.dequantized() if isinstance(a, Fp8Activation) else None,
+                          fc1_given=list(given), histories=histories)
+        given.clear()
     # the reference, from the whole tensors (tensorwise: each amax the whole tensor's,
     # or the shard's for a rank's own weight and activation)
     t = SEQ * BATCH
@@ -172,6 +185,16 @@ def test_an_fp8_mlp_with_its_swiglu_fused_is_the_reference_mlp(mlp_runs):
         fused, plain = r["out"][True], r["out"][False]
         assert fused["cls"] == "OverlapMLP" and fused["carrier"], fused["cls"]
         assert plain["cls"] == "MLP" and not plain["carrier"]
+        # fc1's backward is handed the SwiGLU's FP8 gradient, at every step (not cast again)
+        steps = len(fused["steps"])
+        assert fused["fc1_given"] == ["Fp8Activation"] * steps, fused["fc1_given"]
+        assert plain["fc1_given"] == ["Tensor"] * steps
+        # delayed scaling: the amaxes the fused kernels recorded (fc2's input, fc1's output
+        # gradient, the TP group's max) are Megatron's SwiGLU's but for its rounding to bf16
+        for key, h in fused["histories"].items():
+            want = plain["histories"][key]
+            assert (h[-steps:] > 0).all() and (h[:-steps] == 0).all(), (key, h)
+            assert ref.rel(h.double(), want.double()) < 1e-2, (key, h, want)
         if recipe == "tensorwise":  # the reference's scales are current scaling's
             assert torch.equal(fused["a"], r["ref"]["a"])  # fc2's FP8 input, bit for bit
             for k in ("y", "dx", "dw1", "dw2"):
@@ -195,6 +218,8 @@ def _not_fused(rank, world):
     init(world)
     cases = {"bias": dict(add_bias_linear=True), "gelu": dict(activation_func=F_.gelu),
              "fp8_wgrad off": dict(fp8_wgrad=False), "clamp": dict(activation_func_clamp_value=5.0),
+             "clamp 0": dict(activation_func_clamp_value=0.0),
+             "offset": dict(glu_linear_offset=1.0, bias_activation_fusion=False),
              "fp8_input_store": dict(activation_func_fp8_input_store=True)}
     out = {k: (type(m).__name__, why_not_fused(m)) for k, m in (
         (k, _mlp(True, True, "tensorwise", world, **c)) for k, c in cases.items())}
@@ -209,8 +234,9 @@ def _not_fused(rank, world):
 def test_an_mlp_the_fused_kernel_cannot_run_keeps_megatrons_swiglu_and_says_why():
     got = dist.run(_not_fused, 2, timeout=300)[0]
     want = {"bias": "fc1 has a bias", "gelu": "not a SwiGLU", "fp8_wgrad off": "FP8 wgrad",
-            "clamp": "activation_func_clamp_value", "fp8_input_store":
-            "activation_func_fp8_input_store", "rowwise": "per-tensor scales"}
+            "clamp": "activation_func_clamp_value", "clamp 0": "activation_func_clamp_value",
+            "offset": "glu_linear_offset", "fp8_input_store": "activation_func_fp8_input_store",
+            "rowwise": "per-tensor scales"}
     for case, words in want.items():
         cls, why = got[case]
         assert cls == "MLP" and why is not None and words in why, (case, why)

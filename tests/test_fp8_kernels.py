@@ -485,10 +485,14 @@ def test_the_swiglu_casts_launch_one_kernel_each_with_the_eager_bytes(kernel, ac
     for a, b in ((o, eo), (ot, eot), (pair, epair), (amax, eamax)):
         assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
                            b.view(torch.uint8) if b.element_size() == 1 else b)
-    # what it declines: an odd width, a gradient of another shape, a gradient's tile across
-    # both halves (nh not a multiple of the tile's width)
+    # what it declines: an odd width, a gradient of another shape; a gradient's tiles are
+    # as wide as divides its halves (each tile in one half), none where 16 does not
     assert k.act_launch(act, "amax", y[:, :95].contiguous(), g, amax) is None
     if g is not None:
         assert k.act_launch(act, "amax", y, g[:32], amax) is None
-        assert k.act_launch(act, "amax", y[:, :192].contiguous(), g[:, :96].contiguous(),
+        for nh, bn in ((96, 32), (80, 16), (2752, 64)):
+            yy = torch.zeros(64, 2 * nh, dtype=y.dtype)
+            got = k.act_launch(act, "amax", yy, torch.zeros(64, nh, dtype=y.dtype), amax)
+            assert got.flags["BN"] == bn and got.grid == (1, 2 * nh // bn), (nh, got.flags)
+        assert k.act_launch(act, "amax", y[:, :200].contiguous(), g[:, :100].contiguous(),
                             amax) is None

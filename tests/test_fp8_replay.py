@@ -113,3 +113,47 @@ def test_the_emulation_sees_moved_fp8_tensors_and_bf16_replays_alike(results, ca
                 # column forward in a whole-suite run: 2 captures, 5 replays; not
                 # reproduced alone, its cause not found)
                 assert calls == 8 and 1 <= captures <= 2 and replays >= 5, (rank, p, bf16)
+
+
+def _mlp_run(rank, world):
+    import torch
+    from test_fp8_activation import BATCH, H, SEQ, _mlp
+
+    from helpers.alloc_emu import Tracker, emulated_replay
+    from helpers.megatron_cpu import init
+
+    init(world)
+    out = {}
+    for recipe in ("tensorwise", "delayed"):
+        mlp = _mlp(True, True, recipe, world)
+        x = torch.empty(SEQ // world, BATCH, H, dtype=torch.bfloat16)
+        dy = torch.empty_like(x)
+        gen = torch.Generator().manual_seed(rank)
+        tracker = Tracker()
+        with tracker, emulated_replay(tracker):
+            for _ in range(8):
+                gc.collect()  # (as `_steps`: the same emulated addresses every run)
+                x.copy_(torch.randn(x.shape, generator=gen))
+                dy.copy_(torch.randn(x.shape, generator=gen))
+                xi = x.detach().requires_grad_(True)
+                y, _ = mlp(xi)
+                y.backward(dy)
+                mlp.zero_grad(set_to_none=True)
+                del y, xi
+        out[recipe] = dict(cls=type(mlp).__name__, passes={
+            (fc, p): (g.calls, g.captures, g.replays)
+            for fc in ("linear_fc1", "linear_fc2") for p, g in getattr(mlp, fc).pass_graphs.items()})
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_an_fp8_mlp_with_its_swiglu_fused_replays_its_passes(recipe):
+    """The fused SwiGLU (megatron/mlp.py) makes fc2's FP8 input and fc1's FP8 gradient
+    outside their passes, each step anew (under delayed scaling with the amaxes the passes
+    exchange): those are in the passes' signatures, and recur, so fc1's and fc2's passes
+    replay as a lone FP8 layer's do."""
+    for rank, r in enumerate(dist.run(_mlp_run, 2, timeout=300)):
+        got = r[recipe]
+        assert got["cls"] == "OverlapMLP", got
+        for key, (calls, captures, replays) in got["passes"].items():
+            assert calls == 8 and 1 <= captures <= 2 and replays - captures >= 4, (rank, key, got)

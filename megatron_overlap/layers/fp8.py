@@ -243,7 +243,7 @@ class Fp8Forward:
     def __init__(self, p: Precision, rows: torch.Tensor, weight: torch.Tensor,
                  cache: Optional[Fp8WeightCache] = None, reuse: bool = False,
                  input_t: bool = False, weight_t: bool = True,
-                 delayed: Optional[DelayedScales] = None, given=None):
+                 delayed: Optional[DelayedScales] = None, given=None, layer: str = ""):
         self.p, self.delayed, self.given = p, delayed, given
         self.rowwise = p.recipe == "rowwise"
         tokens, k = rows.shape
@@ -251,9 +251,11 @@ class Fp8Forward:
         if given is not None:
             if (self.rowwise or given.fp8.dtype != p.fwd or (given.fp8_t is not None) != input_t
                     or (given.amax is None) != (delayed is None)):
-                raise ValueError(f"an FP8 input made for {given.fp8.dtype}, transposed copy "
-                                 f"{given.fp8_t is not None}, does not fit a pass that casts "
-                                 f"{p.fwd} ({p.recipe}), transposed copy {input_t}")
+                raise ValueError(f"{layer}: an FP8 input made for {given.fp8.dtype}, transposed "
+                                 f"copy {given.fp8_t is not None}, does not fit its forward, which "
+                                 f"casts {p.fwd} ({p.recipe}), transposed copy {input_t}: give "
+                                 "it the activation in the parameters' dtype, or run the MLP "
+                                 "with install(fp8_fused_activation=False)")
             self.x8, self.x8t, self.x_scale = given.fp8, given.fp8_t, given.scale
         else:
             self.x8 = torch.empty((tokens, k + TAIL) if self.rowwise else rows.shape,
@@ -277,7 +279,10 @@ class Fp8Forward:
 
     def tensors(self) -> tuple[Optional[torch.Tensor], ...]:
         held = () if self.delayed is None else self.delayed.tensors()
-        return (self.x8, self.x8t, self.w8, self.x_scale, self.w_scale, self.w8t, *held)
+        # a given input's amaxes (delayed scaling) are made outside the pass, which writes the
+        # weight's beside them and exchanges both: bound by address like the rest
+        given = () if self.given is None else (self.given.amax,)
+        return (self.x8, self.x8t, self.w8, self.x_scale, self.w_scale, self.w8t, *held, *given)
 
     def record(self, tp: Transport, op: str) -> None:
         """Delayed scaling, at the end of the forward pass: its amaxes recorded (the TP
@@ -307,7 +312,8 @@ class Fp8Forward:
         if given is not None and (gathered or given.chunks != chunks):
             raise ValueError(f"{op}: an FP8 input made with rows {given.chunks or 'in order'} "
                              f"and its own amax does not fit this pass (rows "
-                             f"{chunks or 'in order'}{', gathered' if gathered else ''})")
+                             f"{chunks or 'in order'}{', gathered' if gathered else ''}): run "
+                             "the MLP with install(fp8_fused_activation=False)")
         if self.rowwise:  # each row its own scale: nothing to exchange before a gather
             rows_quantized(x2, fwd, out=self.x8)
             self.w_scale.copy_(row_scales(weight, fwd))
@@ -389,7 +395,8 @@ class Fp8Backward:
                              f"{', transposed' if g.fp8_t is not None else ''} with its own "
                              f"amax does not fit this pass ({self.p.grad}, {self.p.recipe}"
                              f"{', gathered' if gathered else ''}"
-                             f"{', transposed for the wgrad' if col else ''})")
+                             f"{', transposed for the wgrad' if col else ''}): run the MLP "
+                             "with install(fp8_fused_activation=False)")
         self._amax = g.amax
         return g.fp8, g.scale, (g.fp8_t.t() if col else None)
 

@@ -69,11 +69,15 @@ def input_for(fc2: Any, y: torch.Tensor, grad_mode: bool) -> Fp8Activation:
     rows in its schedule's order (`row_input_order`), transposed too where its FP8 wgrad
     will read it, its scale from its recipe (delayed: fc2's input history; the amax pair
     its pass records, the weight's place filled by the pass)."""
+    from . import checks
     from .functions import row_input_order  # (functions reads Fp8Activation)
 
+    width = y.shape[-1] // 2
+    # fc2's refusals first (its splits, its token count), naming it, as its forward would:
+    # on a stand-in of the activation's shape that holds no memory
+    checks.check_row(fc2, y.new_empty(()).expand(*y.shape[:-1], width))
     p, plan, tp = fc2.precision, fc2.overlap_plan, fc2.transport
     rows = y.numel() // y.shape[-1]
-    width = y.shape[-1] // 2
     chunks = row_input_order(plan, tp, fc2._layouts.get("fprop"), p.recipe)
     want_t = p.wgrad and fc2.weight.requires_grad and grad_mode
     out = torch.empty((rows, width), dtype=p.fwd, device=y.device)

@@ -323,7 +323,7 @@ def row_bwd(g, x2, weight, grad_in, grad_w, grad_b, plan: LayerPlan, tp: Transpo
 def _fp8_forward(precision: Optional[Precision], x: torch.Tensor, weight: torch.Tensor,
                  fp8_weight: Optional[tuple] = None, own_input: bool = False,
                  grad_mode: bool = True, delayed: Optional[DelayedScales] = None,
-                 ) -> Optional[Fp8Forward]:
+                 layer: str = "") -> Optional[Fp8Forward]:
     """The FP8 forward's operands; `fp8_weight`: (the layer's Fp8WeightCache, reuse) or None;
     `delayed`: the layer's DelayedScales (fp8_recipe 'delayed').
     `own_input`: the wgrad reads this rank's own input, not a gather of it (a row layer, a
@@ -334,11 +334,14 @@ def _fp8_forward(precision: Optional[Precision], x: torch.Tensor, weight: torch.
     given = x if isinstance(x, Fp8Activation) else None
     if precision is None or not precision.fp8:
         if given is not None:
-            raise ValueError("an FP8 input reached a linear that does not run FP8")
+            raise ValueError(f"{layer}: an FP8 input (a fused SwiGLU's) reached a linear that "
+                             "does not run FP8: run the MLP with "
+                             "install(fp8_fused_activation=False)")
         return None
     input_t = own_input and precision.wgrad and weight.requires_grad and grad_mode
     return Fp8Forward(precision, _rows(x), weight, *(fp8_weight or (None, False)),
-                      input_t=input_t, weight_t=grad_mode, delayed=delayed, given=given)
+                      input_t=input_t, weight_t=grad_mode, delayed=delayed, given=given,
+                      layer=layer)
 
 
 def _fp8_static(q: Optional[Fp8Forward]) -> tuple:
@@ -403,14 +406,16 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.fp8 if isinstance(t, Fp8Activation) else _flat(t)
 
 
-def _given_grad(grad_out: torch.Tensor, q: Optional[Fp8Backward], bias: bool) -> torch.Tensor:
+def _given_grad(grad_out: torch.Tensor, q: Optional[Fp8Backward], bias: bool,
+                layer: str) -> torch.Tensor:
     """The output gradient's rows; an `Fp8Activation` (quantized by the kernel that made
     it, `fp8_act`) handed to the FP8 backward `q`, its FP8 rows returned."""
     if not isinstance(grad_out, Fp8Activation):
         return _flat(grad_out)
     if q is None or bias:
-        raise ValueError("an FP8 gradient reached a linear whose backward does not run FP8 "
-                         "or that sums it for its bias")
+        raise ValueError(f"{layer}: an FP8 gradient (a fused SwiGLU's) reached a linear whose "
+                         "backward does not run FP8 or that sums it for its bias: run the MLP "
+                         "with install(fp8_fused_activation=False)")
     q.given = grad_out
     return grad_out.fp8
 
@@ -447,7 +452,7 @@ class ColumnParallelMatmul(torch.autograd.Function):
         if not (need_in or wgrad):  # frozen weight, input without grad: only a bias trains
             grad_b = _flat(grad_out).sum(0) if need_b else None
             return None, None, grad_b, *(None,) * 11
-        g = _given_grad(grad_out, q, ctx.use_bias)  # (an Fp8Activation: its FP8 rows, given to q)
+        g = _given_grad(grad_out, q, ctx.use_bias, plan.layer)  # (an Fp8Activation: given to q)
         grad_in = _grad_in(ctx, weight)
         grad_w = grad_buffer(weight, grad_in, fuse, wgrad)
         grad_b = grad_in.new_empty(grad_out.shape[-1]) if ctx.use_bias else None
@@ -475,7 +480,7 @@ class RowParallelMatmul(torch.autograd.Function):
         ctx.plan, ctx.tp, ctx.fuse_wgrad, ctx.graphs, ctx.audit = plan, tp, fuse_wgrad, graphs, audit
         ctx.use_bias = bias is not None
         ctx.layouts = layouts = layouts or {}
-        q = _fp8_forward(precision, x, weight, fp8_weight, True, grad_mode, delayed)
+        q = _fp8_forward(precision, x, weight, fp8_weight, True, grad_mode, delayed, plan.layer)
         # SP reduce-scatters the sequence (the layer's door checked that TP divides it)
         seq = x.shape[0] // (tp.world_size if plan.sequence_parallel else 1)
         return _forward(ctx, row_fprop, x, weight, bias, seq, plan, tp, layouts, graphs, audit, q)

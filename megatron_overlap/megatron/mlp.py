@@ -49,7 +49,9 @@ def why_not_fused(mlp: Any) -> Optional[str]:
         return "its activation is not a SwiGLU"
     if fc1.bias is not None or not fc1.skip_bias_add:
         return "fc1 has a bias (add_bias_linear)"
-    for field in ("use_te_activation_func", "activation_func_clamp_value", "glu_linear_offset",
+    if getattr(c, "activation_func_clamp_value", None) is not None:
+        return f"activation_func_clamp_value={c.activation_func_clamp_value!r}"
+    for field in ("use_te_activation_func", "glu_linear_offset",
                   "activation_func_fp8_input_store", "cpu_offloading"):
         if getattr(c, field, None):  # (each off: False, None or 0)
             return f"{field}={getattr(c, field)!r}"
@@ -60,16 +62,16 @@ def why_not_fused(mlp: Any) -> Optional[str]:
 
 class OverlapMLP(MLP):
     """MLP whose SwiGLU writes fc2's FP8 input, and whose backward writes fc1's FP8 output
-    gradient, in one kernel each (`layers.fp8_act.SwiGLUFp8`). A call with a
-    per-token scale (or anything else Megatron's forward takes beyond the input) runs
-    Megatron's forward."""
+    gradient, in one kernel each (`layers.fp8_act.SwiGLUFp8`). A call with a per-token
+    scale (MoE's) or an empty input runs Megatron's forward; other keywords (a padding
+    mask) Megatron's dense MLP ignores, and so does this one."""
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
+    def forward(self, hidden_states: torch.Tensor, per_token_scale: Optional[torch.Tensor] = None,
+                **kwargs: Any):
         from ..layers.fp8_act import SwiGLUFp8
 
-        if (any(a is not None for a in args) or any(v is not None for v in kwargs.values())
-                or hidden_states.numel() == 0):
-            return super().forward(hidden_states, *args, **kwargs)
+        if per_token_scale is not None or hidden_states.numel() == 0:
+            return super().forward(hidden_states, per_token_scale, **kwargs)
         y, _ = self.linear_fc1(hidden_states)
         a = SwiGLUFp8.apply(y, self.linear_fc1, self.linear_fc2, torch.is_grad_enabled())
         return self.linear_fc2(a)

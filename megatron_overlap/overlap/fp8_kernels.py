@@ -242,15 +242,17 @@ def act_launch(act: str, mode: str, y: torch.Tensor, g: Optional[torch.Tensor],
             return None
     if chunks != (1, 1) and (mode == "amax" or min(chunks) < 1 or m % (chunks[0] * chunks[1])):
         return None
-    if act == "swiglu_grad" and nh % BLOCK[1]:  # (each tile in one half: `swiglu_tile`)
-        return None
+    bm, bn, warps = BLOCK
+    if act == "swiglu_grad":  # each tile in one half (`swiglu_tile`): a width dividing it
+        bn = next((w for w in (bn, bn // 2, bn // 4, bn // 8) if nh % w == 0), 0)
+        if not bn:  # (16 divides every FP8 layer's widths: the layer refuses others)
+            return None
     x = g2 if g2 is not None else y2  # (the kernel's x_ptr: the output gradient, or unread)
     o2 = o2 if mode != "amax" else x
     amax = amax.reshape(1)  # (current: the amaxes the scale is made from, one here)
     t = (x, amax if mode == "current" else (scale if mode == "delayed" else amax), o2,
          ot if ot is not None else o2, used if used is not None else amax, amax, y2)
     fmax = float(torch.finfo(o2.dtype).max) if mode != "amax" else 0.0
-    bm, bn, warps = BLOCK
     # the transposed copy from the bytes written to o, as a float32 x's (fp8_triton.cast_t:
     # x is made in float32 here; the copy from registers has not run on a GPU)
     flags = dict(FMAX=fmax, CAST=True, WRITE_T=ot is not None and mode != "amax",

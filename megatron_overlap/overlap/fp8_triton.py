@@ -66,7 +66,7 @@ def swiglu_tile(g_ptr, y_ptr, rm, rn, first, mask, nh, ACT: tl.constexpr):
     input gradient (ACT 2: [d gate, d up], columns of [m, 2 nh], from the output gradient
     g [m, nh]), in float32 from y = [gate, up] ([m, 2 nh]): overlap.fp8_act's eager
     definition (Megatron's swiglu and swiglu_back), term for term. ACT 2: a tile lies in one
-    half (the launch asks BN to divide nh; `first`: its first column), so its columns are
+    half (the launch picks a BN that divides nh; `first`: its first column), so its columns are
     one contiguous run of y's and g's, offset by a scalar (vectorized loads, where a select
     per column was not)."""
     lo = first < nh  # (ACT 2) d gate's half, else d up's
