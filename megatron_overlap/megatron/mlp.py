@@ -66,12 +66,14 @@ class OverlapMLP(MLP):
     scale (MoE's) or an empty input runs Megatron's forward; other keywords (a padding
     mask) Megatron's dense MLP ignores, and so does this one."""
 
-    def forward(self, hidden_states: torch.Tensor, per_token_scale: Optional[torch.Tensor] = None,
-                **kwargs: Any):
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any):
         from ..layers.fp8_act import SwiGLUFp8
 
+        # (megatron-core's MLP.forward(hidden_states, per_token_scale=None, **kwargs); the
+        # call passed on as it came, for versions without that argument)
+        per_token_scale = args[0] if args else kwargs.get("per_token_scale")
         if per_token_scale is not None or hidden_states.numel() == 0:
-            return super().forward(hidden_states, per_token_scale, **kwargs)
+            return super().forward(hidden_states, *args, **kwargs)
         y, _ = self.linear_fc1(hidden_states)
         a = SwiGLUFp8.apply(y, self.linear_fc1, self.linear_fc2, torch.is_grad_enabled())
         return self.linear_fc2(a)
