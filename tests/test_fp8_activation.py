@@ -241,3 +241,12 @@ def test_an_mlp_the_fused_kernel_cannot_run_keeps_megatrons_swiglu_and_says_why(
         cls, why = got[case]
         assert cls == "MLP" and why is not None and words in why, (case, why)
     assert got["install off"] == ("MLP", None)
+
+
+def test_install_refuses_a_fused_activation_setting_that_is_not_a_bool():
+    import megatron_overlap as mo
+    from megatron_overlap.config import state
+
+    with pytest.raises(ValueError, match="fp8_fused_activation must be True or False, not 'no'"):
+        mo.install(fp8_fused_activation="no")
+    assert not state.installed()  # refused before anything was set

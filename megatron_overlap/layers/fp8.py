@@ -364,7 +364,10 @@ class Fp8Backward:
 
     def tensors(self) -> tuple[Optional[torch.Tensor], ...]:
         held = () if self.delayed is None else self.delayed.tensors()
-        return (self.w8t, self.w_scale, self.x_scale, *held)
+        # a given gradient's (set before the pass) beyond its rows, which the pass takes as g
+        g = self.given
+        given = () if g is None else (g.fp8_t, g.scale, g.amax)
+        return (self.w8t, self.w_scale, self.x_scale, *held, *given)
 
     def grad(self, g: torch.Tensor, tp: Transport, op: str, gathered: bool, col: bool = False
              ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:

@@ -420,12 +420,6 @@ def _given_grad(grad_out: torch.Tensor, q: Optional[Fp8Backward], bias: bool,
     return grad_out.fp8
 
 
-def _given_tensors(q: Optional[Fp8Backward]) -> tuple:
-    """What of a given FP8 gradient a replayed pass reads beyond its rows (bound by address)."""
-    g = None if q is None else q.given
-    return () if g is None else (g.fp8_t, g.scale, g.amax)
-
-
 class ColumnParallelMatmul(torch.autograd.Function):
     """Y = gather_sp(X) @ W^T (+ b). X: [s/tp or s, b, k]. layouts: per pass, the
     hierarchical ring layout (ranks per node) or None for the flat ring. The passes
@@ -463,8 +457,8 @@ class ColumnParallelMatmul(torch.autograd.Function):
                                 plan, tp, ctx.layouts.get("dgrad"), fuse, ctx.allreduce_dgrad, wgrad, q,
                                 full),
              g, x, weight, grad_in, grad_w, grad_b, full, main_grad_written(weight, fuse, wgrad),
-             *(q.tensors() if q is not None else ()), *_given_tensors(q),
-             static=(ctx.allreduce_dgrad, wgrad), audit=ctx.audit)
+             *(q.tensors() if q is not None else ()), static=(ctx.allreduce_dgrad, wgrad),
+             audit=ctx.audit)
         grad_w = grad_for_autograd(grad_w, weight, grad_in, wgrad)
         return grad_in, grad_w, grad_b, *(None,) * 11
 

@@ -17,7 +17,8 @@ log = logging.getLogger("megatron_overlap")
 _previous: list[tuple[state.State | None, tuple]] = []
 
 
-def _check_knobs(graphs, gemm_streams, inter, timeout_s, fp8_scaling, fp8_fast_accum) -> None:
+def _check_knobs(graphs, gemm_streams, inter, timeout_s, fp8_scaling, fp8_fast_accum,
+                 fp8_fused_activation) -> None:
     if graphs is not None and not isinstance(graphs, bool):
         raise ValueError(f"megatron_overlap.install: graphs must be True, False or None, not {graphs!r}")
     streams.check_count(gemm_streams, "megatron_overlap.install")
@@ -28,6 +29,7 @@ def _check_knobs(graphs, gemm_streams, inter, timeout_s, fp8_scaling, fp8_fast_a
         envvars.checked_timeout_s(timeout_s)
     for key, value in (("fp8_scaling", fp8_scaling), ("fp8_fast_accum", fp8_fast_accum)):
         precision.check_choice(key, value, "megatron_overlap.install")
+    mlp.check(fp8_fused_activation)
 
 
 def _set_knobs(knobs: tuple) -> tuple:
@@ -87,10 +89,8 @@ def install(ub_cfgs: state.Source = None, backend: str = "auto", *, graphs: bool
     envvars.check_all()  # a bad MEGATRON_OVERLAP_* value fails here, naming it
     if backend != "auto":
         comm.resolve_backend(backend)  # fail now, not at the first forward
-    _check_knobs(graphs, gemm_streams, inter_backend, timeout_s, fp8_scaling, fp8_fast_accum)
-    if not isinstance(fp8_fused_activation, bool):
-        raise ValueError(f"megatron_overlap.install: fp8_fused_activation must be True or "
-                         f"False, not {fp8_fused_activation!r}")
+    _check_knobs(graphs, gemm_streams, inter_backend, timeout_s, fp8_scaling, fp8_fast_accum,
+                 fp8_fused_activation)
     core_attention.check(attention)
     new = state.make(ub_cfgs, backend)
     previous_knobs = _set_knobs((graphs, gemm_streams, inter_backend, timeout_s, attention,

@@ -21,13 +21,17 @@ _original_init = None
 _enabled = True
 
 
-def set_enabled(enabled: bool) -> bool:
-    """Whether MLPs built from now on fuse their SwiGLU with the FP8 casts; returns the
-    previous setting."""
-    global _enabled
+def check(enabled: Any) -> None:
+    """install(fp8_fused_activation=)'s value, checked before install() sets anything."""
     if not isinstance(enabled, bool):
         raise ValueError(f"megatron_overlap.install: fp8_fused_activation must be True or "
                          f"False, not {enabled!r}")
+
+
+def set_enabled(enabled: bool) -> bool:
+    """Whether MLPs built from now on fuse their SwiGLU with the FP8 casts (a value `check`
+    passed); returns the previous setting."""
+    global _enabled
     before, _enabled = _enabled, enabled
     return before
 
